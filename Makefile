@@ -1,0 +1,39 @@
+# The whole set-up is two commands:  `make run`  (serve the tiny model)  and  `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+# A CPU machine gets the CPU build of torch first; an unpinned torch would pull a
+# multi-GB CUDA build.  A machine with an NVIDIA driver takes the default build.
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: install run test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+	    $(PY) -m pip install -q torch; \
+	else \
+	    $(PY) -m pip install -q $(TORCH_CPU); \
+	fi
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
+run: install
+	$(VENV)/bin/rayserve-paged demo
+
+lint: install
+	$(VENV)/bin/lint-imports
+
+test: install lint
+	$(VENV)/bin/python -m pytest -q
+
+bench: install
+	$(VENV)/bin/rayserve-paged bench memory --out bench-out
+	$(VENV)/bin/rayserve-paged bench scheduler --out bench-out
+
+clean:
+	rm -rf $(VENV) bench-out

@@ -1,0 +1,1 @@
+"""Benchmarks run through `rayserve-paged bench NAME`."""

@@ -1,0 +1,31 @@
+"""The pure-Python heart: sequences, the paged block manager and the scheduler (stdlib only)."""
+
+from rayserve_paged.core.block_manager import AllocStatus, BlockCounters, BlockManager, BlockUsage
+from rayserve_paged.core.outputs import ScheduledGroup, ScheduledSeq, SchedulerOutput
+from rayserve_paged.core.scheduler import PreemptionMode, Scheduler, SchedulerConfig, SchedulerCounters
+from rayserve_paged.core.sequence import (
+    SamplingParams,
+    SamplingParamsError,
+    Sequence,
+    SequenceGroup,
+    SequenceStatus,
+)
+
+__all__ = [
+    "AllocStatus",
+    "BlockCounters",
+    "BlockManager",
+    "BlockUsage",
+    "PreemptionMode",
+    "SamplingParams",
+    "SamplingParamsError",
+    "ScheduledGroup",
+    "ScheduledSeq",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerCounters",
+    "SchedulerOutput",
+    "Sequence",
+    "SequenceGroup",
+    "SequenceStatus",
+]

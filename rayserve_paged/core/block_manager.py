@@ -1,0 +1,420 @@
+"""The paged KV block manager: block tables, reference counts, copy-on-write, swapping and
+automatic prefix caching, for one GPU pool and one CPU swap pool.
+
+A sequence's logical blocks fill left to right; a physical block is taken only when the
+last one is full, so each sequence wastes less than one block:
+
+    tokens    [t0 .. t15][t16 .. t31][t32 t33 .  .  ]      block_size 16
+    table     [    7    ][    2    ][    9         ]      physical ids on the GPU pool
+
+Invariants (checked by tests after every operation):
+  - a block is in the free queue  <=>  its reference count is 0;
+  - a block's reference count == the number of block tables that hold it;
+  - used + cached + free == total on each device (cached: ref 0 but still holding a
+    reusable full block of a prefix; free: ref 0 and empty);
+  - block tables change only by appending or by replacing the last entry (copy-on-write).
+
+Prefix-cache registration happens when a full block is scheduled to be computed, so a
+request admitted later in the same step may already share it. The model runner guarantees
+this is safe: in every layer the whole step's new K/V are written into the cache before any
+attention of that step reads it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rayserve_paged.core.block import FreeBlockQueue, PhysicalBlock
+from rayserve_paged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+HashFn = Callable[[int | None, tuple[int, ...]], int]
+BlockMapping = list[tuple[int, int]]
+
+
+def default_block_hash(parent_key: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((-1 if parent_key is None else parent_key, token_ids))
+
+
+class AllocStatus(enum.Enum):
+    OK = "ok"  # fits now
+    LATER = "later"  # fits once other requests release blocks
+    NEVER = "never"  # can never fit in this pool
+
+
+@dataclass(slots=True)
+class BlockUsage:
+    block_size: int
+    gpu_total: int
+    gpu_used: int
+    gpu_cached: int
+    gpu_free: int
+    cpu_total: int
+    cpu_used: int
+    cpu_free: int
+
+    @property
+    def gpu_usage(self) -> float:
+        return self.gpu_used / self.gpu_total if self.gpu_total else 0.0
+
+    @property
+    def cpu_usage(self) -> float:
+        return self.cpu_used / self.cpu_total if self.cpu_total else 0.0
+
+
+@dataclass(slots=True)
+class BlockCounters:
+    """Monotonic counters exported as telemetry."""
+
+    copy_on_write_blocks: int = 0
+    swapped_in_blocks: int = 0
+    swapped_out_blocks: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up (prompt tokens at admission)
+    prefix_cache_hits: int = 0  # of those, tokens found in cached blocks
+
+
+class DeviceAllocator:
+    """Reference-counted blocks of one device pool, with an optional prefix-cache map."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [PhysicalBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, PhysicalBlock] = {}  # key -> block holding that prefix block
+        self.num_cached_free = 0  # ref 0 blocks still reachable through `cached`
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (empty ones plus evictable cached ones)."""
+        return self.free_queue.num_blocks
+
+    def allocate(self) -> PhysicalBlock:
+        block = self.free_queue.popleft()
+        if block.key is not None:
+            self._evict(block)
+        block.ref_count = 1
+        return block
+
+    def reuse(self, block: PhysicalBlock) -> None:
+        """Take a reference on a block found in the prefix cache."""
+        if block.ref_count == 0:
+            self.free_queue.remove(block)
+            self.num_cached_free -= 1
+        block.ref_count += 1
+
+    def incref(self, block: PhysicalBlock) -> None:
+        block.ref_count += 1
+
+    def decref(self, block: PhysicalBlock) -> None:
+        block.ref_count -= 1
+        if block.ref_count:
+            return
+        if block.key is not None and self.cached.get(block.key) is block:
+            self.free_queue.append(block)  # keep it: most recently used, evicted last
+            self.num_cached_free += 1
+        else:
+            block.forget_contents()
+            self.free_queue.appendleft(block)  # nothing worth keeping: handed out first
+
+    def register(self, block: PhysicalBlock, parent: PhysicalBlock | None, key: int, tokens) -> None:
+        block.key = key
+        block.token_ids = tokens
+        block.parent = parent
+        block.parent_generation = -1 if parent is None else parent.generation
+        self.cached.setdefault(key, block)  # a duplicate of a cached block stays unlisted
+
+    def _evict(self, block: PhysicalBlock) -> None:
+        if self.cached.get(block.key) is block:
+            del self.cached[block.key]
+            self.num_cached_free -= 1
+        block.forget_contents()
+
+    def reset_cache(self) -> None:
+        for block in list(self.cached.values()):
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+                self._evict(block)
+                self.free_queue.appendleft(block)
+            else:
+                del self.cached[block.key]
+                block.forget_contents()
+
+
+class BlockManager:
+    """Owns every block table; only it decides where K/V live.
+
+    Workers receive block ids and the step's (src, dst) lists and never allocate.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = True,
+        hash_fn: HashFn = default_block_hash,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1 (got {block_size})")
+        if num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1 (got {num_gpu_blocks})")
+        if num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0 (got {num_cpu_blocks})")
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1) (got {watermark})")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.hash_fn = hash_fn
+        self.gpu = DeviceAllocator(num_gpu_blocks, enable_prefix_caching)
+        self.cpu = DeviceAllocator(num_cpu_blocks, enable_caching=False)
+        self.gpu_tables: dict[int, list[int]] = {}
+        self.cpu_tables: dict[int, list[int]] = {}
+        # Leading blocks of each sequence already given a prefix-cache identity.
+        self._num_registered: dict[int, int] = {}
+        self.counters = BlockCounters()
+
+    # ------------------------------------------------------------------ queries
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        return self.gpu_tables[seq.seq_id]
+
+    def has_gpu_blocks(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.gpu_tables
+
+    def num_free_gpu_blocks(self) -> int:
+        return self.gpu.num_free_blocks
+
+    def usage(self) -> BlockUsage:
+        gpu_free_all = self.gpu.num_free_blocks
+        cpu_free = self.cpu.num_free_blocks
+        return BlockUsage(
+            block_size=self.block_size,
+            gpu_total=self.gpu.num_blocks,
+            gpu_used=self.gpu.num_blocks - gpu_free_all,
+            gpu_cached=self.gpu.num_cached_free,
+            gpu_free=gpu_free_all - self.gpu.num_cached_free,
+            cpu_total=self.cpu.num_blocks,
+            cpu_used=self.cpu.num_blocks - cpu_free,
+            cpu_free=cpu_free,
+        )
+
+    def _num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def _match_prefix(self, token_ids: list[int]) -> list[PhysicalBlock]:
+        """The longest chain of cached full blocks that starts the sequence.
+
+        Only tokens[:-1] are looked up: the last token is always computed, so the step
+        has at least one query to produce logits from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits: list[PhysicalBlock] = []
+        parent: PhysicalBlock | None = None
+        parent_key: int | None = None
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            key = self.hash_fn(parent_key, tokens)
+            block = self.gpu.cached.get(key)
+            if (
+                block is None
+                or block.token_ids != tokens
+                or block.parent is not parent
+                or (parent is not None and block.parent_generation != parent.generation)
+            ):
+                break
+            hits.append(block)
+            parent, parent_key = block, key
+        return hits
+
+    def _register_full_blocks(self, seq: Sequence, table: list[int]) -> None:
+        """Give every full block of `seq` (computed by the end of this step) a cache identity."""
+        if not self.enable_prefix_caching:
+            return
+        start = self._num_registered.get(seq.seq_id, 0)
+        end = len(seq.token_ids) // self.block_size
+        if start >= end:
+            return
+        bs = self.block_size
+        blocks = self.gpu.blocks
+        parent = blocks[table[start - 1]] if start else None
+        if parent is not None and parent.key is None:
+            return  # the chain is broken (a duplicate): later blocks cannot be found either
+        for i in range(start, end):
+            block = blocks[table[i]]
+            if block.key is None:
+                tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                key = self.hash_fn(None if parent is None else parent.key, tokens)
+                self.gpu.register(block, parent, key, tokens)
+            parent = block
+        self._num_registered[seq.seq_id] = end
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (e.g. after a failed step left blocks uncomputed)."""
+        self.gpu.reset_cache()
+        self._num_registered = {sid: len(t) for sid, t in self.gpu_tables.items()}
+
+    # ------------------------------------------------------------------ admission
+
+    def _plan(self, group: SequenceGroup) -> tuple[list[Sequence], list[PhysicalBlock], int, int]:
+        """(waiting seqs, prefix hits of the first, blocks shared by all, blocks needed)."""
+        seqs = group.get_seqs(SequenceStatus.WAITING)
+        first = seqs[0]
+        hits = self._match_prefix(first.token_ids)
+        # Sequences of one group share their prompt's full blocks (the first computes them).
+        num_shared = first.num_prompt_tokens // self.block_size if len(seqs) > 1 else 0
+        total = self._num_blocks_for(len(first))
+        for seq in seqs[1:]:
+            total += self._num_blocks_for(len(seq)) - num_shared
+        return seqs, hits, num_shared, total
+
+    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+        seqs, hits, _, total = self._plan(group)
+        if self.gpu.num_blocks - total < self.watermark_blocks:
+            return AllocStatus.NEVER
+        # Hits already in use cost nothing; hits in the free queue and new blocks cost one each.
+        need = total - sum(1 for b in hits if b.ref_count > 0)
+        if self.gpu.num_free_blocks - need >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, group: SequenceGroup) -> None:
+        """Give the group's waiting sequences block tables; sets their computed-token counts."""
+        seqs, hits, num_shared, _ = self._plan(group)
+        first = seqs[0]
+        for block in hits:
+            self.gpu.reuse(block)
+        table = [b.block_id for b in hits]
+        table += [self.gpu.allocate().block_id for _ in range(self._num_blocks_for(len(first)) - len(hits))]
+        self._start_table(first, table, num_computed=len(hits) * self.block_size)
+        self.counters.prefix_cache_queries += len(first)
+        self.counters.prefix_cache_hits += len(hits) * self.block_size
+        for seq in seqs[1:]:
+            shared = table[:num_shared]
+            for bid in shared:
+                self.gpu.incref(self.gpu.blocks[bid])
+            own = [self.gpu.allocate().block_id for _ in range(self._num_blocks_for(len(seq)) - num_shared)]
+            self._start_table(seq, shared + own, num_computed=num_shared * self.block_size)
+
+    def _start_table(self, seq: Sequence, table: list[int], num_computed: int) -> None:
+        self.gpu_tables[seq.seq_id] = table
+        self._num_registered[seq.seq_id] = 0
+        seq.num_computed_tokens = num_computed
+        self._register_full_blocks(seq, table)
+
+    # ------------------------------------------------------------------ decode
+
+    def can_append_slots(self, group: SequenceGroup) -> bool:
+        """Whether every running sequence of the group can get a slot for its next token.
+
+        Exact for forks: when all k holders of a shared last block are in this group, the
+        last of them to write finds it unshared, so k - 1 copies are made, not k.
+        """
+        need = 0
+        shared_last: dict[int, int] = {}  # shared last block id -> holders in this group
+        tables = self.gpu_tables
+        blocks = self.gpu.blocks
+        for seq in group.seqs:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            table = tables[seq.seq_id]
+            if len(table) * self.block_size < len(seq.token_ids):
+                need += 1
+            elif blocks[table[-1]].ref_count > 1:
+                shared_last[table[-1]] = shared_last.get(table[-1], 0) + 1
+        for bid, holders in shared_last.items():
+            need += holders - 1 if blocks[bid].ref_count == holders else holders
+        return need <= self.gpu.num_free_blocks
+
+    def append_slots(self, seq: Sequence, blocks_to_copy: BlockMapping) -> None:
+        """Make room for the sequence's uncomputed tokens (copy-on-write if shared)."""
+        table = self.gpu_tables[seq.seq_id]
+        bs = self.block_size
+        while len(table) * bs < len(seq.token_ids):
+            table.append(self.gpu.allocate().block_id)
+        last = self.gpu.blocks[table[-1]]
+        if last.ref_count > 1:
+            # The slot to write sits in a block other sequences still read: copy it first.
+            copy = self.gpu.allocate()
+            self.gpu.decref(last)
+            table[-1] = copy.block_id
+            blocks_to_copy.append((last.block_id, copy.block_id))
+            self.counters.copy_on_write_blocks += 1
+        if len(seq.token_ids) % bs == 0:
+            self._register_full_blocks(seq, table)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent (reference counts go up)."""
+        table = self.gpu_tables[parent.seq_id]
+        for bid in table:
+            self.gpu.incref(self.gpu.blocks[bid])
+        self.gpu_tables[child.seq_id] = list(table)
+        self._num_registered[child.seq_id] = self._num_registered.get(parent.seq_id, 0)
+
+    # ------------------------------------------------------------------ free
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks on whichever device holds them (tail first, so the
+        LRU queue evicts a prefix's later blocks before its first ones)."""
+        table = self.gpu_tables.pop(seq.seq_id, None)
+        if table is not None:
+            for bid in reversed(table):
+                self.gpu.decref(self.gpu.blocks[bid])
+        table = self.cpu_tables.pop(seq.seq_id, None)
+        if table is not None:
+            for bid in reversed(table):
+                self.cpu.decref(self.cpu.blocks[bid])
+        self._num_registered.pop(seq.seq_id, None)
+
+    # ------------------------------------------------------------------ swapping
+
+    def _distinct_blocks(self, tables: list[list[int]]) -> list[int]:
+        return list(dict.fromkeys(bid for table in tables for bid in table))
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        tables = [self.gpu_tables[s.seq_id] for s in group.get_seqs(SequenceStatus.RUNNING)]
+        return len(self._distinct_blocks(tables)) <= self.cpu.num_free_blocks
+
+    def swap_out(self, group: SequenceGroup) -> BlockMapping:
+        """Move the group's blocks to the CPU pool; returns (gpu id, cpu id) pairs to copy."""
+        return self._move(group, SequenceStatus.RUNNING, self.gpu, self.cpu, self.gpu_tables, self.cpu_tables)
+
+    def can_swap_in(self, group: SequenceGroup) -> bool:
+        seqs = group.get_seqs(SequenceStatus.SWAPPED)
+        num_blocks = len(self._distinct_blocks([self.cpu_tables[s.seq_id] for s in seqs]))
+        # Each sequence may also need a block for the token it computes in the same step.
+        return self.gpu.num_free_blocks - num_blocks - len(seqs) >= self.watermark_blocks
+
+    def swap_in(self, group: SequenceGroup) -> BlockMapping:
+        """Bring the group's blocks back; returns (cpu id, gpu id) pairs to copy."""
+        mapping = self._move(group, SequenceStatus.SWAPPED, self.cpu, self.gpu, self.cpu_tables, self.gpu_tables)
+        for seq in group.get_seqs(SequenceStatus.SWAPPED):
+            # Fresh GPU blocks: they get their identities again (the group runs this step).
+            self._num_registered[seq.seq_id] = 0
+            self._register_full_blocks(seq, self.gpu_tables[seq.seq_id])
+        return mapping
+
+    def _move(self, group, status, src: DeviceAllocator, dst: DeviceAllocator, src_tables, dst_tables) -> BlockMapping:
+        mapping: dict[int, int] = {}
+        for seq in group.get_seqs(status):
+            new_table = []
+            for bid in src_tables.pop(seq.seq_id):
+                if bid in mapping:
+                    dst.incref(dst.blocks[mapping[bid]])
+                else:
+                    mapping[bid] = dst.allocate().block_id
+                new_table.append(mapping[bid])
+                src.decref(src.blocks[bid])
+            dst_tables[seq.seq_id] = new_table
+        if dst is self.cpu:
+            self.counters.swapped_out_blocks += len(mapping)
+        else:
+            self.counters.swapped_in_blocks += len(mapping)
+        return list(mapping.items())

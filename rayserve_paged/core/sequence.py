@@ -1,0 +1,288 @@
+"""Sequences, request groups and the internal sampling parameters.
+
+A request is a `SequenceGroup`: one prompt and one or more `Sequence`s that share it
+(parallel samples, beam candidates). The scheduler moves whole groups between its queues;
+the block manager keeps one block table per sequence.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "finished_stopped"  # EOS, stop token id or stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens or max model length
+    FINISHED_ABORTED = "finished_aborted"  # client went away / aborted
+    FINISHED_IGNORED = "finished_ignored"  # could never be scheduled (prompt too long)
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {
+        SequenceStatus.FINISHED_STOPPED,
+        SequenceStatus.FINISHED_LENGTH,
+        SequenceStatus.FINISHED_ABORTED,
+        SequenceStatus.FINISHED_IGNORED,
+    }
+)
+
+FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "length",
+}
+
+
+class SamplingParamsError(ValueError):
+    """Invalid sampling parameters; the message names the field."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to decode one request (the vLLM / OpenAI vocabulary).
+
+    `n` outputs are returned; `best_of` (>= n) are generated and the n with the highest
+    cumulative log-probability are kept. With `use_beam_search` the beam width is `best_of`.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.best_of is None:
+            self.best_of = self.n
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> SamplingParamsError:
+            return SamplingParamsError(f"{name}: {why} (got {getattr(self, name)!r})")
+
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if not _is_int(self.best_of) or self.best_of < self.n:
+            raise bad("best_of", f"must be an integer >= n ({self.n})")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if not _is_finite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0")
+        if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+            raise bad("top_k", "must be -1 (disabled) or an integer >= 1")
+        if not _is_finite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_finite(value) or not -2 <= value <= 2:
+                raise bad(name, "must be in [-2, 2]")
+        if not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "must be an integer")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise bad("logprobs", "must be an integer >= 0")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+        if not _is_finite(self.length_penalty):
+            raise bad("length_penalty", "must be a finite number")
+        if self.early_stopping not in (True, False, "never"):
+            raise bad("early_stopping", "must be true, false or 'never'")
+        if self.use_beam_search:
+            if self.best_of < 2:
+                raise bad("best_of", "beam search needs a beam width (best_of or n) >= 2")
+            if self.temperature > 1e-5:
+                raise bad("temperature", "beam search is deterministic: set temperature 0")
+            if self.top_p < 1 or self.top_k != -1 or self.min_p > 0:
+                raise bad("top_p", "beam search cannot be combined with top_p/top_k/min_p")
+        elif self.is_greedy and self.best_of > 1:
+            raise bad("best_of", "greedy sampling (temperature 0) with best_of > 1 gives copies")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def beam_width(self) -> int:
+        return self.best_of if self.use_beam_search else 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class Sequence:
+    """One token stream: the shared prompt plus this sequence's own output tokens.
+
+    `num_computed_tokens` counts the leading tokens whose K/V are in the cache (or will be
+    once the step that scheduled them has run); the rest are computed by the next step.
+    """
+
+    __slots__ = (
+        "seq_id",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "status",
+        "cumulative_logprob",
+        "output_logprobs",
+        "output_text",
+        "stop_reason",
+        "read_offset",
+        "prefix_offset",
+        "tokens_text",
+    )
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int]) -> None:
+        self.seq_id = seq_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.cumulative_logprob = 0.0
+        self.output_logprobs: list = []
+        self.output_text = ""
+        self.stop_reason: int | str | None = None
+        # Incremental detokenization state (owned by the engine).
+        self.read_offset = 0
+        self.prefix_offset = 0
+        self.tokens_text: list[str] | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int, logprob: float = 0.0) -> None:
+        self.token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+
+    def fork(self, seq_id: int) -> Sequence:
+        child = Sequence.__new__(Sequence)
+        child.seq_id = seq_id
+        child.token_ids = list(self.token_ids)
+        child.num_prompt_tokens = self.num_prompt_tokens
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child.cumulative_logprob = self.cumulative_logprob
+        child.output_logprobs = list(self.output_logprobs)
+        child.output_text = self.output_text
+        child.stop_reason = self.stop_reason
+        child.read_offset = self.read_offset
+        child.prefix_offset = self.prefix_offset
+        child.tokens_text = None if self.tokens_text is None else list(self.tokens_text)
+        return child
+
+    def reset_for_recompute(self) -> None:
+        """Preempted by recomputation: every token (prompt and output) is prefilled again."""
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, len={len(self)}, computed={self.num_computed_tokens}, "
+            f"status={self.status.value})"
+        )
+
+
+class SequenceGroup:
+    """A request: sequences that share one prompt, scheduled all-or-nothing."""
+
+    __slots__ = ("request_id", "seqs", "sampling_params", "arrival_time", "arrival_index", "metrics")
+
+    def __init__(
+        self,
+        request_id: str,
+        seqs: list[Sequence],
+        sampling_params: SamplingParams,
+        arrival_time: float,
+        arrival_index: int,
+    ) -> None:
+        self.request_id = request_id
+        self.seqs = seqs
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        # FCFS order: a strictly increasing admission number (ties of arrival_time are common).
+        self.arrival_index = arrival_index
+        self.metrics: dict[str, float] = {}
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
+
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        if status is None:
+            return list(self.seqs)
+        return [s for s in self.seqs if s.status is status]
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.status.is_finished]
+
+    def num_unfinished_seqs(self) -> int:
+        return sum(1 for s in self.seqs if not s.status.is_finished)
+
+    def max_num_running_seqs(self) -> int:
+        """Sequences this group will hold at its widest (a fresh group forks to best_of)."""
+        if len(self.seqs) == 1 and self.seqs[0].num_output_tokens == 0:
+            return self.sampling_params.best_of
+        return self.num_unfinished_seqs()
+
+    def is_finished(self) -> bool:
+        return all(s.status.is_finished for s in self.seqs)
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup({self.request_id!r}, seqs={self.seqs})"

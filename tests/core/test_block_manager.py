@@ -1,0 +1,235 @@
+"""Exact block ids, free counts, copy lists, swap mappings and eviction order (16-token blocks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayserve_paged.core import AllocStatus, BlockManager, SequenceStatus
+
+from .invariants import check_block_manager
+from .worlds import fork_group, make_group
+
+
+def admit(bm: BlockManager, group):
+    assert bm.can_allocate(group) is AllocStatus.OK
+    bm.allocate(group)
+    for seq in group.seqs:
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = len(seq)  # the prefill step ran
+    check_block_manager(bm)
+
+
+def decode(bm: BlockManager, seq, token=7):
+    """The engine appended a sampled token; reserve its slot as the scheduler would."""
+    seq.append_token(token)
+    copies = []
+    bm.append_slots(seq, copies)
+    seq.num_computed_tokens = len(seq)
+    check_block_manager(bm)
+    return copies
+
+
+def test_allocate_takes_blocks_in_order_and_wastes_under_one_block():
+    bm = BlockManager(16, 12, 4)
+    group = make_group("a", 40)
+    admit(bm, group)
+    assert bm.get_block_table(group.seqs[0]) == [0, 1, 2]
+    usage = bm.usage()
+    assert (usage.gpu_used, usage.gpu_free, usage.gpu_cached) == (3, 9, 0)
+
+
+def test_append_takes_a_new_block_only_when_the_last_is_full():
+    bm = BlockManager(16, 12, 4)
+    group = make_group("a", 47)
+    admit(bm, group)
+    seq = group.seqs[0]
+    assert decode(bm, seq) == []  # token 48 fills block 2
+    assert bm.get_block_table(seq) == [0, 1, 2]
+    assert decode(bm, seq) == []  # token 49 needs block 3
+    assert bm.get_block_table(seq) == [0, 1, 2, 3]
+    assert bm.usage().gpu_used == 4
+
+
+def test_fork_shares_blocks_and_copy_on_write_copies_only_the_last():
+    bm = BlockManager(16, 12, 4, enable_prefix_caching=False)
+    group = make_group("a", 40)
+    admit(bm, group)
+    parent = group.seqs[0]
+    (child,) = fork_group_direct(bm, group, 1)
+    assert [bm.gpu.blocks[b].ref_count for b in (0, 1, 2)] == [2, 2, 2]
+    assert bm.usage().gpu_used == 3
+    # the parent writes token 41 into shared block 2: copy it to block 3 first
+    assert decode(bm, parent) == [(2, 3)]
+    assert bm.get_block_table(parent) == [0, 1, 3]
+    # the child is now the only holder of block 2: no copy
+    assert decode(bm, child) == []
+    assert bm.get_block_table(child) == [0, 1, 2]
+    assert [bm.gpu.blocks[b].ref_count for b in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    assert bm.counters.copy_on_write_blocks == 1
+
+
+def fork_group_direct(bm, group, n):
+    from .worlds import _seq_ids
+
+    parent = group.seqs[0]
+    children = []
+    for _ in range(n):
+        child = parent.fork(next(_seq_ids))
+        bm.fork(parent, child)
+        group.seqs.append(child)
+        children.append(child)
+    return children
+
+
+def test_free_returns_every_block_and_keeps_full_prefix_blocks_cached():
+    bm = BlockManager(16, 12, 4)
+    group = make_group("a", 40)
+    admit(bm, group)
+    bm.free(group.seqs[0])
+    usage = bm.usage()
+    # blocks 0 and 1 are full: kept for prefix reuse; block 2 (8 tokens) is simply free
+    assert (usage.gpu_used, usage.gpu_cached, usage.gpu_free) == (0, 2, 10)
+    assert [b.block_id for b in bm.gpu.free_queue][:1] == [2]  # empty blocks are handed out first
+    check_block_manager(bm)
+
+
+def test_prefix_hit_reuses_the_longest_cached_chain_and_pulls_it_from_the_free_queue():
+    bm = BlockManager(16, 12, 4)
+    a = make_group("a", list(range(100, 140)))  # 40 tokens: blocks 0, 1 full
+    admit(bm, a)
+    bm.free(a.seqs[0])
+    b = make_group("b", list(range(100, 132)) + [5, 6, 7])  # same 32-token prefix
+    admit(bm, b)
+    assert bm.get_block_table(b.seqs[0])[:2] == [0, 1]
+    assert b.seqs[0].num_computed_tokens == 35  # (set by admit); the hit was 32 tokens:
+    assert bm.counters.prefix_cache_hits == 32
+    assert bm.counters.prefix_cache_queries == 40 + 35
+    assert bm.usage().gpu_cached == 0
+
+
+def test_hit_sets_computed_tokens_and_the_last_token_is_always_computed():
+    bm = BlockManager(16, 12, 4)
+    prompt = list(range(500, 532))  # exactly two full blocks
+    a = make_group("a", prompt)
+    admit(bm, a)
+    b = make_group("b", prompt)  # identical prompt
+    bm.allocate(b)
+    seq = b.seqs[0]
+    # only tokens[:-1] are looked up: block 0 is a hit, block 1 is computed again
+    assert seq.num_computed_tokens == 16
+    assert bm.get_block_table(seq) == [0, 2]
+    c = make_group("c", prompt + [1])  # one more token: both full blocks hit
+    bm.allocate(c)
+    assert c.seqs[0].num_computed_tokens == 32
+    assert bm.get_block_table(c.seqs[0]) == [0, 1, 3]
+
+
+def test_cached_blocks_are_evicted_least_recently_freed_first_and_tails_before_heads():
+    bm = BlockManager(16, 6, 0)
+    a = make_group("a", list(range(1000, 1033)))  # blocks 0,1 full, 2 partial
+    b = make_group("b", list(range(2000, 2033)))  # blocks 3,4 full, 5 partial
+    admit(bm, a)
+    admit(bm, b)
+    bm.free(a.seqs[0])
+    bm.free(b.seqs[0])
+    # queue: empty blocks first (5, 2), then cached in LRU order, each chain tail first
+    assert [blk.block_id for blk in bm.gpu.free_queue] == [5, 2, 1, 0, 4, 3]
+    c = make_group("c", list(range(3000, 3050)))  # 4 blocks, no hit: evicts 1 then 0
+    admit(bm, c)
+    assert bm.get_block_table(c.seqs[0]) == [5, 2, 1, 0]
+    assert bm.usage().gpu_cached == 2
+    bm.free(c.seqs[0])
+    d = make_group("d", list(range(2000, 2033)))  # b's prefix survived
+    bm.allocate(d)
+    assert bm.get_block_table(d.seqs[0])[:2] == [3, 4]
+    check_block_manager(bm)
+
+
+def test_a_hash_collision_never_returns_a_block_with_other_tokens():
+    bm = BlockManager(16, 12, 4, hash_fn=lambda parent, tokens: 0)  # every key collides
+    a = make_group("a", list(range(100, 140)))
+    admit(bm, a)
+    b = make_group("b", list(range(200, 240)))
+    bm.allocate(b)
+    assert b.seqs[0].num_computed_tokens == 0
+    assert set(bm.get_block_table(b.seqs[0])).isdisjoint(bm.get_block_table(a.seqs[0]))
+    c = make_group("c", list(range(100, 116)) + list(range(300, 320)))
+    bm.allocate(c)  # first block equal (a hit), second differs behind the same key
+    assert c.seqs[0].num_computed_tokens == 16
+    check_block_manager(bm)
+
+
+def test_can_allocate_says_never_for_a_prompt_that_cannot_fit_and_later_when_busy():
+    bm = BlockManager(16, 12, 4)
+    assert bm.can_allocate(make_group("x", 12 * 16 + 1)) is AllocStatus.NEVER
+    assert bm.can_allocate(make_group("y", 12 * 16)) is AllocStatus.OK
+    admit(bm, make_group("a", 100))  # 7 blocks
+    assert bm.can_allocate(make_group("z", 5 * 16)) is AllocStatus.OK
+    assert bm.can_allocate(make_group("w", 5 * 16 + 1)) is AllocStatus.LATER
+
+
+def test_watermark_holds_back_admissions():
+    bm = BlockManager(16, 12, 4, watermark=0.25)  # 3 blocks held back
+    assert bm.watermark_blocks == 3
+    assert bm.can_allocate(make_group("x", 10 * 16)) is AllocStatus.NEVER
+    assert bm.can_allocate(make_group("y", 9 * 16)) is AllocStatus.OK
+    admit(bm, make_group("a", 16))
+    assert bm.can_allocate(make_group("z", 9 * 16)) is AllocStatus.LATER
+
+
+def test_swap_out_and_in_map_each_shared_block_once():
+    bm = BlockManager(16, 12, 8, enable_prefix_caching=False)
+    group = make_group("a", 40)
+    admit(bm, group)
+    parent = group.seqs[0]
+    (child,) = fork_group_direct(bm, group, 1)
+    decode(bm, parent)  # parent: [0, 1, 3], child: [0, 1, 2]
+    assert bm.can_swap_out(group)
+    mapping = bm.swap_out(group)
+    assert mapping == [(0, 0), (1, 1), (3, 2), (2, 3)]
+    for seq in group.seqs:
+        seq.status = SequenceStatus.SWAPPED
+    assert bm.cpu_tables[parent.seq_id] == [0, 1, 2]
+    assert bm.cpu_tables[child.seq_id] == [0, 1, 3]
+    assert bm.usage().gpu_used == 0 and bm.usage().cpu_used == 4
+    check_block_manager(bm)
+    assert bm.can_swap_in(group)
+    back = bm.swap_in(group)
+    # freed GPU blocks come back most recently freed last: 2, 3, 1, 0 were freed in that order
+    assert sorted(cpu for cpu, _ in back) == [0, 1, 2, 3]
+    for seq in group.seqs:
+        seq.status = SequenceStatus.RUNNING
+    gpu_of = dict(back)
+    assert bm.get_block_table(parent) == [gpu_of[0], gpu_of[1], gpu_of[2]]
+    assert bm.get_block_table(child) == [gpu_of[0], gpu_of[1], gpu_of[3]]
+    assert bm.counters.swapped_out_blocks == 4 and bm.counters.swapped_in_blocks == 4
+    check_block_manager(bm)
+
+
+def test_swap_out_is_refused_when_the_cpu_pool_is_too_small():
+    bm = BlockManager(16, 12, 2)
+    group = make_group("a", 40)
+    admit(bm, group)
+    assert not bm.can_swap_out(group)
+
+
+def test_reset_prefix_cache_forgets_every_identity():
+    bm = BlockManager(16, 12, 4)
+    a = make_group("a", 40)
+    admit(bm, a)
+    b = make_group("b", 40)
+    admit(bm, b)
+    bm.free(a.seqs[0])
+    bm.reset_prefix_cache()
+    assert bm.gpu.cached == {} and bm.usage().gpu_cached == 0
+    check_block_manager(bm)
+    c = make_group("c", 40)
+    bm.allocate(c)
+    assert c.seqs[0].num_computed_tokens == 0
+
+
+@pytest.mark.parametrize("bad", [dict(block_size=0), dict(num_gpu_blocks=0), dict(watermark=1.5)])
+def test_bad_configuration_is_refused_with_the_field_named(bad):
+    args = dict(block_size=16, num_gpu_blocks=4, num_cpu_blocks=0) | bad
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        BlockManager(**args)
