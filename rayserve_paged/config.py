@@ -1,0 +1,72 @@
+"""User-facing engine configuration: pydantic, validated once, no I/O.
+
+Errors name the field (pydantic's ValidationError lists each bad field with its reason).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEFAULT_CPU_KV_CACHE_GB = 1.0
+
+
+class EngineConfig(BaseModel):
+    """Everything one engine (one Serve replica, or one offline `LLM`) needs."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    model: str = Field("tiny-opt", description="Local path, HF hub id, or tiny-opt / tiny-llama.")
+    tokenizer: str | None = Field(None, description="Tokenizer path or id; defaults to the model's.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="Weights and KV dtype; auto = float32 on CPU, the checkpoint's dtype on GPU."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel ranks (worker actors).")
+    block_size: Literal[8, 16, 32] = Field(16, description="Tokens per KV block.")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Share of GPU memory for weights, activations and KV cache."
+    )
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0, description=f"KV cache size in GiB (CPU default {DEFAULT_CPU_KV_CACHE_GB})."
+    )
+    num_gpu_blocks_override: int | None = Field(None, ge=1, description="Exact number of KV blocks.")
+    swap_space_gb: float = Field(4.0, ge=0, description="CPU swap pool in GiB (per TP rank).")
+    preemption_mode: Literal["recompute", "swap", "auto"] = Field(
+        "auto", description="recompute, swap, or auto (recompute single sequences, swap groups)."
+    )
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
+    watermark: float = Field(0.01, ge=0, lt=1, description="Share of KV blocks kept free at admission.")
+    max_num_seqs: int = Field(256, ge=1, description="Most sequences in one step.")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="Most tokens in one step; defaults to max(max_model_len, 2048)."
+    )
+    max_model_len: int | None = Field(None, ge=1, description="Longest sequence; defaults to the model's.")
+    attention_backend: Literal["auto", "torch", "triton", "flash"] = Field(
+        "auto", description="auto = triton on CUDA, torch on CPU."
+    )
+    seed: int = Field(0, description="Seed for unseeded sampling and random weights.")
+    max_logprobs: int = Field(20, ge=0, description="Largest logprobs a request may ask for.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub (off by default).")
+    num_cpu_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads in a CPU worker (default: torch's own choice)."
+    )
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> EngineConfig:
+        if (
+            self.max_model_len is not None
+            and self.max_num_batched_tokens is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len})"
+            )
+        return self
+
+    def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return max(max_model_len, 2048, self.max_num_seqs)

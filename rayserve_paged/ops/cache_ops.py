@@ -1,0 +1,301 @@
+"""KV-cache writes and whole-block moves (torch; correct on any device).
+
+Cache layout, per layer, for keys and values alike:
+
+    cache [num_blocks, block_size, num_kv_heads, head_dim]
+    slot  = block_id * block_size + offset      (a row of cache.view(-1, num_kv_heads, head_dim))
+
+Every public function checks shapes, dtypes and devices first and raises ValueError naming
+the problem; nothing here loops in Python per token, and block moves are batched per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .attention import PAD_SLOT
+
+BlockMapping = Sequence[tuple[int, int]] | torch.Tensor  # (src, dst) pairs, or int64 [N, 2]
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache) of one layer
+
+
+# ---------------------------------------------------------------------------- reshape_and_cache
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write token i's key/value into slot `slot_mapping[i]` of the caches; skip PAD_SLOT."""
+    _check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    is_real = slot_mapping != PAD_SLOT  # [num_tokens]
+    slots = slot_mapping[is_real]  # [num_real_tokens]
+    flat_shape = (num_blocks * block_size, num_kv_heads, head_dim)
+    key_cache.view(flat_shape).index_copy_(0, slots, key[is_real])
+    value_cache.view(flat_shape).index_copy_(0, slots, value[is_real])
+
+
+def _check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    _require(key.dim() == 3, f"key must be [num_tokens, num_kv_heads, head_dim], got {_shape(key)}")
+    _require(value.shape == key.shape, f"value shape {_shape(value)} != key shape {_shape(key)}")
+    _check_cache_pair(key_cache, value_cache)
+    _require(
+        key_cache.shape[2:] == key.shape[1:],
+        f"key [num_tokens, num_kv_heads, head_dim] = {_shape(key)} does not fit key_cache "
+        f"[num_blocks, block_size, num_kv_heads, head_dim] = {_shape(key_cache)}",
+    )
+    _require(
+        slot_mapping.shape == (key.shape[0],),
+        f"slot_mapping must be [num_tokens={key.shape[0]}], got {_shape(slot_mapping)}",
+    )
+    _require(slot_mapping.dtype == torch.int64, f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    _require_same_dtype(("key", key), ("value", value), ("key_cache", key_cache))
+    _require_same_device(
+        ("key", key), ("value", value), ("key_cache", key_cache), ("slot_mapping", slot_mapping)
+    )
+
+
+# ---------------------------------------------------------------------------- copy_blocks
+
+
+def copy_blocks(kv_caches: Sequence[KVCache], block_mapping: BlockMapping) -> None:
+    """Copy whole blocks src -> dst in every layer's key and value cache (copy-on-write).
+
+    All sources are read before any destination is written, so a dst that is also a src
+    in the same mapping receives the block's old contents; dst ids must be distinct.
+    """
+    if not kv_caches:
+        raise ValueError("copy_blocks: kv_caches is empty (expected one (key, value) per layer)")
+    for layer, (key_cache, value_cache) in enumerate(kv_caches):
+        _check_cache_pair(key_cache, value_cache, where=f"layer {layer}")
+        _require_same_layout(kv_caches[0][0], key_cache, f"layer {layer}", "layer 0")
+    first = kv_caches[0][0]
+    src, dst = _mapping_to_index(block_mapping, first.shape[0], first.device)
+    if src.numel() == 0:
+        return
+    for key_cache, value_cache in kv_caches:
+        key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
+        value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
+
+
+# ---------------------------------------------------------------------------- swap_blocks
+
+
+def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping: BlockMapping) -> None:
+    """Copy whole blocks src_cache[s] -> dst_cache[d] for each (s, d), e.g. GPU <-> pinned CPU.
+
+    Copies across devices are issued with non_blocking=True: the caller synchronises once
+    per step (torch.cuda.synchronize / a stream event) before reading dst_cache or reusing
+    the source blocks.
+    """
+    _check_swap_pair(src_cache, dst_cache, "src_cache", "dst_cache")
+    pairs = _mapping_to_pairs(block_mapping)
+    _check_block_ids(pairs, src_cache.shape[0], dst_cache.shape[0])
+    if pairs:
+        _swap_tensor(src_cache, dst_cache, pairs)
+
+
+def swap_kv_blocks(
+    src_kv_caches: Sequence[KVCache], dst_kv_caches: Sequence[KVCache], block_mapping: BlockMapping
+) -> None:
+    """swap_blocks for every layer's key and value cache (one mapping for all layers)."""
+    _require(
+        len(src_kv_caches) == len(dst_kv_caches),
+        f"swap_kv_blocks: {len(src_kv_caches)} source layers but {len(dst_kv_caches)} destination layers",
+    )
+    for layer, (src_pair, dst_pair) in enumerate(zip(src_kv_caches, dst_kv_caches)):
+        for name, src, dst in zip(("key_cache", "value_cache"), src_pair, dst_pair):
+            _check_swap_pair(src, dst, f"layer {layer} source {name}", f"layer {layer} destination {name}")
+    pairs = _mapping_to_pairs(block_mapping)
+    if not pairs or not src_kv_caches:
+        return
+    _check_block_ids(pairs, src_kv_caches[0][0].shape[0], dst_kv_caches[0][0].shape[0])
+    for src_pair, dst_pair in zip(src_kv_caches, dst_kv_caches):
+        for src, dst in zip(src_pair, dst_pair):
+            _swap_tensor(src, dst, pairs)
+
+
+def _swap_tensor(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """One batched gather on the source device, then one transfer (or one per dst run)."""
+    if src.device == dst.device:
+        src_ids, dst_ids = _index_pair(pairs, src.device, dst.device)
+        dst.index_copy_(0, dst_ids, src.index_select(0, src_ids))
+    elif dst.device.type == "cpu":
+        _swap_to_host(src, dst, pairs)
+    else:
+        _swap_to_device(src, dst, pairs)
+
+
+def _swap_to_host(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    # An async device->host copy cannot be followed by a host-side index_copy_ (it would read
+    # the staging buffer before the copy lands), so copy straight into runs of consecutive
+    # destination blocks: one transfer per run, in order on the source device's stream.
+    pairs = sorted(pairs, key=lambda pair: pair[1])
+    src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.int64).to(src.device)  # [num_pairs]
+    staged = src.index_select(0, src_ids)  # [num_pairs, block_size, num_kv_heads, head_dim]
+    for start, dst_start, length in contiguous_runs([d for _, d in pairs]):
+        dst[dst_start : dst_start + length].copy_(staged[start : start + length], non_blocking=True)
+
+
+def _swap_to_device(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    src_ids, dst_ids = _index_pair(pairs, src.device, dst.device)
+    # From the host, gather into a pinned buffer so the copy to the device is truly
+    # asynchronous; the caching host allocator keeps it alive until the copy has run.
+    pin = src.device.type == "cpu" and dst.device.type == "cuda"
+    staged = torch.empty(
+        (len(pairs), *src.shape[1:]), dtype=src.dtype, device=src.device, pin_memory=pin
+    )  # [num_pairs, block_size, num_kv_heads, head_dim]
+    torch.index_select(src, 0, src_ids, out=staged)
+    dst.index_copy_(0, dst_ids, staged.to(dst.device, non_blocking=True))
+
+
+def contiguous_runs(dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Split dst ids into runs of consecutive ids: [(position, first_id, length), ...].
+
+    >>> contiguous_runs([4, 5, 6, 9, 2, 3])
+    [(0, 4, 3), (3, 9, 1), (4, 2, 2)]
+    """
+    runs: list[tuple[int, int, int]] = []
+    for position, block_id in enumerate(dst_ids):
+        if runs and runs[-1][1] + runs[-1][2] == block_id:
+            start, first, length = runs[-1]
+            runs[-1] = (start, first, length + 1)
+        else:
+            runs.append((position, block_id, 1))
+    return runs
+
+
+# ---------------------------------------------------------------------------- block mappings
+
+
+def _mapping_to_pairs(block_mapping: BlockMapping) -> list[tuple[int, int]]:
+    if isinstance(block_mapping, torch.Tensor):
+        _check_mapping_tensor(block_mapping)
+        return [(int(s), int(d)) for s, d in block_mapping.tolist()]
+    pairs = []
+    for pair in block_mapping:
+        _require(len(pair) == 2, f"block_mapping entries must be (src, dst) pairs, got {pair!r}")
+        pairs.append((int(pair[0]), int(pair[1])))
+    return pairs
+
+
+def _mapping_to_index(block_mapping: BlockMapping, num_blocks: int, device: torch.device):
+    """(src ids, dst ids) as int64 tensors on `device`; host-side mappings are range-checked."""
+    if isinstance(block_mapping, torch.Tensor) and block_mapping.device.type != "cpu":
+        _check_mapping_tensor(block_mapping)  # ids stay on the device: no sync to check them
+        mapping = block_mapping.to(device)  # [num_pairs, 2]
+        return mapping[:, 0], mapping[:, 1]
+    pairs = _mapping_to_pairs(block_mapping)
+    _check_block_ids(pairs, num_blocks, num_blocks)
+    return _index_pair(pairs, device, device)
+
+
+def _index_pair(pairs: list[tuple[int, int]], src_device: torch.device, dst_device: torch.device):
+    mapping = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)  # [num_pairs, 2]
+    return mapping[:, 0].to(src_device), mapping[:, 1].to(dst_device)
+
+
+def _check_mapping_tensor(mapping: torch.Tensor) -> None:
+    _require(
+        mapping.dim() == 2 and mapping.shape[1] == 2,
+        f"block_mapping tensor must be [num_pairs, 2], got {_shape(mapping)}",
+    )
+    _require(mapping.dtype == torch.int64, f"block_mapping tensor must be int64, got {mapping.dtype}")
+
+
+def _check_block_ids(pairs: list[tuple[int, int]], num_src: int, num_dst: int) -> None:
+    for src, dst in pairs:
+        _require(0 <= src < num_src, f"block_mapping source block {src} is outside [0, {num_src})")
+        _require(0 <= dst < num_dst, f"block_mapping destination block {dst} is outside [0, {num_dst})")
+    dsts = [dst for _, dst in pairs]
+    _require(len(set(dsts)) == len(dsts), f"block_mapping has repeated destination blocks: {dsts}")
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor, where: str = "") -> None:
+    prefix = f"{where}: " if where else ""
+    _require(
+        key_cache.dim() == 4,
+        f"{prefix}key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+        f"got {_shape(key_cache)}",
+    )
+    _require(
+        value_cache.shape == key_cache.shape,
+        f"{prefix}value_cache shape {_shape(value_cache)} != key_cache shape {_shape(key_cache)}",
+    )
+    _require(
+        key_cache.dtype == value_cache.dtype,
+        f"{prefix}value_cache dtype {value_cache.dtype} != key_cache dtype {key_cache.dtype}",
+    )
+    _require(
+        key_cache.device == value_cache.device,
+        f"{prefix}value_cache is on {value_cache.device} but key_cache is on {key_cache.device}",
+    )
+    _require(
+        key_cache.is_contiguous() and value_cache.is_contiguous(),
+        f"{prefix}key_cache and value_cache must be contiguous",
+    )
+
+
+def _check_swap_pair(src: torch.Tensor, dst: torch.Tensor, src_name: str, dst_name: str) -> None:
+    _require(
+        src.dim() == 4 and dst.dim() == 4,
+        f"{src_name} {_shape(src)} and {dst_name} {_shape(dst)} must both be "
+        "[num_blocks, block_size, num_kv_heads, head_dim]",
+    )
+    _require(
+        src.shape[1:] == dst.shape[1:],
+        f"{src_name} block shape {_shape(src)[1:]} != {dst_name} block shape {_shape(dst)[1:]}",
+    )
+    _require(src.dtype == dst.dtype, f"{src_name} dtype {src.dtype} != {dst_name} dtype {dst.dtype}")
+    _require(
+        src.is_contiguous() and dst.is_contiguous(), f"{src_name} and {dst_name} must be contiguous"
+    )
+
+
+def _require_same_layout(expected: torch.Tensor, got: torch.Tensor, got_name: str, expected_name: str):
+    _require(
+        got.shape == expected.shape,
+        f"{got_name} cache shape {_shape(got)} != {expected_name} cache shape {_shape(expected)}",
+    )
+    _require(
+        got.dtype == expected.dtype, f"{got_name} dtype {got.dtype} != {expected_name} dtype {expected.dtype}"
+    )
+    _require(
+        got.device == expected.device,
+        f"{got_name} is on {got.device} but {expected_name} is on {expected.device}",
+    )
+
+
+def _require_same_dtype(*named: tuple[str, torch.Tensor]) -> None:
+    first_name, first = named[0]
+    for name, tensor in named[1:]:
+        _require(
+            tensor.dtype == first.dtype, f"{name} dtype {tensor.dtype} != {first_name} dtype {first.dtype}"
+        )
+
+
+def _require_same_device(*named: tuple[str, torch.Tensor]) -> None:
+    first_name, first = named[0]
+    for name, tensor in named[1:]:
+        _require(
+            tensor.device == first.device,
+            f"{name} is on {tensor.device} but {first_name} is on {first.device}",
+        )
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    return tuple(tensor.shape)
