@@ -1,1 +1,19 @@
-"""rayserve-paged."""
+"""rayserve-paged: LLM serving with PagedAttention, delivered as a Ray Serve application."""
+
+from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
+
+__all__ = ["LLM", "SamplingParams", "SamplingParamsError", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # torch-backed pieces load on first use, so `import rayserve_paged` stays light
+    if name == "LLM":
+        from rayserve_paged.engine.llm import LLM
+
+        return LLM
+    if name in ("RequestOutput", "CompletionOutput"):
+        from rayserve_paged.engine import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'rayserve_paged' has no attribute {name!r}")

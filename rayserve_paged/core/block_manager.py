@@ -333,22 +333,27 @@ class BlockManager:
             need += holders - 1 if blocks[bid].ref_count == holders else holders
         return need <= self.gpu.num_free_blocks
 
-    def append_slots(self, seq: Sequence, blocks_to_copy: BlockMapping) -> None:
-        """Make room for the sequence's uncomputed tokens (copy-on-write if shared)."""
+    def append_slots(self, seq: Sequence, blocks_to_copy: BlockMapping) -> list[int]:
+        """Make room for the sequence's uncomputed tokens (copy-on-write if shared);
+        returns its block table. On every decode step of every sequence: kept lean."""
         table = self.gpu_tables[seq.seq_id]
+        num_tokens = len(seq.token_ids)
         bs = self.block_size
-        while len(table) * bs < len(seq.token_ids):
-            table.append(self.gpu.allocate().block_id)
-        last = self.gpu.blocks[table[-1]]
-        if last.ref_count > 1:
-            # The slot to write sits in a block other sequences still read: copy it first.
-            copy = self.gpu.allocate()
-            self.gpu.decref(last)
-            table[-1] = copy.block_id
-            blocks_to_copy.append((last.block_id, copy.block_id))
-            self.counters.copy_on_write_blocks += 1
-        if len(seq.token_ids) % bs == 0:
+        if len(table) * bs < num_tokens:
+            while len(table) * bs < num_tokens:
+                table.append(self.gpu.allocate().block_id)
+        else:
+            last = self.gpu.blocks[table[-1]]
+            if last.ref_count > 1:
+                # The slot to write sits in a block other sequences still read: copy it first.
+                copy = self.gpu.allocate()
+                self.gpu.decref(last)
+                table[-1] = copy.block_id
+                blocks_to_copy.append((last.block_id, copy.block_id))
+                self.counters.copy_on_write_blocks += 1
+        if num_tokens % bs == 0:
             self._register_full_blocks(seq, table)
+        return table
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (reference counts go up)."""

@@ -26,6 +26,7 @@ class ScheduledSeq:
     start_pos: int  # tokens of this sequence already in the cache before the step
     block_table: list[int]  # GPU block ids covering positions [0, start_pos + len(token_ids))
     num_output_tokens: int  # output tokens so far (seeded sampling draws by this index)
+    sample_index: int  # the sequence's place in its group (seeded sampling draws by it too)
     history: list[int] | None = None  # every token id, only when penalties need them
 
 

@@ -14,6 +14,7 @@ Queues are ordered by arrival: `running` oldest first (the tail is the next vict
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections import deque
 from dataclasses import dataclass
@@ -126,10 +127,13 @@ class Scheduler:
 
         # -- decode: one slot per running sequence, oldest group first; preempt from the tail
         running = self.running
+        # Each sequence needs at most one new block per step: with that many free, no
+        # group can run short and the per-group checks are skipped.
+        room = self.block_manager.num_free_gpu_blocks() >= sum(len(g.seqs) for g in running)
         i = 0
         while i < len(running):
             group = running[i]
-            while not self.block_manager.can_append_slots(group):
+            while not room and not self.block_manager.can_append_slots(group):
                 victim = running.pop()
                 self._preempt(victim, out)
                 if victim is group:
@@ -156,7 +160,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             num_tokens += self._schedule_group(group, out, reserve=True)
             num_seqs += len(seqs)
-            running.append(group)
+            _insert_by_arrival(running, group)
 
         # -- admit: FCFS, only while nothing is swapped out
         while self.waiting and not self.swapped and not preempted:
@@ -185,7 +189,7 @@ class Scheduler:
             num_tokens += self._schedule_group(group, out, reserve=False)
             num_seqs += group.max_num_running_seqs()
             out.num_prefill_groups += 1
-            running.append(group)
+            _insert_by_arrival(running, group)
 
         out.num_batched_tokens = num_tokens
         return out
@@ -193,32 +197,33 @@ class Scheduler:
     def _schedule_group(self, group: SequenceGroup, out: SchedulerOutput, reserve: bool) -> int:
         """Emit the group's work for this step; returns the number of tokens it computes.
         `reserve`: first give each sequence slots for its uncomputed tokens (admission has
-        already allocated them)."""
+        already allocated them). Runs for every running group every step: kept lean."""
         bm = self.block_manager
-        tables = bm.gpu_tables
         copies = out.blocks_to_copy
-        needs_history = _needs_history(group)
+        needs_history = group.sampling_params.needs_history
+        running = SequenceStatus.RUNNING
         scheduled = []
         num_tokens = 0
-        for seq in group.seqs:
-            if seq.status is not SequenceStatus.RUNNING:
+        for index, seq in enumerate(group.seqs):
+            if seq.status is not running:
                 continue
             token_ids = seq.token_ids
             start = seq.num_computed_tokens
-            if reserve:
-                bm.append_slots(seq, copies)
+            end = len(token_ids)
+            table = bm.append_slots(seq, copies) if reserve else bm.gpu_tables[seq.seq_id]
             scheduled.append(
                 ScheduledSeq(
                     seq.seq_id,
                     token_ids[start:],
                     start,
-                    tables[seq.seq_id].copy(),
-                    len(token_ids) - seq.num_prompt_tokens,
+                    table.copy(),
+                    end - seq.num_prompt_tokens,
+                    index,
                     token_ids.copy() if needs_history else None,
                 )
             )
-            num_tokens += len(token_ids) - start
-            seq.num_computed_tokens = len(token_ids)
+            num_tokens += end - start
+            seq.num_computed_tokens = end
         first = group.seqs[0]
         out.groups.append(
             ScheduledGroup(
@@ -226,7 +231,7 @@ class Scheduler:
                 scheduled,
                 group.sampling_params,
                 first.num_prompt_tokens,
-                len(group.seqs) == 1 and first.num_output_tokens == 0,
+                len(group.seqs) == 1 and len(first.token_ids) == first.num_prompt_tokens,
             )
         )
         return num_tokens
@@ -259,6 +264,10 @@ class Scheduler:
         out.ignored.append(group.request_id)
 
 
-def _needs_history(group: SequenceGroup) -> bool:
-    p = group.sampling_params
-    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+def _insert_by_arrival(running: list[SequenceGroup], group: SequenceGroup) -> None:
+    """Keep `running` oldest first. Nearly always an append; a group recomputed while a
+    later one was swapped out can come back after it, and then goes in its place."""
+    if not running or running[-1].arrival_index < group.arrival_index:
+        running.append(group)
+    else:
+        bisect.insort(running, group, key=lambda g: g.arrival_index)

@@ -135,6 +135,11 @@ class SamplingParams:
             raise bad("best_of", "greedy sampling (temperature 0) with best_of > 1 gives copies")
 
     @property
+    def needs_history(self) -> bool:
+        """Whether sampling needs the sequence's past tokens (the penalties do)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature < 1e-5
 

@@ -1,1 +1,1 @@
-
+"""The engine: schedule -> execute -> process, with in-process and Ray executors."""

@@ -211,3 +211,23 @@ def test_duplicate_request_id_is_refused():
         assert "request_id" in str(e)
     else:
         raise AssertionError("duplicate request id accepted")
+
+
+def test_a_recomputed_group_returns_to_its_place_among_the_running():
+    # a, b, c run; c (two sequences) is swapped out, then b (one) is recomputed. Once a
+    # finishes, c swaps in and b is readmitted in one step: running stays oldest first.
+    s, bm = make_world(num_gpu=4, num_cpu=8)
+    a = make_group("a", 32, arrival=0)
+    b = make_group("b", 16, arrival=1)
+    c = make_group("c", 9, arrival=2, n=2)
+    for g in (a, b, c):
+        s.add_group(g)
+    step(s)  # a [0, 1], b [2], c [3]
+    fork_group(s, c, 1)
+    out = step(s)  # a and b need a block each, c a copy: c is swapped, then b recomputed
+    assert out.preempted == ["c", "b"]
+    assert c.seqs[0].status is SequenceStatus.SWAPPED and b.seqs[0].status is SequenceStatus.WAITING
+    finish(s, a)
+    out = step(s)
+    assert [g.request_id for g in out.groups] == ["c", "b"]  # swap-ins go first
+    assert [g.request_id for g in s.running] == ["b", "c"]  # but b arrived first

@@ -1,0 +1,267 @@
+"""The CPU cost of one scheduler step: `Scheduler.schedule()` plus the step's bookkeeping.
+
+Timed per step (time.perf_counter_ns, after warm-up steps):
+
+    schedule()                          decode slots, admission, the SchedulerOutput
+    + append one sampled token to every scheduled sequence (no sequence finishes)
+
+Cases, block size 16, a GPU pool big enough that nothing is ever preempted:
+
+  decode_256                  256 running sequences in decode (prompts 128-512 tokens),
+                              prefix caching on (the BlockManager default)
+  decode_256_no_prefix_cache  the same with prefix caching off
+  decode_256_admit_64         256 running in decode + 64 new prompts (128-512 tokens)
+                              waiting at the start of every step, all admitted by it
+                              (budgets raised so they fit); after the timed step the 64
+                              are aborted, untimed, so every step sees the same load
+
+Each case runs several rounds, each a fresh scheduler with new prompts, warmed up then
+timed, so sequence lengths stay near prompt + a few hundred tokens. Python's garbage
+collector stays enabled, as in the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+from rayserve_paged.core import (
+    BlockManager,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+    SequenceGroup,
+    SequenceStatus,
+)
+
+BLOCK_SIZE = 16
+NUM_RUNNING = 256
+NUM_ARRIVING = 64
+MIN_PROMPT, MAX_PROMPT = 128, 512
+VOCAB = 50_000
+TOKEN_POOL_SIZE = 1 << 16
+TARGET_MEDIAN_US = 500.0
+DEFAULT_SEED = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    name: str
+    num_arriving: int
+    enable_prefix_caching: bool
+
+
+CASES = (
+    Case("decode_256", 0, True),
+    Case("decode_256_no_prefix_cache", 0, False),
+    Case("decode_256_admit_64", NUM_ARRIVING, True),
+)
+
+
+class StepBench:
+    """A scheduler with `NUM_RUNNING` sequences in decode and a fake model."""
+
+    def __init__(self, case: Case, num_steps: int, seed: int) -> None:
+        self.case = case
+        self.rng = random.Random(f"scheduler-step-{case.name}-{seed}")
+        # Prompts are random slices of one random token pool: distinct, and cheap to make.
+        self.token_pool = [self.rng.randrange(VOCAB) for _ in range(TOKEN_POOL_SIZE)]
+        # Longest sequence: MAX_PROMPT + every step's token; plus room for one step's arrivals.
+        max_len = MAX_PROMPT + num_steps + 1
+        blocks_per_seq = -(-max_len // BLOCK_SIZE) + 1
+        num_gpu_blocks = (NUM_RUNNING + case.num_arriving) * blocks_per_seq
+        self.max_model_len = max_len
+        self.block_manager = BlockManager(
+            block_size=BLOCK_SIZE,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=0,
+            enable_prefix_caching=case.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=NUM_RUNNING + case.num_arriving,
+                # Admission of all 64 arrivals (and of the initial 256 in one step) fits.
+                max_num_batched_tokens=max(max_len, (NUM_RUNNING + case.num_arriving) * MAX_PROMPT),
+                max_model_len=max_len,
+            ),
+            self.block_manager,
+        )
+        self.params = SamplingParams(max_tokens=None, temperature=0.0)
+        self.next_id = 0
+        self.step_index = 0
+        for _ in range(NUM_RUNNING):
+            self._add_request()
+        self._step()  # prefill all 256: from here on they decode
+        assert len(self.scheduler.running) == NUM_RUNNING and not self.scheduler.waiting
+
+    def _add_request(self) -> str:
+        prompt_len = self.rng.randint(MIN_PROMPT, MAX_PROMPT)
+        start = self.rng.randrange(TOKEN_POOL_SIZE - prompt_len)
+        prompt = self.token_pool[start : start + prompt_len]
+        request_id = str(self.next_id)
+        seq = Sequence(self.next_id, prompt)
+        self.scheduler.add_group(SequenceGroup(request_id, [seq], self.params, 0.0, self.next_id))
+        self.next_id += 1
+        return request_id
+
+    def _step(self) -> tuple[int, int, int]:
+        """One step: schedule, then append a sampled token to every scheduled sequence.
+        Returns (groups scheduled, ns in schedule(), ns in the bookkeeping)."""
+        t0 = time.perf_counter_ns()
+        out = self.scheduler.schedule()
+        t1 = time.perf_counter_ns()
+        groups = self.scheduler.groups
+        token = self.step_index % VOCAB
+        for scheduled in out.groups:
+            for seq in groups[scheduled.request_id].seqs:
+                if seq.status is SequenceStatus.RUNNING:
+                    seq.append_token(token)
+                    token += 1
+        self.step_index += 1
+        t2 = time.perf_counter_ns()
+        return len(out.groups), t1 - t0, t2 - t1
+
+    def timed_step(self) -> tuple[int, int]:
+        """(ns in schedule(), ns in the bookkeeping) of one step; arrivals are added before
+        and aborted after, untimed."""
+        arrivals = [self._add_request() for _ in range(self.case.num_arriving)]
+        num_groups, schedule_ns, bookkeeping_ns = self._step()
+        expected = NUM_RUNNING + self.case.num_arriving
+        if num_groups != expected:
+            raise RuntimeError(f"{self.case.name}: scheduled {num_groups} groups, expected {expected}")
+        for request_id in arrivals:
+            self.scheduler.abort(request_id)
+        return schedule_ns, bookkeeping_ns
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[round(q * (len(sorted_values) - 1))]
+
+
+def run_case(case: Case, num_rounds: int, num_warmup: int, num_steps: int, seed: int) -> dict:
+    """`num_rounds` fresh schedulers (new prompts each), each warmed up then timed for
+    `num_steps` steps, so sequences stay near their prompt lengths (prompt + at most
+    num_warmup + num_steps tokens) rather than growing through one long run."""
+    samples: list[tuple[int, int]] = []
+    num_gpu_blocks = 0
+    for round_index in range(num_rounds):
+        bench = StepBench(case, num_warmup + num_steps, seed * 1000 + round_index)
+        for _ in range(num_warmup):
+            bench.timed_step()
+        samples += [bench.timed_step() for _ in range(num_steps)]
+        counters = bench.scheduler.counters
+        if counters.preemptions_recompute or counters.preemptions_swap:
+            raise RuntimeError(f"{case.name}: the pool was too small (a preemption happened)")
+        num_gpu_blocks = bench.block_manager.gpu.num_blocks
+    step_us = sorted((a + b) / 1e3 for a, b in samples)
+    return {
+        "num_running": NUM_RUNNING,
+        "num_arriving_per_step": case.num_arriving,
+        "enable_prefix_caching": case.enable_prefix_caching,
+        "num_rounds": num_rounds,
+        "num_warmup_steps_per_round": num_warmup,
+        "num_steps": len(samples),
+        "median_us": statistics.median(step_us),
+        "p90_us": _percentile(step_us, 0.9),
+        "mean_us": statistics.fmean(step_us),
+        "min_us": step_us[0],
+        "max_us": step_us[-1],
+        "median_schedule_us": statistics.median(a / 1e3 for a, _ in samples),
+        "median_bookkeeping_us": statistics.median(b / 1e3 for _, b in samples),
+        "num_gpu_blocks": num_gpu_blocks,
+    }
+
+
+def python_loop_ns(n: int = 1_000_000) -> float:
+    """ns per iteration of an empty Python loop (best of 5): how fast this machine runs
+    Python, so figures can be compared across machines (a 2023 desktop: ~10-20 ns)."""
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            pass
+        best = min(best, (time.perf_counter_ns() - t0) / n)
+    return best
+
+
+def run(num_rounds: int, num_warmup: int, num_steps: int, seed: int) -> dict:
+    cases = {case.name: run_case(case, num_rounds, num_warmup, num_steps, seed) for case in CASES}
+    median = cases["decode_256"]["median_us"]
+    return {
+        "median_us_per_step": median,
+        "p90_us_per_step": cases["decode_256"]["p90_us"],
+        "target_median_us": TARGET_MEDIAN_US,
+        "target_met": median < TARGET_MEDIAN_US,
+        "cases": cases,
+        "config": {
+            "block_size": BLOCK_SIZE,
+            "prompt_len_range": [MIN_PROMPT, MAX_PROMPT],
+            "seed": seed,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "timed": "Scheduler.schedule() + appending one token to each scheduled sequence",
+            "python_loop_ns_per_iteration": python_loop_ns(),
+            "cpu_count": os.cpu_count(),
+            "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        },
+    }
+
+
+def format_report(result: dict) -> str:
+    header = (
+        f"{'case':28s} {'running':>7s} {'arriving':>8s} {'median us':>10s} {'p90 us':>9s} {'min us':>8s} "
+        f"{'schedule':>9s} {'bookkeep':>9s} {'steps':>6s}"
+    )
+    lines = [header, "-" * len(header)]
+    for name, c in result["cases"].items():
+        lines.append(
+            f"{name:28s} {c['num_running']:7d} {c['num_arriving_per_step']:8d} {c['median_us']:10.1f} "
+            f"{c['p90_us']:9.1f} {c['min_us']:8.1f} {c['median_schedule_us']:9.1f} "
+            f"{c['median_bookkeeping_us']:9.1f} {c['num_steps']:6d}"
+        )
+    cfg = result["config"]
+    verdict = "PASS" if result["target_met"] else "FAIL"
+    lines += [
+        "(schedule / bookkeep: medians of the two parts of the step, in us)",
+        f"machine: {cfg['cpu_count']} CPUs, Python {cfg['python']}, empty Python loop "
+        f"{cfg['python_loop_ns_per_iteration']:.1f} ns/iteration, 1-min load average {cfg['load_average_1min']}",
+        "",
+        f"[{verdict}] median per step with {NUM_RUNNING} running (decode_256) < "
+        f"{result['target_median_us']:.0f} us: {result['median_us_per_step']:.1f} us",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rayserve-paged bench scheduler", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="directory for scheduler.json")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--rounds", type=int, default=None, help="fresh schedulers per case (default 8)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per round (default 250)")
+    parser.add_argument("--quick", action="store_true", help="one short round per case (for tests)")
+    args = parser.parse_args(argv)
+    num_rounds = args.rounds or (1 if args.quick else 8)
+    num_steps = args.steps or (30 if args.quick else 250)
+    num_warmup = 5 if args.quick else 50
+    if num_steps < 1 or num_rounds < 1:
+        parser.error("--steps and --rounds must be >= 1")
+    os.makedirs(args.out, exist_ok=True)
+    result = run(num_rounds, num_warmup, num_steps, args.seed)
+    path = os.path.join(args.out, "scheduler.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(format_report(result))
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,433 @@
+"""The engine: add_request / abort_request / step.
+
+A step is schedule -> execute (the workers) -> process (append tokens, fork for best_of and
+beam search, stop checks, free finished sequences). Everything a step decides about KV
+memory comes from the scheduler; the engine only reports sequences' progress to it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rayserve_paged.config import EngineConfig
+from rayserve_paged.core.block_manager import BlockManager
+from rayserve_paged.core.outputs import SchedulerOutput
+from rayserve_paged.core.scheduler import Scheduler, SchedulerConfig
+from rayserve_paged.core.sequence import (
+    FINISH_REASONS,
+    SamplingParams,
+    SamplingParamsError,
+    Sequence,
+    SequenceGroup,
+    SequenceStatus,
+)
+from rayserve_paged.engine.detokenizer import Detokenizer
+from rayserve_paged.engine.executor import Executor, InProcessExecutor
+from rayserve_paged.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from rayserve_paged.models.loader import get_model_config
+from rayserve_paged.models.sampler import SamplerOutput, SeqSample
+from rayserve_paged.models.tiny import resolve_model
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as given; the message names the problem."""
+
+
+@dataclass(slots=True)
+class _BeamState:
+    """HF-style beam search bookkeeping for one request (see _process_beam)."""
+
+    finished: list[tuple[float, Sequence]] = field(default_factory=list)  # best first, <= width
+    improvable: bool = True
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor_factory: Callable[[EngineConfig, str], Executor] = InProcessExecutor,
+        tokenizer=None,
+    ) -> None:
+        self.config = config
+        self.model_path = str(resolve_model(config.model))
+        self.model_config = get_model_config(self.model_path)
+        self.max_model_len = self._resolve_max_model_len()
+        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.executor = executor_factory(config, self.model_path)
+        sizes = self.executor.initialize()
+        self.cache_sizes = sizes
+        self._check_kv_fits(sizes.num_gpu_blocks)
+        self.block_manager = BlockManager(
+            config.block_size,
+            sizes.num_gpu_blocks,
+            sizes.num_cpu_blocks,
+            watermark=config.watermark,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.resolved_max_num_batched_tokens(self.max_model_len),
+                max_model_len=self.max_model_len,
+                preemption_mode=config.preemption_mode,
+            ),
+            self.block_manager,
+        )
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._beams: dict[str, _BeamState] = {}
+        self._prompts: dict[str, str | None] = {}
+        self._metrics: dict[str, RequestMetrics] = {}
+        self.num_prompt_tokens = 0  # computed prompt tokens (after prefix-cache hits)
+        self.num_generation_tokens = 0
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB) + %d CPU swap blocks",
+            sizes.num_gpu_blocks,
+            config.block_size,
+            sizes.num_gpu_blocks * config.block_size,
+            sizes.num_gpu_blocks * sizes.block_bytes / 2**20,
+            sizes.num_cpu_blocks,
+        )
+
+    # ------------------------------------------------------------------ start-up checks
+
+    def _resolve_max_model_len(self) -> int:
+        model_max = self.model_config.max_model_len
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return model_max
+        if wanted > model_max:
+            raise ValueError(
+                f"max_model_len {wanted} is longer than the model's max_position_embeddings {model_max}"
+            )
+        return wanted
+
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        path = self.config.tokenizer or self.model_path
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=self.config.trust_remote_code)
+
+    def _check_kv_fits(self, num_gpu_blocks: int) -> None:
+        capacity = num_gpu_blocks * self.config.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_gpu_blocks} blocks x {self.config.block_size} = {capacity} tokens, "
+                f"less than one sequence of max_model_len {self.max_model_len}: raise kv_cache_memory_gb / "
+                "gpu_memory_utilization / num_gpu_blocks_override, or lower max_model_len"
+            )
+
+    # ------------------------------------------------------------------ requests
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        sampling_params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; raises RequestError / SamplingParamsError for bad input."""
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise RequestError("prompt: give a string or prompt_token_ids")
+            prompt_token_ids = self.encode(prompt)
+        self._validate(request_id, prompt_token_ids, sampling_params)
+        seq = Sequence(next(self._seq_ids), prompt_token_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        group = SequenceGroup(request_id, [seq], sampling_params, arrival, next(self._arrivals))
+        self.scheduler.add_group(group)
+        self._prompts[request_id] = prompt
+        self._metrics[request_id] = RequestMetrics(arrival_time=arrival)
+        if sampling_params.use_beam_search:
+            self._beams[request_id] = _BeamState()
+
+    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise RequestError("sampling_params: expected rayserve_paged.SamplingParams")
+        if request_id in self.scheduler.groups:
+            raise RequestError(f"request_id {request_id!r} is already in use")
+        if not token_ids:
+            raise RequestError("prompt: empty prompt (no tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt_token_ids: {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt: {len(token_ids)} tokens leave no room to generate within max_model_len {self.max_model_len}"
+            )
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise SamplingParamsError(f"logprobs: at most {self.config.max_logprobs} (got {params.logprobs})")
+        if params.best_of > self.config.max_num_seqs:
+            raise SamplingParamsError(
+                f"best_of: {params.best_of} sequences exceed max_num_seqs {self.config.max_num_seqs}"
+            )
+
+    def abort_request(self, request_id: str) -> bool:
+        group = self.scheduler.abort(request_id)
+        self._forget(request_id)
+        return group is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_groups()
+
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished_groups
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns an output for every request that advanced or ended."""
+        out = self.scheduler.schedule()
+        now = time.monotonic()
+        results = [self._ignored_output(rid) for rid in out.ignored]
+        if out.is_empty:
+            return results
+        try:
+            sampled = self.executor.execute(out)
+        except Exception:
+            # the step's K/V may be missing: no cached prefix from it may be reused
+            self.block_manager.reset_prefix_cache()
+            raise
+        return results + self._process(out, sampled, now)
+
+    def _process(self, out: SchedulerOutput, sampled: SamplerOutput, now: float) -> list[RequestOutput]:
+        samples = iter(sampled.samples)
+        results = []
+        for sg in out.groups:
+            group = self.scheduler.groups[sg.request_id]
+            group_samples = [next(samples) for _ in sg.seqs]
+            metrics = self._metrics[sg.request_id]
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+            if sg.is_first_step:
+                self.num_prompt_tokens += sum(len(s.token_ids) for s in sg.seqs)
+            if group.sampling_params.use_beam_search:
+                self._process_beam(group, group_samples)
+            else:
+                self._process_samples(group, group_samples, sg.is_first_step)
+            self.num_generation_tokens += len(group_samples)
+            if metrics.first_token_time is None:
+                metrics.first_token_time = time.monotonic()
+            self.scheduler.free_finished(group)
+            results.append(self._request_output(group))
+            if group.is_finished():
+                self._forget(group.request_id)
+        for rid in out.preempted:
+            if rid in self._metrics:
+                self._metrics[rid].num_preemptions += 1
+        return results
+
+    def _new_child(self, group: SequenceGroup, parent: Sequence, with_blocks: bool = True) -> Sequence:
+        child = parent.fork(next(self._seq_ids))
+        if with_blocks:
+            self.scheduler.fork_seq(parent, child)
+            group.seqs.append(child)
+        return child
+
+    # ------------------------------------------------------------------ sampling, best_of
+
+    def _process_samples(self, group: SequenceGroup, samples: list[SeqSample], is_first_step: bool) -> None:
+        by_id = {s.seq_id: s for s in group.seqs}
+        params = group.sampling_params
+        for sample in samples:
+            seq = by_id[sample.seq_id]
+            picks = list(range(len(sample.token_ids)))
+            # first step of best_of > 1: one draw per sequence; the parent forks the others
+            children = [self._new_child(group, seq) for _ in picks[1:]] if is_first_step else []
+            for target, i in zip([seq, *children], picks):
+                target.append_token(sample.token_ids[i], sample.logprobs[i])
+                if sample.top_logprobs is not None:
+                    target.output_logprobs.append(sample.top_logprobs[i])
+                self._check_stop(target, params)
+
+    def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
+        token = seq.token_ids[-1]
+        before = len(seq.output_text)
+        new_text = self.detokenizer.decode_next(seq, token, params.skip_special_tokens)
+        if token in params.stop_token_ids:
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED, token)
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED, None)
+        elif new_text and params.stop and self._hit_stop_string(seq, params, before):
+            pass
+        elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            self._finish(seq, SequenceStatus.FINISHED_LENGTH, None)
+        elif len(seq) >= self.max_model_len:
+            self._finish(seq, SequenceStatus.FINISHED_LENGTH, None)
+
+    def _hit_stop_string(self, seq: Sequence, params: SamplingParams, before: int) -> bool:
+        text = seq.output_text
+        for stop in params.stop:
+            at = text.find(stop, max(0, before - len(stop) + 1))
+            if at != -1:
+                end = at + len(stop) if params.include_stop_str_in_output else at
+                seq.output_text = text[:end]
+                self._finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
+                return True
+        return False
+
+    @staticmethod
+    def _finish(seq: Sequence, status: SequenceStatus, reason: int | str | None) -> None:
+        seq.status = status
+        seq.stop_reason = reason
+
+    # ------------------------------------------------------------------ beam search
+
+    def _process_beam(self, group: SequenceGroup, samples: list[SeqSample]) -> None:
+        """One step of beam search as HF transformers' `generate(num_beams=W)` does it.
+
+        The best K = factor * W continuations over all beams (by cumulative logprob) are
+        ranked; among the top W, those that end (EOS, stop token, length) enter the
+        finished set with score cum_logprob / generated_len ** length_penalty (the W best
+        are kept); the best W that do not end become the next beams (forks of their
+        parents, so shared blocks stay shared). The search ends when all top K end, when
+        W finished hypotheses exist and early_stopping is True, or when no running beam
+        can still beat the worst finished one.
+        """
+        params = group.sampling_params
+        width = params.best_of
+        state = self._beams[group.request_id]
+        by_id = {s.seq_id: s for s in group.seqs}
+        candidates = []  # (score, parent, token, logprob)
+        for sample in samples:
+            parent = by_id[sample.seq_id]
+            for token, logprob in zip(sample.token_ids, sample.logprobs):
+                candidates.append((parent.cumulative_logprob + logprob, parent, token, logprob))
+        candidates.sort(key=lambda c: c[0], reverse=True)
+        num_keep = len(samples[0].token_ids) if samples else 0
+        top = candidates[:num_keep]
+        generated = by_id[samples[0].seq_id].num_output_tokens + 1  # all beams have one length
+        ends = [self._beam_ends(parent, token, generated, params) for _, parent, token, _ in top]
+
+        # finished hypotheses: only the top W candidates may enter
+        full = len(state.finished) == width
+        if state.improvable and not (full and params.early_stopping is True):
+            for (score, parent, token, logprob), end in zip(top[:width], ends[:width]):
+                if end is not None:
+                    hyp = self._new_child(group, parent, with_blocks=False)
+                    hyp.append_token(token, logprob)
+                    hyp.status = end
+                    hyp.output_text = self.detokenizer.decode(hyp.output_token_ids, params.skip_special_tokens)
+                    state.finished.append((score / generated**params.length_penalty, hyp))
+            state.finished.sort(key=lambda f: f[0], reverse=True)
+            del state.finished[width:]
+
+        survivors = [c for c, end in zip(top, ends) if end is None][:width]
+        if len(state.finished) == width and survivors:
+            best_len = generated
+            if params.early_stopping == "never" and params.length_penalty > 0:
+                best_len = params.max_tokens if params.max_tokens is not None else self.max_model_len
+            best_possible = survivors[0][0] / best_len**params.length_penalty
+            state.improvable = state.improvable and best_possible > state.finished[-1][0]
+        done = (
+            not survivors
+            or not state.improvable
+            or (len(state.finished) == width and params.early_stopping is True)
+        )
+        if done:
+            for seq in group.seqs:
+                if not seq.status.is_finished:
+                    self._finish(seq, SequenceStatus.FINISHED_ABORTED, None)  # discarded beams
+            return
+        self._advance_beams(group, survivors)
+
+    def _beam_ends(self, parent: Sequence, token: int, generated: int, params: SamplingParams):
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and generated >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if len(parent) + 1 >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _advance_beams(self, group: SequenceGroup, survivors: list) -> None:
+        """Turn the surviving candidates into the next beams: a parent chosen once takes
+        the token itself, each further choice forks it; unchosen beams are dropped."""
+        used: set[int] = set()
+        moves = []
+        for _, parent, token, logprob in survivors:
+            if parent.seq_id in used:
+                child = self._new_child(group, parent)
+                used.add(child.seq_id)
+                moves.append((child, token, logprob))
+            else:
+                used.add(parent.seq_id)
+                moves.append((parent, token, logprob))
+        # children were forked before any parent took its token
+        for beam, token, logprob in moves:
+            beam.append_token(token, logprob)
+        for seq in group.seqs:
+            if seq.seq_id not in used and not seq.status.is_finished:
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED, None)
+        self.scheduler.free_finished(group)
+        group.seqs[:] = [s for s in group.seqs if not s.status.is_finished]
+
+    # ------------------------------------------------------------------ outputs
+
+    def _request_output(self, group: SequenceGroup) -> RequestOutput:
+        params = group.sampling_params
+        finished = group.is_finished()
+        if params.use_beam_search:
+            state = self._beams[group.request_id]
+            chosen = [hyp for _, hyp in state.finished[: params.n]] if finished else group.seqs[: params.n]
+        elif finished and params.best_of > params.n:
+            chosen = sorted(group.seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+        else:
+            chosen = group.seqs[: params.n]
+        outputs = [_completion(i, seq, params) for i, seq in enumerate(chosen)]
+        metrics = self._metrics.get(group.request_id)
+        if finished and metrics is not None:
+            metrics.finished_time = time.monotonic()
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=self._prompts.get(group.request_id),
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            metrics=metrics,
+        )
+
+    def _ignored_output(self, request_id: str) -> RequestOutput:
+        prompt = self._prompts.get(request_id)
+        metrics = self._metrics.get(request_id)
+        self._forget(request_id)
+        return RequestOutput(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=[],
+            outputs=[],
+            finished=True,
+            metrics=metrics,
+            error="the request can never fit in the KV cache (prompt too long for this server)",
+        )
+
+    def _forget(self, request_id: str) -> None:
+        self._beams.pop(request_id, None)
+        self._prompts.pop(request_id, None)
+        self._metrics.pop(request_id, None)
+
+
+def _completion(index: int, seq: Sequence, params: SamplingParams) -> CompletionOutput:
+    finish = FINISH_REASONS.get(seq.status) if seq.status.is_finished else None
+    return CompletionOutput(
+        index=index,
+        text=seq.output_text,
+        token_ids=seq.output_token_ids,
+        cumulative_logprob=seq.cumulative_logprob,
+        logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
+        finish_reason=finish,
+        stop_reason=seq.stop_reason,
+    )

@@ -1,0 +1,489 @@
+"""Model layers written for Megatron-style tensor parallelism.
+
+Every parallel layer owns only this rank's shard of its parameters and knows how to cut
+that shard out of the full Hugging Face tensor (`load_weight(param, full_tensor)`), so going
+from one rank to several only needs `ParallelState(tp_rank, tp_size)`:
+
+    ColumnParallelLinear   W [out, in] split by rows (output features); no communication
+    RowParallelLinear      W [out, in] split by columns (input features); all-reduce of y
+    VocabParallelEmbedding E [vocab, dim] split by rows (token ids); all-reduce of lookups
+    ParallelLMHead         E [vocab, dim] split by rows; all-gather of the logits
+
+A column-parallel layer followed by a row-parallel one (QKV -> out, up/gate -> down) needs a
+single all-reduce per block. With tp_size 1 every collective is the identity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rayserve_paged.ops.attention import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """This rank's place in the tensor-parallel group and the two collectives layers need."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    group: Any = None  # torch.distributed ProcessGroup; None = the default group
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"bad tensor-parallel rank {self.tp_rank} for size {self.tp_size}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place; the identity for one rank."""
+        if self.tp_size == 1:
+            return x
+        torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's `x` along `dim`, rank order; the identity for one rank."""
+        if self.tp_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+
+SINGLE_RANK = ParallelState()
+
+
+def divide(numerator: int, denominator: int, what: str = "size") -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{what} {numerator} is not divisible by tensor-parallel size {denominator}")
+    return numerator // denominator
+
+
+def check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """Raise ValueError naming both shapes; the loader adds the tensor's name."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"expected shape {list(expected)}, got {list(loaded.shape)}")
+
+
+def copy_weight(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Load a replicated parameter (norms, learned positions): the full tensor, as is."""
+    check_shape(loaded, tuple(param.shape))
+    param.data.copy_(loaded)
+
+
+def _new_param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+# --------------------------------------------------------------------------- linear layers
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b, W [output_size, input_size] split by rows over the ranks.
+
+    Rank r holds rows [r * out/tp, (r+1) * out/tp); its output is that slice of y's features.
+    """
+
+    shard_ids: tuple | None = None  # pieces the full weight arrives in (None: one tensor)
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        parallel: ParallelState = SINGLE_RANK,
+        gather_output: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_rank = divide(output_size, parallel.tp_size, "output size")
+        self.gather_output = gather_output
+        self.weight = _new_param(self.output_size_per_rank, input_size, dtype=dtype)  # [out/tp, in]
+        self.bias = _new_param(self.output_size_per_rank, dtype=dtype) if bias else None  # [out/tp]
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """`loaded` is the full HF weight [out, in] or bias [out]; keep this rank's rows."""
+        check_shape(loaded, (self.output_size, *param.shape[1:]))
+        rows = self.output_size_per_rank
+        param.data.copy_(loaded.narrow(0, self.parallel.tp_rank * rows, rows))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # [T, out/tp]
+        return self.parallel.all_gather(y) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate + up).
+
+    Each rank's weight is the concatenation of its shard of every piece:
+        [ piece 0 rows of rank r | piece 1 rows of rank r | ... ]
+    so splitting the output by `output_sizes / tp` gives each projection's local part.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], **kwargs: Any) -> None:
+        super().__init__(input_size, sum(output_sizes), **kwargs)
+        tp_size = self.parallel.tp_size
+        self.output_sizes = list(output_sizes)
+        self.sizes_per_rank = [divide(size, tp_size, "output size") for size in output_sizes]
+        self.shard_ids = tuple(range(len(output_sizes)))
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        """`loaded` is piece `shard_id`'s full HF weight [size_i, in] or bias [size_i]."""
+        check_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
+        rows = self.sizes_per_rank[shard_id]
+        offset = sum(self.sizes_per_rank[:shard_id])
+        shard = loaded.narrow(0, self.parallel.tp_rank * rows, rows)
+        param.data.narrow(0, offset, rows).copy_(shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection; each rank holds its query heads and its key/value heads.
+
+    Per rank, output features are [ q: H/tp * D | k: Hkv/tp * D | v: Hkv/tp * D ].
+    When tp_size > num_kv_heads, each KV head is replicated on tp_size / num_kv_heads ranks.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        *,
+        bias: bool,
+        parallel: ParallelState = SINGLE_RANK,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        tp_size = parallel.tp_size
+        num_heads_per_rank = divide(num_heads, tp_size, "number of attention heads")
+        if num_kv_heads >= tp_size:
+            num_kv_heads_per_rank = divide(num_kv_heads, tp_size, "number of KV heads")
+            num_kv_replicas = 1
+        else:
+            if tp_size % num_kv_heads != 0:
+                raise ValueError(f"tensor-parallel size {tp_size} is not a multiple of {num_kv_heads} KV heads")
+            num_kv_heads_per_rank = 1
+            num_kv_replicas = tp_size // num_kv_heads
+        # Replicated KV heads are counted once per holding rank in the global output size.
+        global_out = (num_heads_per_rank + 2 * num_kv_heads_per_rank) * head_dim * tp_size
+        super().__init__(hidden_size, global_out, bias=bias, parallel=parallel, dtype=dtype)
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.num_heads_per_rank = num_heads_per_rank
+        self.num_kv_heads_per_rank = num_kv_heads_per_rank
+        self.num_kv_replicas = num_kv_replicas
+        self.q_size = self.num_heads_per_rank * head_dim
+        self.kv_size = self.num_kv_heads_per_rank * head_dim
+        self.shard_ids = ("q", "k", "v")
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        """`loaded` is the full HF q_proj / k_proj / v_proj weight [heads * D, hidden] or bias."""
+        rank = self.parallel.tp_rank
+        if shard_id == "q":
+            full_heads, offset, rows, head_start = self.num_heads, 0, self.q_size, rank * self.num_heads_per_rank
+        else:
+            full_heads = self.num_kv_heads
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            rows = self.kv_size
+            head_start = (rank // self.num_kv_replicas) * self.num_kv_heads_per_rank
+        check_shape(loaded, (full_heads * self.head_dim, *param.shape[1:]))
+        shard = loaded.narrow(0, head_start * self.head_dim, rows)
+        param.data.narrow(0, offset, rows).copy_(shard)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # [T, q_size + 2 * kv_size] -> [T, q_size], [T, kv_size], [T, kv_size]
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b, W [output_size, input_size] split by columns over the ranks.
+
+    The input arrives already split by features (the output of a column-parallel layer); each
+    rank computes a partial y, summed by one all-reduce. The bias is added once, after it.
+    """
+
+    shard_ids: tuple | None = None
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        parallel: ParallelState = SINGLE_RANK,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_size_per_rank = divide(input_size, parallel.tp_size, "input size")
+        self.weight = _new_param(output_size, self.input_size_per_rank, dtype=dtype)  # [out, in/tp]
+        self.bias = _new_param(output_size, dtype=dtype) if bias else None  # [out], replicated
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """`loaded` is the full HF weight [out, in] (keep this rank's columns) or bias [out]."""
+        if param is self.bias:
+            copy_weight(param, loaded)
+            return
+        check_shape(loaded, (self.output_size, self.input_size))
+        cols = self.input_size_per_rank
+        param.data.copy_(loaded.narrow(1, self.parallel.tp_rank * cols, cols))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.parallel.all_reduce(F.linear(x, self.weight))  # [T, out]
+        return y + self.bias if self.bias is not None else y
+
+
+# --------------------------------------------------------------------------- vocabulary
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding E [vocab, dim] split by rows; rank r holds ids [start, end).
+
+    The vocabulary is padded up to a multiple of tp_size; padded rows are zero and never
+    looked up. Each rank embeds the ids it owns, zeros the others, and an all-reduce sums.
+    """
+
+    shard_ids: tuple | None = None
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        parallel: ParallelState = SINGLE_RANK,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_per_rank = math.ceil(num_embeddings / parallel.tp_size)
+        self.vocab_start = parallel.tp_rank * self.num_embeddings_per_rank
+        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_rank, num_embeddings)
+        self.weight = _new_param(self.num_embeddings_per_rank, embedding_dim, dtype=dtype)  # [V/tp, dim]
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """`loaded` is the full HF embedding [vocab, dim]; keep this rank's rows, zero padding."""
+        check_shape(loaded, (self.num_embeddings, self.embedding_dim))
+        num_rows = self.vocab_end - self.vocab_start
+        param.data.zero_()
+        param.data[:num_rows].copy_(loaded[self.vocab_start : self.vocab_end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return F.embedding(input_ids, self.weight)  # [T, dim]
+        is_local = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)  # [T]
+        local_ids = torch.where(is_local, input_ids - self.vocab_start, 0)
+        embeds = F.embedding(local_ids, self.weight) * is_local.unsqueeze(-1)  # [T, dim]
+        return self.parallel.all_reduce(embeds)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection [vocab, dim] split by rows, like the embedding it may share.
+
+    With `tied_to=embedding` (tied word embeddings) both modules hold the same Parameter:
+    each rank keeps one copy of its vocabulary shard, used both ways.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        parallel: ParallelState = SINGLE_RANK,
+        dtype: torch.dtype | None = None,
+        tied_to: VocabParallelEmbedding | None = None,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, parallel=parallel, dtype=dtype)
+        if tied_to is not None:
+            assert tied_to.weight.shape == self.weight.shape, "tied embedding of another shape"
+            self.weight = tied_to.weight
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden_states, self.weight)  # [n, V/tp]
+        logits = self.parallel.all_gather(local)  # [n, V padded to a multiple of tp]
+        return logits[:, : self.num_embeddings].float()  # [n, vocab] float32
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(hidden_states)
+
+
+# --------------------------------------------------------------------------- norms
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), computed in float32 as Llama does.
+
+    `forward(x, residual)` fuses the residual add that precedes every norm in a pre-norm
+    block: it returns (norm(x + residual), x + residual).
+    """
+
+    shard_ids: tuple | None = None
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        copy_weight(param, loaded)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+# --------------------------------------------------------------------------- rotary
+
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """RoPE settings from an HF config, whichever key style it uses."""
+
+    rope_type: str = "default"  # one of ROPE_TYPES
+    theta: float = 10000.0
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+
+def rope_scaling_from_hf(config: dict) -> RopeScaling:
+    """Read RoPE settings from a config.json dict.
+
+    transformers 5 writes `rope_parameters: {rope_type, rope_theta, factor, ...}`; older
+    configs write `rope_theta` at top level and `rope_scaling: {type|rope_type, factor, ...}`
+    (or null). A top-level `rope_theta` fills a `rope_parameters` dict that lacks one.
+    """
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    fallback_max = config.get("max_position_embeddings", 8192)
+    return RopeScaling(
+        rope_type=rope_type,
+        theta=float(theta),
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", fallback_max)),
+    )
+
+
+def rope_inv_freq(head_dim: int, rope: RopeScaling) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] float32, as transformers computes them."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # [D/2]
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeScaling) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths / factor, short ones kept, a smooth ramp between."""
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, "rotate half" (GPT-NeoX / HF Llama) layout.
+
+    cos/sin are computed per step from the positions (T x D/2 work, no max-length cache), in
+    float32 exactly as transformers does, then cast to the activations' dtype. The inverse
+    frequencies are not a buffer, so `model.half()` cannot round them; they follow the
+    positions' device on first use.
+    """
+
+    def __init__(self, head_dim: int, rope: RopeScaling) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rope = rope
+        self.inv_freq = rope_inv_freq(head_dim, rope)  # [D/2] float32
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; query [T, H, D]; key [T, Hkv, D]
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        cos = angles.cos()[:, None, :].to(query.dtype)  # [T, 1, D]
+        sin = angles.sin()[:, None, :].to(query.dtype)  # [T, 1, D]
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, H, D]
+    return x * cos + rotated * sin
+
+
+# --------------------------------------------------------------------------- attention
+
+
+class Attention(nn.Module):
+    """Paged attention over this rank's heads; the kernel comes from the attention backend.
+
+    The backend writes the step's new K/V into the cache (slot_mapping) and attends over the
+    cached context plus the new tokens; the layer only reshapes around it.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: Any) -> None:
+        super().__init__()
+        self.num_heads = num_heads  # per rank
+        self.num_kv_heads = num_kv_heads  # per rank
+        self.head_dim = head_dim
+        self.scale = scale
+        self.backend = backend
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = query.shape[0]
+        query = query.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        key_cache, value_cache = kv_cache  # each [num_blocks, block_size, Hkv, D]
+        out = self.backend.forward(query, key, value, key_cache, value_cache, attn_metadata, self.scale)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H * D]

@@ -1,0 +1,276 @@
+"""Build a model from a local HF checkpoint directory and load this rank's weight shards.
+
+    config.json ──> model class (by `architectures`, else `model_type`) ──> empty model
+    *.safetensors | *.bin ──> (hf name, full tensor) ──> model.map_weight_name ──>
+        (our parameter, shard id) ──> owning layer's load_weight(param, full tensor[, shard])
+
+Every parameter (and every shard of a fused one) must be loaded exactly from the checkpoint;
+anything missing or of the wrong shape is an error that names the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .layers import ParallelState, copy_weight
+from .llama import LlamaConfig, LlamaForCausalLM
+from .opt import OPTConfig, OPTForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# architectures[0] in config.json -> (our model class, its config parser)
+MODEL_REGISTRY: dict[str, tuple[type[nn.Module], Any]] = {
+    "OPTForCausalLM": (OPTForCausalLM, OPTConfig),
+    "LlamaForCausalLM": (LlamaForCausalLM, LlamaConfig),
+}
+_MODEL_TYPES = {"opt": "OPTForCausalLM", "llama": "LlamaForCausalLM"}
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}  # fmt: skip
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint that does not fit the model: missing tensors or wrong shapes."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """What the engine needs to know about a model before loading it (KV sizing, stops)."""
+
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int  # total, over all ranks
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_model_len: int  # max_position_embeddings
+    eos_token_ids: tuple[int, ...]  # config.json and generation_config.json, merged
+    bos_token_id: int | None
+    pad_token_id: int | None
+    dtype: str  # checkpoint dtype: "float32" | "float16" | "bfloat16"
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def num_kv_heads_per_rank(self, tp_size: int) -> int:
+        """KV heads each TP rank caches (KV heads are replicated when tp_size > num_kv_heads)."""
+        return max(1, self.num_kv_heads // tp_size)
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def require_model_dir(model_path: str | Path) -> Path:
+    path = Path(model_path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model directory {str(model_path)!r} does not exist (for 'tiny-opt', 'tiny-llama' or a hub id, "
+            "call rayserve_paged.models.tiny.resolve_model first)"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
+    return path
+
+
+def read_hf_config(model_path: str | Path) -> dict:
+    path = require_model_dir(model_path)
+    return json.loads((path / "config.json").read_text(encoding="utf-8"))
+
+
+def architecture_of(hf_config: dict) -> str:
+    names = hf_config.get("architectures") or [_MODEL_TYPES.get(hf_config.get("model_type", ""), "")]
+    for name in names:
+        if name in MODEL_REGISTRY:
+            return name
+    found = names if any(names) else hf_config.get("model_type")
+    raise ValueError(f"unsupported model architecture {found!r}; supported: {', '.join(MODEL_REGISTRY)}")
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, hf_config: dict) -> torch.dtype:
+    """None or "auto" -> the checkpoint's dtype (`dtype`, or older `torch_dtype`; float32 if unset)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _token_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _eos_token_ids(path: Path, hf_config: dict) -> tuple[int, ...]:
+    ids = _token_ids(hf_config.get("eos_token_id"))
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        ids += _token_ids(json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id"))
+    return tuple(dict.fromkeys(ids))  # ordered, without repeats
+
+
+def get_model_config(model_path: str | Path) -> ModelConfig:
+    path = require_model_dir(model_path)
+    hf = read_hf_config(path)
+    architecture = architecture_of(hf)
+    cfg = MODEL_REGISTRY[architecture][1].from_hf(hf)
+    return ModelConfig(
+        architecture=architecture,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size,
+        max_model_len=hf["max_position_embeddings"],
+        eos_token_ids=_eos_token_ids(path, hf),
+        bos_token_id=hf.get("bos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
+        dtype=str(resolve_dtype(None, hf)).removeprefix("torch."),
+    )
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _indexed_files(path: Path, index_name: str) -> list[Path] | None:
+    index = path / index_name
+    if not index.is_file():
+        return None
+    weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    return [path / name for name in sorted(set(weight_map.values()))]
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """Safetensors when there are any (by their index if present), else PyTorch .bin files."""
+    files = _indexed_files(path, "model.safetensors.index.json") or sorted(path.glob("*.safetensors"))
+    if not files:
+        files = _indexed_files(path, "pytorch_model.bin.index.json") or sorted(path.glob("pytorch_model*.bin"))
+    if not files:
+        raise FileNotFoundError(f"no model weights (*.safetensors or pytorch_model*.bin) in {str(path)!r}")
+    return files
+
+
+def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF tensor name, full tensor on CPU), one file at a time."""
+    from safetensors import safe_open
+
+    for file in checkpoint_files(path):
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), framework="pt", device="cpu") as tensors:
+                for name in tensors.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    yield name, tensors.get_tensor(name)
+        else:
+            yield from _load_bin(file).items()
+
+
+def _load_bin(file: Path) -> dict[str, torch.Tensor]:
+    try:  # zip-format files (torch >= 1.6) map lazily instead of being read whole
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # legacy tar format cannot be mmapped
+        return torch.load(file, map_location="cpu", weights_only=True)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _loader_of(model: nn.Module, param_name: str):
+    """(load function, expected shard ids) for a parameter: its layer's load_weight if any."""
+    module_name = param_name.rpartition(".")[0]
+    module = model.get_submodule(module_name)
+    return getattr(module, "load_weight", None) or copy_weight, getattr(module, "shard_ids", None)
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+    """Load every parameter of `model` from (HF name, full tensor) pairs; raise on gaps or misfits."""
+    params = dict(model.named_parameters())  # tied parameters appear once
+    loaded: set[tuple[str, Any]] = set()
+    unexpected: list[str] = []
+    for hf_name, tensor in weights:
+        target = model.map_weight_name(hf_name)
+        if target is None:
+            continue
+        name, shard_id = target
+        if name not in params:
+            unexpected.append(hf_name)
+            continue
+        load, _ = _loader_of(model, name)
+        try:
+            if shard_id is None:
+                load(params[name], tensor)
+            else:
+                load(params[name], tensor, shard_id)
+        except ValueError as exc:
+            raise WeightLoadError(
+                f"{source}: tensor {hf_name!r} of shape {list(tensor.shape)} does not fit parameter {name!r}: {exc}"
+            ) from exc
+        loaded.add((name, shard_id))
+    if unexpected:
+        logger.warning("%s: ignored %d unexpected tensors, e.g. %s", source, len(unexpected), unexpected[:5])
+    _check_all_loaded(model, params, loaded, source)
+
+
+def _check_all_loaded(model: nn.Module, params: dict, loaded: set[tuple[str, Any]], source: str) -> None:
+    missing = []
+    for name in params:
+        _, shard_ids = _loader_of(model, name)
+        for shard_id in shard_ids or (None,):
+            if (name, shard_id) not in loaded:
+                missing.append(name if shard_id is None else f"{name} (shard {shard_id!r})")
+    if missing:
+        shown = ", ".join(missing[:10]) + (f" ... and {len(missing) - 10} more" if len(missing) > 10 else "")
+        raise WeightLoadError(f"{source}: missing weights for {len(missing)} parameters: {shown}")
+
+
+def load_model(
+    model_path: str | Path,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
+    attn_backend: Any = "torch",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    group: Any = None,
+    parallel: ParallelState | None = None,
+) -> nn.Module:
+    """The model for a local HF checkpoint dir, with this rank's shards, in eval mode.
+
+    dtype: torch dtype, a name, or None / "auto" for the checkpoint's. attn_backend: a backend
+    object or a name for `ops.paged_attention.get_attention_backend`. With tp_size > 1,
+    torch.distributed must be initialized; `group` defaults to the default process group.
+    `parallel`, when given, replaces (tp_rank, tp_size, group) with a ready ParallelState.
+    """
+    path = require_model_dir(model_path)
+    hf = read_hf_config(path)
+    model_class = MODEL_REGISTRY[architecture_of(hf)][0]
+    dtype = resolve_dtype(dtype, hf)
+    device = torch.device(device)
+    if isinstance(attn_backend, str):
+        from rayserve_paged.ops.paged_attention import get_attention_backend
+
+        attn_backend = get_attention_backend(attn_backend, device)
+    parallel = parallel or ParallelState(tp_rank, tp_size, group)
+    with torch.device(device):
+        model = model_class(hf, attn_backend, parallel, dtype)
+    with torch.no_grad():
+        load_weights(model, iter_checkpoint(path), source=str(path))
+    return model.eval()

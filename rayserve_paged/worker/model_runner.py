@@ -1,0 +1,104 @@
+"""SchedulerOutput -> model inputs -> logits -> samples, for one tensor-parallel rank.
+
+The step's tokens are packed prefill-first (see ops/attention.py); `logits_indices` picks
+each scheduled sequence's last new token, in SchedulerOutput order, for the sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rayserve_paged.core.outputs import ScheduledSeq, SchedulerOutput
+from rayserve_paged.models.sampler import Sampler, SamplerOutput
+from rayserve_paged.ops.attention import AttentionMetadata
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_seqs] int64: last new token of each scheduled seq
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device, sampler: Sampler | None):
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.sampler = sampler  # only the rank that returns samples has one
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        seqs = [s for g in out.groups for s in g.seqs]
+        prefills = [s for s in seqs if len(s.token_ids) > 1]
+        decodes = [s for s in seqs if len(s.token_ids) == 1]
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_index: dict[int, int] = {}
+        for s in prefills + decodes:
+            table = s.block_table
+            for pos in range(s.start_pos, s.start_pos + len(s.token_ids)):
+                slots.append(table[pos // bs] * bs + pos % bs)
+            positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+            input_ids.extend(s.token_ids)
+            last_index[s.seq_id] = len(input_ids) - 1
+        device = self.device
+        query_lens = [len(s.token_ids) for s in prefills]
+        prefill_seq_lens = [s.start_pos + n for s, n in zip(prefills, query_lens)]
+        decode_seq_lens = [s.start_pos + 1 for s in decodes]
+        query_start = [0]
+        for n in query_lens:
+            query_start.append(query_start[-1] + n)
+        metadata = AttentionMetadata(
+            slot_mapping=_long(slots, device),
+            num_prefill_tokens=query_start[-1],
+            num_decode_tokens=len(decodes),
+            block_size=bs,
+            prefill_query_start_loc=_int(query_start, device),
+            prefill_context_lens=_int([s.start_pos for s in prefills], device),
+            prefill_seq_lens=_int(prefill_seq_lens, device),
+            prefill_block_tables=_block_tables(prefills, device),
+            max_prefill_query_len=max(query_lens, default=0),
+            max_prefill_seq_len=max(prefill_seq_lens, default=0),
+            decode_seq_lens=_int(decode_seq_lens, device),
+            decode_block_tables=_block_tables(decodes, device),
+            max_decode_seq_len=max(decode_seq_lens, default=0),
+            prefill_query_lens_host=query_lens,
+            prefill_seq_lens_host=prefill_seq_lens,
+            decode_seq_lens_host=decode_seq_lens,
+        )
+        return StepInputs(
+            input_ids=_long(input_ids, device),
+            positions=_long(positions, device),
+            metadata=metadata,
+            logits_indices=_long([last_index[s.seq_id] for s in seqs], device),
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, kv_caches: list) -> SamplerOutput | None:
+        if not out.groups:
+            return SamplerOutput([]) if self.sampler is not None else None
+        inputs = self.prepare(out)
+        hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.metadata)  # [T, hidden]
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # [num_seqs, vocab]
+        if self.sampler is None:
+            return None
+        return self.sampler(logits, out.groups)
+
+
+def _long(values: list[int], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _int(values: list[int], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _block_tables(seqs: list[ScheduledSeq], device) -> torch.Tensor:
+    width = max((len(s.block_table) for s in seqs), default=0)
+    rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(seqs), width)  # [n, max_blocks]

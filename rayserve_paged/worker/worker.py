@@ -1,0 +1,167 @@
+"""One tensor-parallel rank: its model shard, its share of every KV block (device pool and
+CPU swap pool), and the step: swap out, swap in, copy, then run the model.
+
+Workers never allocate blocks: the scheduler's block ids and (src, dst) lists are applied
+as given. All ranks use the same block ids and hold only their own KV heads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from rayserve_paged.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
+from rayserve_paged.core.outputs import SchedulerOutput
+from rayserve_paged.models.layers import ParallelState
+from rayserve_paged.models.loader import get_model_config, load_model
+from rayserve_paged.models.sampler import Sampler, SamplerOutput
+from rayserve_paged.ops.cache_ops import copy_blocks, swap_kv_blocks
+from rayserve_paged.ops.paged_attention import get_attention_backend
+from rayserve_paged.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+@dataclass(slots=True)
+class CacheSizes:
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    block_bytes: int  # one block, all layers, K and V, this rank
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for, but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def choose_dtype(config: EngineConfig, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    if config.dtype != "auto":
+        return getattr(torch, config.dtype)
+    # CPU kernels are float32; GPUs run the checkpoint's dtype (float32 checkpoints in bf16)
+    if device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if checkpoint_dtype == torch.float32 else checkpoint_dtype
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_path: str, rank: int = 0, world_size: int = 1) -> None:
+        self.config = config
+        self.model_path = model_path
+        self.rank = rank
+        self.world_size = world_size
+        self.device = resolve_device(config.device)
+        self.model_config = get_model_config(model_path)
+        self.dtype = choose_dtype(config, self.model_config.torch_dtype, self.device)
+        self.num_kv_heads = self.model_config.num_kv_heads_per_rank(world_size)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.runner: ModelRunner | None = None
+
+    # ------------------------------------------------------------------ start-up
+
+    def load_model(self, group=None) -> None:
+        if self.device.type == "cpu" and self.config.num_cpu_threads:
+            torch.set_num_threads(self.config.num_cpu_threads)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        backend = get_attention_backend(self.config.attention_backend, self.device)
+        parallel = ParallelState(self.rank, self.world_size, group)
+        model = load_model(self.model_path, self.dtype, self.device, backend, parallel=parallel)
+        sampler = Sampler(len(self.model_config.eos_token_ids)) if self.rank == 0 else None
+        self.runner = ModelRunner(model, self.config.block_size, self.device, sampler)
+        logger.info(
+            "rank %d loaded %s (%s, %s, attention %s)", self.rank, self.model_path, self.dtype, self.device, backend.name
+        )
+
+    def block_bytes(self) -> int:
+        mc = self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * mc.num_layers * self.config.block_size * self.num_kv_heads * mc.head_dim * elem
+
+    def determine_num_blocks(self) -> CacheSizes:
+        """KV blocks this rank can hold: explicit on CPU, profiled on GPU."""
+        block_bytes = self.block_bytes()
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            num_gpu = cfg.num_gpu_blocks_override
+        elif self.device.type == "cpu" or cfg.kv_cache_memory_gb is not None:
+            gb = cfg.kv_cache_memory_gb if cfg.kv_cache_memory_gb is not None else DEFAULT_CPU_KV_CACHE_GB
+            num_gpu = int(gb * GiB) // block_bytes
+        else:
+            num_gpu = self._profile_gpu_blocks(block_bytes)
+        num_cpu = int(cfg.swap_space_gb * GiB) // block_bytes
+        return CacheSizes(num_gpu, num_cpu, block_bytes)
+
+    def _profile_gpu_blocks(self, block_bytes: int) -> int:
+        """Run a dummy step at the token budget, then give what is left to the KV cache."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        free_before, total = torch.cuda.mem_get_info(self.device)
+        self._profile_run()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        used_by_others = total - free_before - torch.cuda.memory_allocated(self.device)
+        budget = total * self.config.gpu_memory_utilization - used_by_others - peak
+        torch.cuda.empty_cache()
+        return max(int(budget) // block_bytes, 0)
+
+    def _profile_run(self) -> None:
+        from rayserve_paged.core.outputs import ScheduledGroup, ScheduledSeq
+        from rayserve_paged.core.sequence import SamplingParams
+
+        max_len = self.config.max_model_len or self.model_config.max_model_len
+        budget = self.config.resolved_max_num_batched_tokens(max_len)
+        seq_len = min(max_len, budget)
+        num_seqs = max(1, budget // seq_len)
+        bs = self.config.block_size
+        num_blocks = -(-seq_len // bs)
+        self._allocate_caches(num_blocks, 0)
+        params = SamplingParams(temperature=1.0, max_tokens=1)
+        groups = [
+            ScheduledGroup(f"profile-{i}", [ScheduledSeq(i, [0] * seq_len, 0, list(range(num_blocks)), 0, 0)], params, seq_len, True)
+            for i in range(num_seqs)
+        ]
+        self.runner.execute(SchedulerOutput(groups=groups), self.kv_caches)
+        self.kv_caches = []
+
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self._allocate_caches(num_gpu_blocks, num_cpu_blocks)
+
+    def _allocate_caches(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        mc = self.model_config
+        shape = (num_gpu_blocks, self.config.block_size, self.num_kv_heads, mc.head_dim)
+        cpu_shape = (num_cpu_blocks, *shape[1:])
+        pin = self.device.type == "cuda"
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(mc.num_layers)
+        ]  # per layer: [num_blocks, block_size, num_kv_heads, head_dim]
+        self.cpu_caches = [
+            (torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin), torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin))
+            for _ in range(mc.num_layers)
+        ]
+
+    # ------------------------------------------------------------------ the step
+
+    def execute(self, out: SchedulerOutput) -> SamplerOutput | None:
+        # Order matters: blocks swapped out this step may be handed to swap-ins and copies.
+        if out.blocks_to_swap_out:
+            swap_kv_blocks(self.kv_caches, self.cpu_caches, out.blocks_to_swap_out)
+        if out.blocks_to_swap_in:
+            swap_kv_blocks(self.cpu_caches, self.kv_caches, out.blocks_to_swap_in)
+        if (out.blocks_to_swap_out or out.blocks_to_swap_in) and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the one sync point of the step's swaps
+        if out.blocks_to_copy:
+            copy_blocks(self.kv_caches, out.blocks_to_copy)
+        return self.runner.execute(out, self.kv_caches)
+
+    def ping(self) -> int:
+        return os.getpid()

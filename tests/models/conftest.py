@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rayserve_paged.models.loader import get_model_config, load_model
+from rayserve_paged.models.tiny import make_tiny_model
+
+from .paged import PagedRunner
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine spinning
+    worker threads make them many times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """make(arch, **overrides) -> a tiny checkpoint dir, written once per session per arguments."""
+    made = {}
+
+    def make(arch: str, **overrides):
+        key = (arch, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in made:
+            made[key] = make_tiny_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}"), **overrides)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """load(path) -> transformers AutoModelForCausalLM in float32, eval mode, cached."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = {}
+
+    def load(path):
+        if path not in loaded:
+            loaded[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return loaded[path]
+
+    return load
+
+
+def make_runner(path, **kwargs) -> PagedRunner:
+    config = get_model_config(path)
+    model = load_model(path, dtype=torch.float32)
+    return PagedRunner(model, config.num_layers, config.num_kv_heads, config.head_dim, **kwargs)
+
+
+def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), vocab] float32 logits of HF's model over one unpadded sequence."""
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].float()

@@ -1,0 +1,73 @@
+"""RoPE settings from transformers-5 `rope_parameters` and from older `rope_theta` /
+`rope_scaling` keys give the same model, and match transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rayserve_paged.models.layers import RopeScaling, rope_inv_freq, rope_scaling_from_hf
+
+from .conftest import hf_logits, make_runner
+
+PROMPTS = [[1, *range(100, 130)], [1, 7, 8, 9]]
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+# (new-style overrides, old-style overrides) describing the same RoPE
+EQUIVALENT = {
+    "default": (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+        {"rope_parameters": None, "rope_theta": 500000.0},
+    ),
+    "linear": (
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+        {"rope_parameters": None, "rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 4.0}},
+    ),
+    "llama3": (
+        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3}},
+        {"rope_parameters": None, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **LLAMA3}},
+    ),
+}
+
+
+def _prefill(path) -> torch.Tensor:
+    return make_runner(path).step(list(enumerate(PROMPTS)), all_logits=True)
+
+
+@pytest.mark.parametrize("kind", list(EQUIVALENT))
+def test_new_and_old_keys_load_the_same_and_match_hf(kind, tiny_checkpoint, hf_model):
+    new_style, old_style = EQUIVALENT[kind]
+    new_path, old_path = tiny_checkpoint("llama", **new_style), tiny_checkpoint("llama", **old_style)
+    ours_new, ours_old = _prefill(new_path), _prefill(old_path)
+    assert torch.equal(ours_new, ours_old)
+    for path in (new_path, old_path):
+        ref = torch.cat([hf_logits(hf_model(path), p) for p in PROMPTS])
+        torch.testing.assert_close(ours_new, ref, atol=1e-4, rtol=0)
+
+
+def test_theta_matters(tiny_checkpoint):
+    base = _prefill(tiny_checkpoint("llama"))  # theta 10000
+    other = _prefill(tiny_checkpoint("llama", **EQUIVALENT["default"][0]))  # theta 500000
+    assert not torch.allclose(base, other, atol=1e-3)
+
+
+def test_parse_defaults_and_fallbacks():
+    assert rope_scaling_from_hf({}) == RopeScaling()
+    assert rope_scaling_from_hf({"rope_theta": 1e6, "rope_scaling": None}).theta == 1e6
+    # a rope_parameters dict without a theta takes the top-level one
+    parsed = rope_scaling_from_hf({"rope_theta": 5e5, "rope_parameters": {"rope_type": "linear", "factor": 2}})
+    assert (parsed.rope_type, parsed.theta, parsed.factor) == ("linear", 5e5, 2.0)
+    llama3 = rope_scaling_from_hf({"max_position_embeddings": 4096, "rope_scaling": {"type": "llama3", "factor": 8}})
+    assert llama3.original_max_position_embeddings == 4096
+
+
+@pytest.mark.parametrize("kind", ["linear", "llama3"])
+def test_inv_freq_matches_transformers(kind):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = EQUIVALENT[kind][0]["rope_parameters"]
+    hf_config = LlamaConfig(hidden_size=256, num_attention_heads=2, rope_parameters=dict(params))
+    expected, _ = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu")
+    ours = rope_inv_freq(128, rope_scaling_from_hf({"rope_parameters": params}))
+    torch.testing.assert_close(ours, expected, atol=0, rtol=1e-6)
