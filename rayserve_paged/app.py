@@ -1,0 +1,105 @@
+"""The Serve application: `import_path: rayserve_paged.app:build_app`.
+
+    HTTP ──> OpenAIIngress ──handle──> LLMServer replica ──> SchedulerActor ──> Worker actors
+                                        (bundle 0)            (bundle 0)         (bundles 1..TP)
+
+`build_app(args)` validates AppArgs once (an invalid field fails here, named) and binds
+undecorated deployment classes; each LLMServer replica gets a placement group of its own,
+so an autoscaled replica always brings its own workers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from rayserve_paged.config import EngineConfig
+
+
+class AppArgs(EngineConfig):
+    """Engine options (EngineConfig's fields) plus how Serve runs the deployments."""
+
+    served_model_name: str | None = Field(None, description="Model name in the API; defaults to `model`.")
+    api_key: str | None = Field(None, description="Require `Authorization: Bearer <api_key>` (not on /health).")
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Serve autoscaling for LLMServer (min_replicas, max_replicas, target_ongoing_requests ...)."
+    )
+    num_replicas: int = Field(1, ge=1, description="Fixed LLMServer replicas when autoscaling_config is unset.")
+    max_ongoing_requests: int = Field(256, ge=1, description="Requests in flight per LLMServer replica.")
+    ray_actor_options: dict[str, Any] = Field(
+        default_factory=lambda: {"num_cpus": 0.1}, description="Options of the LLMServer replica actor."
+    )
+    scheduler_cpus: float = Field(0.1, ge=0, description="CPUs of the SchedulerActor (bundle 0).")
+    worker_cpus: float = Field(1.0, gt=0, description="CPUs of each tensor-parallel Worker actor.")
+    placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="How a replica's bundles are placed."
+    )
+    ingress_cpus: float = Field(0.1, ge=0, description="CPUs of each OpenAIIngress replica.")
+    ingress_replicas: int = Field(1, ge=1, description="OpenAIIngress replicas.")
+    ingress_max_ongoing_requests: int = Field(1024, ge=1, description="Requests in flight per ingress replica.")
+
+
+def uses_gpu(args: EngineConfig) -> bool:
+    if args.device != "auto":
+        return args.device == "cuda"
+    import ray
+
+    if ray.is_initialized():
+        return bool(ray.cluster_resources().get("GPU", 0))
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def placement_group_bundles(args: AppArgs) -> list[dict[str, float]]:
+    """Bundle 0: the replica and its SchedulerActor; then one bundle per TP rank."""
+    replica_cpus = float(args.ray_actor_options.get("num_cpus", 1.0))
+    worker = {"CPU": args.worker_cpus}
+    if uses_gpu(args):
+        worker["GPU"] = 1.0
+    return [{"CPU": replica_cpus + args.scheduler_cpus}] + [dict(worker) for _ in range(args.tensor_parallel_size)]
+
+
+def engine_config_of(args: AppArgs) -> EngineConfig:
+    return EngineConfig(**args.model_dump(include=set(EngineConfig.model_fields)))
+
+
+def llm_server_options(args: AppArgs) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "name": "LLMServer",
+        "max_ongoing_requests": args.max_ongoing_requests,
+        "ray_actor_options": dict(args.ray_actor_options),
+        "placement_group_bundles": placement_group_bundles(args),
+        "placement_group_strategy": args.placement_group_strategy,
+        "health_check_period_s": 5,
+        "health_check_timeout_s": 30,
+    }
+    if args.autoscaling_config is not None:
+        options["autoscaling_config"] = dict(args.autoscaling_config)
+    else:
+        options["num_replicas"] = args.num_replicas
+    return options
+
+
+def build_app(args: AppArgs | dict):
+    """Serve application builder (also what `serve run configs/*.yaml` calls)."""
+    from ray import serve
+
+    from rayserve_paged.deployments.llm_server import LLMServer
+    from rayserve_paged.deployments.openai_ingress import OpenAIIngress
+
+    if not isinstance(args, AppArgs):
+        args = AppArgs(**args)
+    engine = engine_config_of(args)
+    llm = serve.deployment(LLMServer, **llm_server_options(args)).bind(
+        engine.model_dump(), scheduler_cpus=args.scheduler_cpus, worker_cpus=args.worker_cpus
+    )
+    ingress = serve.deployment(
+        OpenAIIngress,
+        name="OpenAIIngress",
+        num_replicas=args.ingress_replicas,
+        max_ongoing_requests=args.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": args.ingress_cpus},
+    )
+    return ingress.bind(llm, args.tokenizer or args.model, args.served_model_name or args.model, args.api_key)

@@ -1,0 +1,168 @@
+"""The SchedulerActor: a Ray actor that owns the LLMEngine (block manager, scheduler,
+sequence groups) and runs its step loop while work exists.
+
+    callers (asyncio)                      step thread
+    add_request / abort  ── ops queue ──>  apply ops between steps ─> engine.step()
+    outputs() stream     <── per step ───  every advanced request's output, one batch
+
+The engine is not thread-safe, so only the step thread touches it; requests and aborts
+wait in a queue and are applied between steps, so they never block the loop. Outputs leave
+as one batch per step on a single stream (one object per step, not one per token per
+request); the owner dispatches them to its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from rayserve_paged.config import EngineConfig
+from rayserve_paged.core.sequence import SamplingParams
+from rayserve_paged.engine.llm_engine import LLMEngine
+from rayserve_paged.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepTiming:
+    steps: int = 0
+    step_s: float = 0.0  # wall time of engine.step() in total
+
+
+class SchedulerActor:
+    def __init__(self, config: EngineConfig, worker_cpus: float = 1.0, executor: str = "ray") -> None:
+        if executor == "ray":
+            from rayserve_paged.engine.ray_executor import RayExecutor
+
+            factory = lambda c, p: RayExecutor(c, p, worker_cpus=worker_cpus)  # noqa: E731
+        else:
+            factory = None
+        self.engine = LLMEngine(config, executor_factory=factory) if factory else LLMEngine(config)
+        self._ops: deque = deque()
+        self._wake = threading.Event()
+        self._batches: asyncio.Queue | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._alive = True
+        self._error: BaseException | None = None
+        self.timing = StepTiming()
+        self._thread = threading.Thread(target=self._run, name="step-loop", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ called by the owner
+
+    async def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams
+    ) -> None:
+        """Queue a request; raises the engine's validation error for bad input."""
+        self._attach_loop()
+        if self._error is not None:
+            raise RuntimeError(f"the engine failed: {self._error!r}")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(("add", (request_id, prompt, params, prompt_token_ids), done))
+        await asyncio.wrap_future(done)
+
+    async def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id, None))
+
+    async def outputs(self):
+        """Streaming: one list of RequestOutputs per step in which any request advanced."""
+        self._attach_loop()
+        while True:
+            batch = await self._batches.get()
+            if isinstance(batch, BaseException):
+                raise batch
+            yield batch
+
+    async def check_health(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the step loop failed: {self._error!r}")
+        if not self._thread.is_alive():
+            raise RuntimeError("the step loop is not running")
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.executor.check_health)
+
+    def model_info(self) -> dict:
+        engine = self.engine
+        return {
+            "model": engine.config.model,
+            "model_path": engine.model_path,
+            "max_model_len": engine.max_model_len,
+            "vocab_size": engine.model_config.vocab_size,
+            "max_logprobs": engine.config.max_logprobs,
+            "num_gpu_blocks": engine.cache_sizes.num_gpu_blocks,
+            "num_cpu_blocks": engine.cache_sizes.num_cpu_blocks,
+            "block_size": engine.config.block_size,
+        }
+
+    def stats(self) -> dict:
+        usage = self.engine.block_manager.usage()
+        return {
+            "num_unfinished_requests": self.engine.num_unfinished_requests(),
+            "gpu_blocks_used": usage.gpu_used,
+            "cpu_blocks_used": usage.cpu_used,
+            "steps": self.timing.steps,
+            "step_s": self.timing.step_s,
+        }
+
+    def shutdown(self) -> None:
+        self._alive = False
+        self._wake.set()
+        self._thread.join(timeout=10)
+        self.engine.executor.shutdown()
+
+    # ------------------------------------------------------------------ internals
+
+    def _attach_loop(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._batches = asyncio.Queue()
+
+    def _submit(self, op) -> None:
+        self._ops.append(op)
+        self._wake.set()
+
+    def _publish(self, item) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._batches.put_nowait, item)
+
+    def _apply_ops(self) -> None:
+        while self._ops:
+            kind, payload, done = self._ops.popleft()
+            if kind == "add":
+                try:
+                    self.engine.add_request(*payload)
+                except Exception as e:  # bad input: the caller gets the error, the loop goes on
+                    done.set_exception(e)
+                else:
+                    done.set_result(None)
+            else:
+                self.engine.abort_request(payload)
+
+    def _run(self) -> None:
+        try:
+            while self._alive:
+                self._apply_ops()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                start = time.perf_counter()
+                outputs = self.engine.step()
+                self.timing.steps += 1
+                self.timing.step_s += time.perf_counter() - start
+                if outputs:
+                    self._publish(outputs)
+        except BaseException as e:  # a worker died, a kernel failed: every waiter must hear it
+            logger.exception("step loop failed")
+            self._error = e
+            failure = RuntimeError(f"the engine failed: {e!r}")
+            while self._ops:
+                _, _, done = self._ops.popleft()
+                if done is not None:
+                    done.set_exception(failure)
+            self._publish(failure)

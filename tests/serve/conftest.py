@@ -1,0 +1,65 @@
+"""One Ray cluster for the whole serving test session (2 CPUs, no dashboard), shared by the
+test process and the `serve run` subprocess."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_bin() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """Address of a local head node started for this session; stopped at the end."""
+    os.environ.update(RAY_ENV)
+    cache = tmp_path_factory.mktemp("model-cache")
+    os.environ["RAYSERVE_PAGED_CACHE"] = str(cache)  # tiny models made once, shared by processes
+    port = _free_port()
+    env = dict(os.environ)
+    subprocess.run(
+        [_ray_bin(), "start", "--head", f"--port={port}", "--num-cpus=2", "--num-gpus=0",
+         "--include-dashboard=false", "--disable-usage-stats"],
+        check=True, env=env, capture_output=True,
+    )  # fmt: skip
+    address = f"127.0.0.1:{port}"
+    import ray
+
+    ray.init(address=address)
+    yield address
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+        subprocess.run([_ray_bin(), "stop", "--force"], env=env, capture_output=True)
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+@pytest.fixture()
+def serve_session(ray_cluster):
+    """Serve on the session cluster; every app is deleted after the test."""
+    from ray import serve
+
+    serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
+    yield serve
+    for name in list(serve.status().applications):
+        serve.delete(name)
