@@ -19,7 +19,8 @@ class Detokenizer:
 
     def start(self, seq: Sequence, skip_special_tokens: bool) -> None:
         tail = seq.prompt_token_ids[-_PROMPT_CONTEXT:]
-        seq.tokens_text = self.tokenizer.convert_ids_to_tokens(tail, skip_special_tokens=skip_special_tokens)
+        pieces = self.tokenizer.convert_ids_to_tokens(tail, skip_special_tokens=skip_special_tokens)
+        seq.tokens_text = [p for p in pieces if p is not None]
         seq.prefix_offset = 0
         seq.read_offset = len(seq.tokens_text)
 
@@ -28,6 +29,7 @@ class Detokenizer:
         if seq.tokens_text is None:
             self.start(seq, skip_special_tokens)
         pieces = self.tokenizer.convert_ids_to_tokens([token_id], skip_special_tokens=skip_special_tokens)
+        pieces = [p for p in pieces if p is not None]  # ids past the tokenizer's vocab have no text
         if not pieces:
             return ""
         seq.tokens_text.extend(pieces)

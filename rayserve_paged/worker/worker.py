@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,8 @@ class Worker:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.runner: ModelRunner | None = None
+        self.num_steps = 0
+        self.execute_s = 0.0  # wall time inside execute(): swaps, copies, model, sampler
 
     # ------------------------------------------------------------------ start-up
 
@@ -152,6 +155,14 @@ class Worker:
     # ------------------------------------------------------------------ the step
 
     def execute(self, out: SchedulerOutput) -> SamplerOutput | None:
+        start = time.perf_counter()
+        try:
+            return self._execute(out)
+        finally:
+            self.num_steps += 1
+            self.execute_s += time.perf_counter() - start
+
+    def _execute(self, out: SchedulerOutput) -> SamplerOutput | None:
         # Order matters: blocks swapped out this step may be handed to swap-ins and copies.
         if out.blocks_to_swap_out:
             swap_kv_blocks(self.kv_caches, self.cpu_caches, out.blocks_to_swap_out)
@@ -165,3 +176,7 @@ class Worker:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def timing(self) -> tuple[int, float]:
+        """(steps executed, seconds inside execute) since start-up."""
+        return self.num_steps, self.execute_s

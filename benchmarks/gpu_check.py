@@ -1,0 +1,607 @@
+"""Triton kernels on a GPU: tests, decode and prefill timing, end-to-end greedy parity.
+
+    python benchmarks/gpu_check.py OUT_DIR [--quick] [--skip-tests] [--skip-e2e]
+
+With CUDA (sized for one H200, under 8 minutes; --quick does less of each):
+  tests    pytest tests/ops/test_triton.py compiled on the GPU (RAYSERVE_PAGED_TRITON_TEST_DEVICE=cuda)
+  copy     device-to-device copy bandwidth of a 2 GiB tensor (bytes read + written per second):
+           the roofline the attention figures are compared with
+  decode   paged decode attention for batch 1/16/64/256 x context 512/2048/8192, float16 and
+           bfloat16, 32 query / 8 kv heads, head 128, block 16, blocks scattered at random:
+           both variants and the rule's pick; bytes it must read, GB/s, share of the copy
+           bandwidth; torch SDPA on the same K/V laid out contiguously (time ratio paged / dense)
+  prefill  paged prefill attention with and without cached context: time, TFLOP/s, vs SDPA
+  e2e      a random-weight OPT-1.3B-shaped checkpoint (hidden 2048, 24 layers, ffn 8192,
+           32 heads; the tiny 512-token vocabulary) in float16: the engine's greedy tokens with
+           attention_backend="triton" against HF generate in float16 (match rate), and engine
+           tokens/s with the triton and the torch backends
+Without CUDA it runs what a CPU can: the interpreter tests (TRITON_INTERPRET=1; the `quick`
+subset with --quick) and a tiny end-to-end run (tiny OPT, torch backend and the interpreted
+triton backend, against HF), and lists the GPU parts as skipped.
+
+Writes OUT_DIR/gpu_check.json (every figure) and prints a short table last.
+Timing: CUDA graph replay (eager when capture fails) between torch.cuda.Event pairs, after
+warm-up; the median of the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+# Wall-clock guards that keep a full run under 8 minutes: the test run is killed after
+# TESTS_TIMEOUT_S, and no new copy / decode / prefill point starts after BENCH_BUDGET_S.
+TESTS_TIMEOUT_S = {"quick": 150, "full": 240}
+BENCH_BUDGET_S = {"quick": 90.0, "full": 150.0}
+DECODE_BATCHES = (1, 16, 64, 256)
+DECODE_CONTEXTS = (512, 2048, 8192)
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+PREFILL_CASES = ((1, 0, 2048), (8, 0, 512), (4, 1024, 512), (16, 0, 128))  # (num_seqs, context, new tokens)
+OPT_1_3B = dict(
+    hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32, word_embed_proj_dim=2048,
+    max_position_embeddings=2048,
+)
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog",
+    "Paged attention keeps the cache in blocks",
+    "Hello",
+    "A much longer prompt that runs across more than one block of sixteen tokens, "
+    "so that the block tables of this batch have different lengths and shapes",
+]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path, help="directory for gpu_check.json")
+    parser.add_argument("--quick", action="store_true", help="fewer tests, shapes, repeats and layers")
+    parser.add_argument("--skip-tests", action="store_true", help="do not run tests/ops/test_triton.py")
+    parser.add_argument("--skip-e2e", action="store_true", help="do not run the end-to-end comparison")
+    return parser.parse_args(argv)
+
+
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def expired(self) -> bool:
+        return time.monotonic() > self.end
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    if not has_cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: CPU e2e runs the kernels too
+    mode = "quick" if args.quick else "full"
+    report: dict = {"environment": environment(torch), "quick": args.quick, "skipped": {}, "errors": {}}
+    if args.skip_tests:
+        report["skipped"]["tests"] = "--skip-tests"
+    else:
+        run_section(report, "tests", lambda: run_tests(has_cuda, args.quick))
+    if has_cuda:
+        deadline = Deadline(BENCH_BUDGET_S[mode])
+        run_section(report, "copy_bandwidth", lambda: copy_bandwidth(torch))
+        copy_gbps = report.get("copy_bandwidth", {}).get("gbps")
+        run_section(report, "decode", lambda: decode_benchmark(torch, args.quick, copy_gbps, deadline))
+        run_section(report, "prefill", lambda: prefill_benchmark(torch, args.quick, deadline))
+    else:
+        for name in ("copy_bandwidth", "decode", "prefill", "e2e_opt_1.3b_shaped"):
+            report["skipped"][name] = "no CUDA device: GPU parts skipped"
+    if args.skip_e2e:
+        report["skipped"]["e2e"] = "--skip-e2e"
+    elif has_cuda:
+        run_section(report, "e2e", lambda: e2e_gpu(torch, args.quick))
+    else:
+        run_section(report, "e2e", lambda: e2e_cpu(torch))
+    path = args.out_dir / "gpu_check.json"
+    path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    print(format_table(report))
+    print(f"full figures: {path}")
+    tests_failed = report.get("tests", {}).get("returncode", 0) != 0
+    return 1 if tests_failed or report["errors"] else 0
+
+
+def run_section(report: dict, name: str, fn) -> None:
+    print(f"[gpu_check] {name} ...", flush=True)
+    started = time.monotonic()
+    try:
+        report[name] = fn()
+    except Exception as error:  # one broken section must not hide the others' figures
+        report["errors"][name] = f"{type(error).__name__}: {error}"
+        traceback.print_exc()
+    print(f"[gpu_check] {name} done in {time.monotonic() - started:.1f}s", flush=True)
+
+
+def environment(torch) -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError as error:
+        info["triton"] = f"not importable: {error}"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info |= {"device": props.name, "num_sms": props.multi_processor_count, "memory_gib": props.total_memory / 2**30}
+    return info
+
+
+# ---------------------------------------------------------------------------- tests
+
+
+def run_tests(has_cuda: bool, quick: bool) -> dict:
+    device = "cuda" if has_cuda else "cpu"
+    command = [sys.executable, "-m", "pytest", "tests/ops/test_triton.py", "-q", "-p", "no:cacheprovider"]
+    if quick:
+        command += ["-m", "quick"]
+    env = os.environ | {"RAYSERVE_PAGED_TRITON_TEST_DEVICE": device}
+    started = time.monotonic()
+    result = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+        timeout=TESTS_TIMEOUT_S["quick" if quick else "full"],
+    )
+    summary = (result.stdout.strip().splitlines() or [""])[-1]
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}
+    if result.returncode != 0:
+        print(result.stdout[-4000:], result.stderr[-2000:], sep="\n")
+    return {
+        "device": device, "interpreter": not has_cuda, "command": " ".join(command[1:]),
+        "returncode": result.returncode, "summary": summary, "counts": counts,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+def cuda_median_ms(torch, fn, *, repeats: int, warmup: int = 3) -> dict:
+    """Median ms of `fn` replayed from a CUDA graph (eager if capture fails), and eager."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    eager_ms = _median_ms(torch, fn, repeats)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        return {"ms": _median_ms(torch, graph.replay, repeats), "eager_ms": eager_ms, "timing": "cuda_graph"}
+    except Exception as error:  # noqa: BLE001 - fall back to eager timing, and say so
+        torch.cuda.synchronize()
+        return {"ms": eager_ms, "eager_ms": eager_ms, "timing": f"eager ({type(error).__name__})"}
+
+
+def _median_ms(torch, fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(torch, num_bytes: int = 2 * 2**30) -> dict:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    timed = cuda_median_ms(torch, lambda: dst.copy_(src), repeats=20)
+    gbps = 2 * num_bytes / (timed["ms"] * 1e-3) / 1e9  # read + write
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"bytes": num_bytes, "ms": timed["ms"], "gbps": gbps, "note": "GB/s counts bytes read + written"}
+
+
+# ---------------------------------------------------------------------------- decode
+
+
+def decode_bytes(batch: int, context: int, element_size: int, *, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
+                 head_dim=HEAD_DIM, block_size=BLOCK_SIZE) -> int:
+    """Bytes a decode step must move: each sequence's K and V, its query and output, its
+    block table row and length."""
+    kv = 2 * context * num_kv_heads * head_dim * element_size
+    query_and_out = 2 * num_heads * head_dim * element_size
+    table = math.ceil(context / block_size) * 4 + 4
+    return batch * (kv + query_and_out + table)
+
+
+def decode_benchmark(torch, quick: bool, copy_gbps: float | None, deadline: Deadline) -> list[dict]:
+    dtypes = (torch.float16,) if quick else (torch.float16, torch.bfloat16)
+    batches = (1, 64) if quick else DECODE_BATCHES
+    contexts = (512, 8192) if quick else DECODE_CONTEXTS
+    rows = []
+    for dtype in dtypes:
+        for batch in batches:
+            for context in contexts:
+                if deadline.expired():
+                    rows.append({"dtype": str(dtype), "batch": batch, "context": context, "skipped": "time budget"})
+                    continue
+                row = decode_point(torch, dtype, batch, context, repeats=10 if quick else 20)
+                if copy_gbps:
+                    row["fraction_of_copy_bandwidth"] = row["gbps"] / copy_gbps
+                rows.append(row)
+                print(f"  decode {row['dtype']} batch {batch} context {context}: {row['ms']:.4f} ms "
+                      f"{row['gbps']:.0f} GB/s ({row['variant']}), dense {row.get('dense_ms', float('nan')):.4f} ms",
+                      flush=True)
+    return rows
+
+
+def decode_point(torch, dtype, batch: int, context: int, *, repeats: int, device="cuda", timer=None) -> dict:
+    """One decode measurement. `device` and `timer` exist so the CPU tests can run this
+    code under the interpreter with a stand-in timer."""
+    import torch.nn.functional as F
+
+    from rayserve_paged.ops.triton_backend import NOMINAL_NUM_SMS, choose_decode_variant, paged_decode_attention
+
+    timer = timer or cuda_median_ms
+    blocks_per_seq = math.ceil(context / BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq
+    generator = torch.Generator(device=device).manual_seed(batch * 100_003 + context)
+    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    key_cache = torch.randn(cache_shape, generator=generator, device=device, dtype=dtype)
+    value_cache = torch.randn(cache_shape, generator=generator, device=device, dtype=dtype)
+    # blocks scattered over the pool, as after a while of serving
+    block_tables = torch.randperm(num_blocks, generator=generator, device=device).to(torch.int32)
+    block_tables = block_tables.view(batch, blocks_per_seq)  # [batch, blocks_per_seq]
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query = torch.randn((batch, NUM_HEADS, HEAD_DIM), generator=generator, device=device, dtype=dtype)
+    out = torch.empty_like(query)
+    scale = HEAD_DIM**-0.5
+    is_cuda = torch.device(device).type == "cuda"
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if is_cuda else NOMINAL_NUM_SMS
+    rule = choose_decode_variant(batch, NUM_KV_HEADS, context, num_sms)
+
+    def paged(variant):
+        return lambda: paged_decode_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, context, scale, out=out, variant=variant
+        )
+
+    timings = {variant: timer(torch, paged(variant), repeats=repeats) for variant in ("single", "partitioned")}
+    num_bytes = decode_bytes(batch, context, query.element_size())
+    row = {
+        "dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": context, "variant": rule,
+        "ms": timings[rule]["ms"], "eager_ms": timings[rule]["eager_ms"], "timing": timings[rule]["timing"],
+        "single_ms": timings["single"]["ms"], "partitioned_ms": timings["partitioned"]["ms"],
+        "bytes": num_bytes, "gbps": num_bytes / (timings[rule]["ms"] * 1e-3) / 1e9,
+    }
+    row["rule_picked_faster"] = timings[rule]["ms"] <= min(t["ms"] for t in timings.values()) * 1.02
+    # the same K/V laid out contiguously: [batch, num_kv_heads, context, head_dim]
+    index = block_tables.long()
+    dense_k = key_cache[index].reshape(batch, -1, NUM_KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2).contiguous()
+    dense_v = value_cache[index].reshape(batch, -1, NUM_KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2).contiguous()
+    grouped_query = query.view(batch, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, HEAD_DIM)  # heads folded as rows
+
+    def dense():
+        return F.scaled_dot_product_attention(grouped_query, dense_k, dense_v, scale=scale)
+
+    dense_timing = timer(torch, dense, repeats=repeats)
+    row |= {"dense_ms": dense_timing["ms"], "paged_over_dense": row["ms"] / dense_timing["ms"]}
+    paged(rule)()
+    row["max_abs_diff_vs_dense"] = float((out.view_as(grouped_query).float() - dense().float()).abs().max())
+    del key_cache, value_cache, dense_k, dense_v, block_tables, query, out
+    _free_memory(torch)
+    return row
+
+
+# ---------------------------------------------------------------------------- prefill
+
+
+def prefill_benchmark(torch, quick: bool, deadline: Deadline) -> list[dict]:
+    dtypes = (torch.float16,) if quick else (torch.float16, torch.bfloat16)
+    cases = PREFILL_CASES[:2] if quick else PREFILL_CASES
+    rows = []
+    for dtype in dtypes:
+        for num_seqs, context, new_tokens in cases:
+            if deadline.expired():
+                rows.append({"dtype": str(dtype), "num_seqs": num_seqs, "skipped": "time budget"})
+                continue
+            row = prefill_point(torch, dtype, num_seqs, context, new_tokens, repeats=10 if quick else 20)
+            rows.append(row)
+            print(f"  prefill {row['dtype']} {num_seqs} x ({context} + {new_tokens}): {row['ms']:.3f} ms "
+                  f"{row['tflops']:.1f} TFLOP/s", flush=True)
+    return rows
+
+
+def prefill_flops(num_seqs: int, context: int, new_tokens: int, num_heads=NUM_HEADS, head_dim=HEAD_DIM) -> int:
+    """2 matmuls x 2 flops per multiply-add over the visible (query, key) pairs."""
+    visible = new_tokens * context + new_tokens * (new_tokens + 1) // 2
+    return 4 * num_seqs * num_heads * head_dim * visible
+
+
+def prefill_point(
+    torch, dtype, num_seqs: int, context: int, new_tokens: int, *, repeats: int, device="cuda", timer=None
+) -> dict:
+    import torch.nn.functional as F
+
+    from rayserve_paged.ops.triton_backend import paged_prefill_attention
+
+    timer = timer or cuda_median_ms
+    seq_len = context + new_tokens
+    blocks_per_seq = math.ceil(seq_len / BLOCK_SIZE)
+    num_blocks = num_seqs * blocks_per_seq
+    generator = torch.Generator(device=device).manual_seed(num_seqs * 7919 + seq_len)
+    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    key_cache = torch.randn(cache_shape, generator=generator, device=device, dtype=dtype)
+    value_cache = torch.randn(cache_shape, generator=generator, device=device, dtype=dtype)
+    block_tables = torch.randperm(num_blocks, generator=generator, device=device).to(torch.int32)
+    block_tables = block_tables.view(num_seqs, blocks_per_seq)  # [num_seqs, blocks_per_seq]
+    query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * new_tokens
+    context_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
+    query = torch.randn((num_seqs * new_tokens, NUM_HEADS, HEAD_DIM), generator=generator, device=device, dtype=dtype)
+    out = torch.empty_like(query)
+    scale = HEAD_DIM**-0.5
+
+    def paged():
+        return paged_prefill_attention(
+            query, key_cache, value_cache, block_tables, query_start_loc, context_lens, new_tokens, scale, out=out
+        )
+
+    timing = timer(torch, paged, repeats=repeats)
+    flops = prefill_flops(num_seqs, context, new_tokens)
+    row = {
+        "dtype": str(dtype).removeprefix("torch."), "num_seqs": num_seqs, "context": context, "new_tokens": new_tokens,
+        "ms": timing["ms"], "eager_ms": timing["eager_ms"], "timing": timing["timing"],
+        "tflops": flops / (timing["ms"] * 1e-3) / 1e12,
+    }
+    # dense: SDPA over contiguous [num_seqs, heads, len, head_dim], K/V repeated to every query head
+    group = NUM_HEADS // NUM_KV_HEADS
+    index = block_tables.long()
+    dense_k = key_cache[index].reshape(num_seqs, -1, NUM_KV_HEADS, HEAD_DIM)[:, :seq_len].transpose(1, 2)
+    dense_v = value_cache[index].reshape(num_seqs, -1, NUM_KV_HEADS, HEAD_DIM)[:, :seq_len].transpose(1, 2)
+    dense_k = dense_k.repeat_interleave(group, dim=1).contiguous()  # [num_seqs, heads, seq_len, head_dim]
+    dense_v = dense_v.repeat_interleave(group, dim=1).contiguous()
+    dense_q = query.view(num_seqs, new_tokens, NUM_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    try:
+        if context == 0:
+            def dense():
+                return F.scaled_dot_product_attention(dense_q, dense_k, dense_v, is_causal=True, scale=scale)
+        else:
+            from torch.nn.attention.bias import causal_lower_right
+
+            bias = causal_lower_right(new_tokens, seq_len)
+
+            def dense():
+                return F.scaled_dot_product_attention(dense_q, dense_k, dense_v, attn_mask=bias, scale=scale)
+
+        dense_timing = timer(torch, dense, repeats=repeats)
+        row |= {"dense_ms": dense_timing["ms"], "paged_over_dense": timing["ms"] / dense_timing["ms"]}
+        paged()
+        expected = dense().transpose(1, 2).reshape_as(out)
+        row["max_abs_diff_vs_dense"] = float((out.float() - expected.float()).abs().max())
+    except Exception as error:  # noqa: BLE001 - the paged figures stand without the comparison
+        row["dense_error"] = f"{type(error).__name__}: {error}"
+    del key_cache, value_cache, dense_k, dense_v
+    _free_memory(torch)
+    return row
+
+
+def _free_memory(torch) -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+def hf_greedy(model, torch, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
+    """HF generate on one unpadded prompt; the new tokens, cut after the first EOS."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids], device=device),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device),
+            max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+        )
+    new = out[0, len(prompt_ids) :].tolist()
+    for i, token in enumerate(new):
+        if token in eos_ids:
+            return new[: i + 1]
+    return new
+
+
+def compare_with_hf(llm, hf_model, torch, max_tokens: int) -> dict:
+    from rayserve_paged import SamplingParams
+
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    eos = hf_model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    exact, common, total = 0, 0, 0
+    for output in outputs:
+        ours = output.outputs[0].token_ids
+        theirs = hf_greedy(hf_model, torch, output.prompt_token_ids, max_tokens, eos_ids)
+        exact += ours == theirs
+        prefix = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        common += prefix
+        total += max(len(ours), len(theirs))
+    return {
+        "prompts": len(outputs), "exact_match_rate": exact / len(outputs),
+        "token_match_rate": common / max(total, 1), "max_tokens": max_tokens,
+    }
+
+
+def throughput(llm, num_prompts: int, prompt_len: int, max_tokens: int, sync) -> dict:
+    import random
+
+    from rayserve_paged import SamplingParams
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(7, 512) for _ in range(prompt_len)] for _ in range(num_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts[:2], sampling_params=params, use_tqdm=False)  # warm-up
+    sync()
+    started = time.perf_counter()
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    sync()
+    seconds = time.perf_counter() - started
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {
+        "num_prompts": num_prompts, "prompt_len": prompt_len, "max_tokens": max_tokens, "seconds": seconds,
+        "output_tokens_per_s": generated / seconds,
+        "total_tokens_per_s": (generated + num_prompts * prompt_len) / seconds,
+    }
+
+
+def e2e_gpu(torch, quick: bool) -> dict:
+    from rayserve_paged.models.tiny import make_tiny_model
+
+    shape = OPT_1_3B | ({"num_hidden_layers": 4} if quick else {})
+    name = "random-weight OPT-1.3B-shaped" + (", 4 layers (--quick)" if quick else "")
+    with tempfile.TemporaryDirectory(prefix="gpu-check-opt-") as path:
+        started = time.monotonic()
+        make_tiny_model("opt", path, **shape)
+        checkpoint_seconds = time.monotonic() - started
+        result = e2e_run(
+            torch, path, device="cuda", dtype="float16", backends=("triton", "torch"),
+            parity_tokens=16 if quick else 32,
+            load=dict(num_prompts=16, prompt_len=128, max_tokens=64) if quick
+            else dict(num_prompts=64, prompt_len=256, max_tokens=128),
+            engine_options=dict(kv_cache_memory_gb=16, max_model_len=2048, swap_space_gb=1),
+        )
+    result |= {"model": name, "config": shape, "checkpoint_seconds": checkpoint_seconds}
+    result["triton_over_torch_tokens_per_s"] = (
+        result["throughput_triton"]["output_tokens_per_s"] / result["throughput_torch"]["output_tokens_per_s"]
+    )
+    return result
+
+
+def e2e_cpu(torch) -> dict:
+    """The tiny OPT on CPU: torch backend, and the triton kernels under the interpreter."""
+    from rayserve_paged.models.tiny import make_tiny_model
+    from rayserve_paged.ops import triton_backend
+
+    backends = ("torch", "triton") if triton_backend.is_interpreted() else ("torch",)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-tiny-") as path:
+        make_tiny_model("opt", path)
+        result = e2e_run(
+            torch, path, device="cpu", dtype="float32", backends=backends, parity_tokens=12,
+            load=dict(num_prompts=4, prompt_len=24, max_tokens=8),
+            engine_options=dict(kv_cache_memory_gb=0.05, max_model_len=256, swap_space_gb=0.01),
+        )
+    result["model"] = "tiny OPT (hidden 64, 2 layers, 4 heads, head 16), CPU"
+    if "triton" not in backends:
+        result["triton_skipped"] = "the kernels were imported without TRITON_INTERPRET=1"
+    return result
+
+
+def e2e_run(torch, path, *, device, dtype, backends, parity_tokens, load, engine_options) -> dict:
+    """Greedy parity with HF (same dtype) and throughput, for each attention backend."""
+    from transformers import AutoModelForCausalLM
+
+    from rayserve_paged import LLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    result: dict = {"dtype": dtype, "device": device}
+    for backend in backends:
+        llm = LLM(model=path, attention_backend=backend, dtype=dtype, device=device, **engine_options)
+        result[f"hf_parity_{backend}"] = compare_with_hf(llm, hf_model, torch, max_tokens=parity_tokens)
+        result[f"throughput_{backend}"] = throughput(llm, **load, sync=sync)
+        del llm
+        _free_memory(torch)
+    del hf_model
+    _free_memory(torch)
+    return result
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def format_table(report: dict) -> str:
+    lines = ["", "== gpu_check summary =="]
+    env = report["environment"]
+    device = env.get("device", "no CUDA device (CPU only)")
+    lines.append(f"device            {device}; torch {env['torch']}, triton {env.get('triton')}")
+    if not env.get("cuda", True):
+        lines.append("GPU parts         SKIPPED (no CUDA device): only the CPU-checkable parts below ran")
+    tests = report.get("tests")
+    if tests:
+        where = "CPU, Triton interpreter" if tests["interpreter"] else "GPU, compiled"
+        lines.append(f"tests             {tests['summary']} ({where}{', -m quick' if report['quick'] else ''})")
+    copy = report.get("copy_bandwidth")
+    if copy:
+        gib = copy["bytes"] / 2**30
+        lines.append(f"copy bandwidth    {copy['gbps']:.0f} GB/s (read + write, {gib:.0f} GiB tensor)")
+    decode = [row for row in report.get("decode", []) if "ms" in row]
+    if decode:
+        lines.append(
+            "decode            dtype     batch context rule picks        ms    GB/s  %copy  paged/dense"
+            "  single_ms  partitioned_ms"
+        )
+        for row in decode:
+            fraction = row.get("fraction_of_copy_bandwidth")
+            lines.append(
+                f"                  {row['dtype']:<9} {row['batch']:>5} {row['context']:>7} {row['variant']:<11}"
+                f" {row['ms']:>8.4f} {row['gbps']:>7.0f} {100 * fraction if fraction else float('nan'):>5.1f}%"
+                f" {row.get('paged_over_dense', float('nan')):>12.2f} {row['single_ms']:>10.4f}"
+                f" {row['partitioned_ms']:>15.4f}"
+            )
+    prefill = [row for row in report.get("prefill", []) if "ms" in row]
+    if prefill:
+        lines.append("prefill           dtype     seqs context   new       ms  TFLOP/s  paged/dense")
+        for row in prefill:
+            lines.append(
+                f"                  {row['dtype']:<9} {row['num_seqs']:>4} {row['context']:>7} {row['new_tokens']:>5}"
+                f" {row['ms']:>8.3f} {row['tflops']:>8.1f} {row.get('paged_over_dense', float('nan')):>8.2f}"
+            )
+    lines += _e2e_lines(report.get("e2e"))
+    for name, why in report["skipped"].items():
+        lines.append(f"SKIPPED           {name}: {why}")
+    for name, error in report["errors"].items():
+        lines.append(f"ERROR             {name}: {error}")
+    return "\n".join(lines)
+
+
+def _e2e_lines(e2e: dict | None) -> list[str]:
+    if not e2e:
+        return []
+    lines = [f"e2e               {e2e['model']}, {e2e['dtype']}"]
+
+    def label(backend: str) -> str:
+        return "triton (interpreter)" if backend == "triton" and e2e.get("device") == "cpu" else backend
+
+    for key, value in sorted(e2e.items()):
+        if key.startswith("hf_parity_"):
+            backend = label(key.removeprefix("hf_parity_"))
+            lines.append(
+                f"  vs HF greedy    {backend}: {value['exact_match_rate']:.0%} of {value['prompts']} prompts exact, "
+                f"{value['token_match_rate']:.0%} of tokens"
+            )
+        elif key.startswith("throughput_"):
+            backend = label(key.removeprefix("throughput_"))
+            lines.append(
+                f"  tokens/s        {backend}: {value['output_tokens_per_s']:.1f} output "
+                f"tokens/s ({value['num_prompts']} prompts x {value['max_tokens']} tokens)"
+            )
+    if "triton_over_torch_tokens_per_s" in e2e:
+        lines.append(f"  triton / torch  {e2e['triton_over_torch_tokens_per_s']:.2f}x output tokens/s")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())

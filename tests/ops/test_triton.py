@@ -1,0 +1,603 @@
+"""The triton kernels against the torch reference backend and cache_ops, on random inputs.
+
+Runs on CPU under the Triton interpreter (TRITON_INTERPRET=1, set below before triton is
+imported) unless RAYSERVE_PAGED_TRITON_TEST_DEVICE=cuda (the default when CUDA is present),
+in which case the same tests run compiled on the GPU (benchmarks/gpu_check.py does this).
+
+Outputs start poisoned with NaN, and caches hold NaN wherever nothing was written, so an
+element a kernel forgets to write, or a slot it reads without reason, fails the comparison.
+Shapes stay small: the interpreter costs ~0.1 s per (sequence, kv head) program.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import zlib
+
+import torch
+
+DEVICE = os.environ.get("RAYSERVE_PAGED_TRITON_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is decorated, i.e. at import below
+
+import pytest  # noqa: E402
+
+from rayserve_paged.ops import PAD_SLOT, TorchReferenceBackend, get_attention_backend  # noqa: E402
+from rayserve_paged.ops import cache_ops  # noqa: E402
+from rayserve_paged.ops import triton_backend, triton_kernels  # noqa: E402
+from rayserve_paged.ops.triton_backend import (  # noqa: E402
+    TritonBackend,
+    choose_decode_variant,
+    copy_blocks,
+    paged_decode_attention,
+    paged_prefill_attention,
+    reshape_and_cache,
+)
+
+from .builders import make_attention_inputs, make_metadata  # noqa: E402
+
+if DEVICE == "cpu" and not triton_backend.is_interpreted():
+    importlib.reload(triton_kernels)  # something imported the kernels before the variable was set
+assert (DEVICE == "cpu") == triton_backend.is_interpreted(), "kernels must be interpreted exactly on CPU"
+
+# Same-dtype comparison with the reference: both round to the output dtype once.
+TOLERANCES = {torch.float32: 5e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+DTYPES = list(TOLERANCES)
+BLOCK_SIZES = [8, 16, 32]
+HEADS = [(4, 4), (4, 2), (8, 2)]  # (num_heads, num_kv_heads): GQA ratios 1, 2, 4
+HEAD_DIMS = [64, 80, 96, 128, 256]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: intra-op threads only add spin-waiting on a shared 2-core machine."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture
+def generator(request) -> torch.Generator:
+    """A fresh generator per test, seeded from the test id (different for every parameter set)."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def randn(generator, *shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator).to(dtype=dtype, device=DEVICE)
+
+
+def nan_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(tensor, float("nan"))
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Exact, NaN == NaN (the poisoned slots)."""
+    torch.testing.assert_close(actual, expected, atol=0, rtol=0, equal_nan=True)
+
+
+# ---------------------------------------------------------------------------- forward
+
+
+def run_both(case, generator, *, block_size, heads, head_dim, dtype, with_host_lists=True):
+    """Reference and triton forward on the same inputs (separate cache copies)."""
+    batch = make_metadata(
+        **case, block_size=block_size, generator=generator, device=DEVICE, with_host_lists=with_host_lists
+    )
+    num_heads, num_kv_heads = heads
+    inputs = make_attention_inputs(
+        batch, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, generator=generator, dtype=dtype
+    )
+    scale = head_dim**-0.5
+    reference_caches = (inputs.key_cache.clone(), inputs.value_cache.clone())
+    expected = TorchReferenceBackend().forward(
+        inputs.query, inputs.key, inputs.value, *reference_caches, batch.metadata, scale
+    )
+    out = nan_like(inputs.query)  # [num_tokens, num_heads, head_dim]
+    returned = TritonBackend().forward(
+        inputs.query, inputs.key, inputs.value, inputs.key_cache, inputs.value_cache, batch.metadata, scale, out=out
+    )
+    assert returned is out
+    return batch, inputs, out, expected, reference_caches
+
+
+def assert_forward_matches(batch, inputs, out, expected, reference_caches, dtype):
+    num_real = batch.num_real_tokens
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(out[:num_real], expected[:num_real], atol=tolerance, rtol=tolerance)
+    assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:]))  # padding rows
+    assert_bitwise_equal(inputs.key_cache, reference_caches[0])
+    assert_bitwise_equal(inputs.value_cache, reference_caches[1])
+
+
+CASES = {
+    "prefill_fresh": dict(prefills=[(0, 5), (0, 17), (0, 1)]),
+    "prefill_context": dict(prefills=[(16, 3), (7, 20), (33, 1)]),  # prefix hits / recompute
+    "decode": dict(decodes=[0, 5, 31, 40]),
+    "mixed": dict(prefills=[(0, 9), (12, 4)], decodes=[3, 17, 64]),
+    "mixed_padded": dict(prefills=[(5, 6)], decodes=[8, 0], num_pad_tokens=3),
+}
+
+
+def _forward_params():
+    """Every case in every dtype; block size, GQA ratio and head size rotate so that each
+    dtype meets all three block sizes, all three ratios and all five head sizes."""
+    params = []
+    for i, dtype in enumerate(DTYPES):
+        for j, (name, case) in enumerate(CASES.items()):
+            block_size = BLOCK_SIZES[(i + j) % 3]
+            heads = HEADS[(2 * i + j) % 3]
+            head_dim = HEAD_DIMS[(i + j) % 5]
+            case_id = f"{name}-{dtype_name(dtype)}-bs{block_size}-h{heads[0]}kv{heads[1]}-d{head_dim}"
+            marks = [pytest.mark.quick] if name == "mixed_padded" else []
+            params.append(pytest.param(case, dtype, block_size, heads, head_dim, id=case_id, marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("case, dtype, block_size, heads, head_dim", _forward_params())
+def test_forward_matches_reference(case, dtype, block_size, heads, head_dim, generator):
+    results = run_both(case, generator, block_size=block_size, heads=heads, head_dim=head_dim, dtype=dtype)
+    assert_forward_matches(*results, dtype)
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_every_block_size_with_every_gqa_ratio(block_size, heads, generator):
+    results = run_both(CASES["mixed"], generator, block_size=block_size, heads=heads, head_dim=64, dtype=torch.float32)
+    assert_forward_matches(*results, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "heads, head_dim",
+    [((6, 2), 64), ((16, 2), 64), ((4, 4), 16), ((2, 1), 48)],
+    ids=["gqa3", "gqa8", "d16_tiny_models", "d48"],
+)
+def test_odd_groups_and_head_sizes(heads, head_dim, generator):
+    """A group size that is not a power of two (rows of a prefill tile do not divide evenly),
+    a large group, and the head sizes of the tiny test models."""
+    results = run_both(CASES["mixed_padded"], generator, block_size=16, heads=heads, head_dim=head_dim,
+                       dtype=torch.float16)
+    assert_forward_matches(*results, torch.float16)
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+def test_prefill_spanning_several_query_tiles(heads, generator):
+    """40 new tokens after a 37-token context: with GQA 4 a program takes 16 tokens, so the
+    causal boundary crosses three query tiles and non-aligned context blocks."""
+    case = dict(prefills=[(37, 40), (0, 33)])
+    results = run_both(case, generator, block_size=8, heads=heads, head_dim=64, dtype=torch.float32)
+    assert_forward_matches(*results, torch.float32)
+
+
+def test_forward_without_host_lists(generator):
+    """The kernels read lengths from device tensors only; the host lists are optional."""
+    case = CASES["mixed_padded"]
+    results = run_both(
+        case, generator, block_size=16, heads=(4, 2), head_dim=64, dtype=torch.float16, with_host_lists=False
+    )
+    assert_forward_matches(*results, torch.float16)
+
+
+def test_forward_with_strided_views_of_packed_qkv(generator):
+    """What the model passes: query, key and value are views of one [T, (H + 2 Hkv) * D] tensor."""
+    batch = make_metadata(prefills=[(5, 7)], decodes=[9, 20], num_pad_tokens=2, block_size=16, generator=generator,
+                          device=DEVICE)
+    num_heads, num_kv_heads, head_dim = 4, 2, 80
+    inputs = make_attention_inputs(batch, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                   generator=generator, dtype=torch.float32)
+    num_tokens = batch.num_tokens
+    qkv = torch.cat([inputs.query.reshape(num_tokens, -1), inputs.key.reshape(num_tokens, -1),
+                     inputs.value.reshape(num_tokens, -1)], dim=1)  # [T, (H + 2 Hkv) * D]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    query = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
+    key = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+    assert not query.is_contiguous() and not key.is_contiguous()
+    reference_caches = (inputs.key_cache.clone(), inputs.value_cache.clone())
+    expected = TorchReferenceBackend().forward(
+        inputs.query, inputs.key, inputs.value, *reference_caches, batch.metadata, 0.1
+    )
+    out = TritonBackend().forward(query, key, value, inputs.key_cache, inputs.value_cache, batch.metadata, 0.1)
+    assert out.is_contiguous()
+    assert_forward_matches(batch, inputs, out, expected, reference_caches, torch.float32)
+
+
+def test_forward_with_only_padding_tokens(generator):
+    batch = make_metadata(num_pad_tokens=3, block_size=16, generator=generator, device=DEVICE)
+    inputs = make_attention_inputs(batch, num_heads=4, num_kv_heads=2, head_dim=64, generator=generator)
+    cache_before = inputs.key_cache.clone()
+    out = TritonBackend().forward(
+        inputs.query, inputs.key, inputs.value, inputs.key_cache, inputs.value_cache, batch.metadata, 0.1,
+        out=nan_like(inputs.query),
+    )
+    assert torch.equal(out, torch.zeros_like(out))
+    assert_bitwise_equal(inputs.key_cache, cache_before)
+
+
+# ---------------------------------------------------------------------------- decode variants
+
+
+def decode_problem(generator, decodes, *, block_size, heads, head_dim, dtype, table_dtype=torch.int32):
+    """Caches holding every decode sequence's whole context (new token included, written by
+    the reference), the reference output, and the decode arguments."""
+    batch = make_metadata(decodes=decodes, block_size=block_size, generator=generator, device=DEVICE)
+    num_heads, num_kv_heads = heads
+    inputs = make_attention_inputs(
+        batch, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, generator=generator, dtype=dtype
+    )
+    metadata = batch.metadata
+    scale = head_dim**-0.5
+    expected = TorchReferenceBackend().forward(
+        inputs.query, inputs.key, inputs.value, inputs.key_cache, inputs.value_cache, metadata, scale
+    )
+    args = (
+        inputs.query, inputs.key_cache, inputs.value_cache, metadata.decode_block_tables.to(table_dtype),
+        metadata.decode_seq_lens.to(table_dtype), metadata.max_decode_seq_len, scale,
+    )
+    return args, expected
+
+
+def _variant_params():
+    params = []
+    for variant in ("single", "partitioned"):
+        for i, dtype in enumerate(DTYPES):
+            block_size, heads = BLOCK_SIZES[i], HEADS[(i + 1) % 3]
+            head_dim = (64, 80, 128)[i]
+            case_id = f"{variant}-{dtype_name(dtype)}-bs{block_size}-h{heads[0]}kv{heads[1]}-d{head_dim}"
+            marks = [pytest.mark.quick] if dtype == torch.float16 else []
+            params.append(pytest.param(variant, dtype, block_size, heads, head_dim, id=case_id, marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("variant, dtype, block_size, heads, head_dim", _variant_params())
+def test_decode_variant_matches_reference(variant, dtype, block_size, heads, head_dim, generator):
+    """Contexts on, just past and well past partition boundaries (partition_size 64 here)."""
+    decodes = [0, 63, 64, 130, 200]  # seq_lens 1, 64, 65, 131, 201: 1 to 4 partitions
+    args, expected = decode_problem(generator, decodes, block_size=block_size, heads=heads, head_dim=head_dim,
+                                    dtype=dtype)
+    out = nan_like(args[0])
+    paged_decode_attention(*args, out=out, variant=variant, partition_size=64)
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("partition_size", [16, 48, 128])
+def test_partitioned_decode_with_partitions_unaligned_to_tiles(partition_size, generator):
+    """A partition need not be a multiple of the key tile or the block size."""
+    args, expected = decode_problem(generator, [7, 100, 47], block_size=16, heads=(4, 2), head_dim=64,
+                                    dtype=torch.float32, table_dtype=torch.int64)
+    out = paged_decode_attention(*args, variant="partitioned", partition_size=partition_size)
+    torch.testing.assert_close(out, expected, atol=5e-5, rtol=5e-5)
+
+
+class LaunchRecorder:
+    """Stands in for a jitted kernel: records `kernel[grid]` launches, then runs the kernel."""
+
+    def __init__(self, kernel, launches: list, name: str) -> None:
+        self.kernel, self.launches, self.name = kernel, launches, name
+
+    def __getitem__(self, grid):
+        self.launches.append((self.name, tuple(grid)))
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def decode_launches(monkeypatch) -> list:
+    launches: list = []
+    for name in ("paged_decode_kernel", "paged_decode_partition_kernel", "paged_decode_reduce_kernel"):
+        monkeypatch.setattr(triton_kernels, name, LaunchRecorder(getattr(triton_kernels, name), launches, name))
+    monkeypatch.setattr(triton_backend, "is_interpreted", lambda: DEVICE == "cpu")
+    return launches
+
+
+@pytest.mark.parametrize(
+    "decodes, expected_kernels",
+    [
+        ([600, 3], ["paged_decode_partition_kernel", "paged_decode_reduce_kernel"]),  # 601 > 512
+        ([511, 3], ["paged_decode_kernel"]),  # seq_len 512 fits one partition
+    ],
+    ids=["long_context_partitioned", "short_context_single"],
+)
+def test_backend_picks_decode_variant_by_the_rule(decodes, expected_kernels, decode_launches, generator):
+    """Two sequences x 2 kv heads is far below 4 programs per SM: only the length decides."""
+    batch = make_metadata(decodes=decodes, block_size=32, generator=generator, device=DEVICE)
+    inputs = make_attention_inputs(batch, num_heads=4, num_kv_heads=2, head_dim=64, generator=generator)
+    reference_caches = (inputs.key_cache.clone(), inputs.value_cache.clone())
+    expected = TorchReferenceBackend().forward(
+        inputs.query, inputs.key, inputs.value, *reference_caches, batch.metadata, 0.125
+    )
+    out = TritonBackend().forward(
+        inputs.query, inputs.key, inputs.value, inputs.key_cache, inputs.value_cache, batch.metadata, 0.125
+    )
+    assert [name for name, _ in decode_launches] == expected_kernels
+    if len(expected_kernels) == 2:
+        assert decode_launches[0][1] == (2, 2, 2)  # (num_seqs, num_kv_heads, ceil(601 / 512))
+    torch.testing.assert_close(out, expected, atol=5e-5, rtol=5e-5)
+
+
+@pytest.mark.parametrize(
+    "num_seqs, num_kv_heads, max_seq_len, expected",
+    [
+        (1, 8, 8192, "partitioned"),  # one long sequence: 8 programs for 132 SMs
+        (16, 8, 2048, "partitioned"),  # 128 programs < 4 * 132
+        (65, 8, 4096, "partitioned"),  # 520 < 528
+        (66, 8, 4096, "single"),  # 528: enough programs
+        (256, 8, 8192, "single"),
+        (16, 8, 512, "single"),  # one partition: nothing to split
+        (16, 8, 513, "partitioned"),
+        (1, 1, 1, "single"),
+    ],
+)
+def test_decode_selection_rule(num_seqs, num_kv_heads, max_seq_len, expected):
+    assert choose_decode_variant(num_seqs, num_kv_heads, max_seq_len, num_sms=132) == expected
+
+
+def test_decode_selection_rule_scales_with_sm_count():
+    assert choose_decode_variant(64, 8, 4096, num_sms=132) == "partitioned"
+    assert choose_decode_variant(64, 8, 4096, num_sms=64) == "single"
+    assert choose_decode_variant(64, 8, 4096, num_sms=132, partition_size=4096) == "single"
+
+
+# ---------------------------------------------------------------------------- prefill (direct)
+
+
+def test_prefill_kernel_directly_with_int64_metadata(generator):
+    batch = make_metadata(prefills=[(9, 12), (0, 4)], block_size=8, generator=generator, device=DEVICE)
+    inputs = make_attention_inputs(batch, num_heads=8, num_kv_heads=2, head_dim=96, generator=generator,
+                                   dtype=torch.bfloat16)
+    metadata = batch.metadata
+    expected = TorchReferenceBackend().forward(
+        inputs.query, inputs.key, inputs.value, inputs.key_cache, inputs.value_cache, metadata, 0.1
+    )  # also writes the new tokens into the caches, as the prefill kernel expects
+    out = nan_like(inputs.query)
+    paged_prefill_attention(
+        inputs.query, inputs.key_cache, inputs.value_cache, metadata.prefill_block_tables.long(),
+        metadata.prefill_query_start_loc.long(), metadata.prefill_context_lens.long(),
+        metadata.max_prefill_query_len, 0.1, out=out,
+    )
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+
+
+# ---------------------------------------------------------------------------- reshape_and_cache
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_reshape_and_cache_matches_cache_ops_exactly(block_size, dtype, generator):
+    num_blocks, num_kv_heads, head_dim = 6, 3, 80
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(cache_shape, float("nan"), dtype=dtype, device=DEVICE)
+    value_cache = torch.full(cache_shape, float("nan"), dtype=dtype, device=DEVICE)
+    num_slots = num_blocks * block_size
+    slots = torch.randperm(num_slots, generator=generator)[:9].tolist()
+    slots[2] = slots[7] = PAD_SLOT
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    key = randn(generator, 9, num_kv_heads, head_dim, dtype=dtype)  # [num_tokens, kv_heads, d]
+    value = randn(generator, 9, num_kv_heads, head_dim, dtype=dtype)
+    expected_key, expected_value = key_cache.clone(), value_cache.clone()
+    cache_ops.reshape_and_cache(key, value, expected_key, expected_value, slot_mapping)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    assert_bitwise_equal(key_cache, expected_key)
+    assert_bitwise_equal(value_cache, expected_value)
+    assert int(torch.isnan(key_cache).sum()) == (num_slots - 7) * num_kv_heads * head_dim
+
+
+def test_reshape_and_cache_reads_strided_key_and_value(generator):
+    kv = randn(generator, 5, 2, 2, 64)  # [num_tokens, k|v, kv_heads, d]
+    key, value = kv[:, 0], kv[:, 1]  # token stride 256, not 128
+    key_cache = torch.full((4, 8, 2, 64), float("nan"), device=DEVICE)
+    value_cache = torch.full((4, 8, 2, 64), float("nan"), device=DEVICE)
+    slot_mapping = torch.tensor([3, 30, PAD_SLOT, 8, 17], device=DEVICE)
+    expected_key, expected_value = key_cache.clone(), value_cache.clone()
+    cache_ops.reshape_and_cache(key, value, expected_key, expected_value, slot_mapping)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    assert_bitwise_equal(key_cache, expected_key)
+    assert_bitwise_equal(value_cache, expected_value)
+
+
+# ---------------------------------------------------------------------------- copy_blocks / swap_blocks
+
+
+def random_layers(generator, *, num_layers=3, num_blocks=10, block_size=8, dtype=torch.float32):
+    shape = (num_blocks, block_size, 2, 80)  # [num_blocks, block_size, kv_heads, head_dim]
+    return [(randn(generator, *shape, dtype=dtype), randn(generator, *shape, dtype=dtype)) for _ in range(num_layers)]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_copy_blocks_matches_cache_ops_exactly(dtype, as_tensor, generator):
+    layers = random_layers(generator, dtype=dtype)
+    expected = [(key.clone(), value.clone()) for key, value in layers]
+    pairs = [(1, 5), (3, 2), (1, 7), (9, 0)]
+    mapping = torch.tensor(pairs, device=DEVICE) if as_tensor else pairs
+    cache_ops.copy_blocks(expected, pairs)
+    copy_blocks(layers, mapping)
+    for (key, value), (expected_key, expected_value) in zip(layers, expected):
+        assert_bitwise_equal(key, expected_key)
+        assert_bitwise_equal(value, expected_value)
+
+
+def test_copy_blocks_with_empty_mapping_changes_nothing(generator):
+    layers = random_layers(generator, num_layers=1)
+    before = [(key.clone(), value.clone()) for key, value in layers]
+    copy_blocks(layers, [])
+    copy_blocks(layers, torch.zeros(0, 2, dtype=torch.int64, device=DEVICE))
+    assert all(torch.equal(k, kb) and torch.equal(v, vb) for (k, v), (kb, vb) in zip(layers, before))
+
+
+BAD_COPIES = {
+    "source also destination": ([(0, 1), (1, 2)], r"blocks \[1\] as both source and destination"),
+    "source range": ([(10, 1)], r"source block 10 is outside \[0, 10\)"),
+    "repeated destination": ([(0, 3), (1, 3)], "repeated destination"),
+    "mapping dtype": (torch.zeros(2, 2, dtype=torch.int32), "must be int64"),
+}
+
+
+@pytest.mark.parametrize("mapping, message", BAD_COPIES.values(), ids=BAD_COPIES.keys())
+def test_copy_blocks_rejects_bad_mappings(mapping, message, generator):
+    with pytest.raises(ValueError, match=message):
+        copy_blocks(random_layers(generator, num_layers=1), mapping)
+
+
+def test_copy_blocks_rejects_mismatched_layers(generator):
+    layers = random_layers(generator, num_layers=1) + random_layers(generator, num_layers=1, num_blocks=9)
+    with pytest.raises(ValueError, match="layer 1 cache shape"):
+        copy_blocks(layers, [(0, 1)])
+    with pytest.raises(ValueError, match="kv_caches is empty"):
+        copy_blocks([], [(0, 1)])
+
+
+def test_swap_is_the_batched_cache_ops_copy():
+    assert triton_backend.swap_blocks is cache_ops.swap_blocks
+    assert triton_backend.swap_kv_blocks is cache_ops.swap_kv_blocks
+    assert TritonBackend.swap_blocks is not None and TritonBackend.copy_blocks is not None
+
+
+# ---------------------------------------------------------------------------- checks and dispatch
+
+
+def _decode_args(generator, **override):
+    args = dict(
+        query=randn(generator, 2, 4, 64),  # [num_seqs, num_heads, head_dim]
+        key_cache=randn(generator, 4, 16, 2, 64), value_cache=randn(generator, 4, 16, 2, 64),
+        block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([20, 32], dtype=torch.int32, device=DEVICE), max_seq_len=32, scale=0.1,
+    )
+    return args | override
+
+
+BAD_DECODES = {
+    "query dims": (lambda g: dict(query=randn(g, 2, 256)), "query must be"),
+    "float64": (
+        lambda g: dict(query=randn(g, 2, 4, 64).double(), key_cache=randn(g, 4, 16, 2, 64).double(),
+                       value_cache=randn(g, 4, 16, 2, 64).double()),
+        "query dtype torch.float64 is not one of float16, bfloat16, float32",
+    ),
+    "cache dtype": (lambda g: dict(query=randn(g, 2, 4, 64).half()), "key_cache dtype torch.float32 != query dtype"),
+    "block size 64": (
+        lambda g: dict(key_cache=randn(g, 2, 64, 2, 64), value_cache=randn(g, 2, 64, 2, 64)),
+        r"block_size=64 is not one of \(8, 16, 32\)",
+    ),
+    "head_dim 8": (
+        lambda g: dict(query=randn(g, 2, 4, 8), key_cache=randn(g, 4, 16, 2, 8), value_cache=randn(g, 4, 16, 2, 8)),
+        r"head_dim=8 is outside the supported \[16, 256\]",
+    ),
+    "head_dim mismatch": (lambda g: dict(query=randn(g, 2, 4, 32)), "query head_dim=32 != cache head_dim=64"),
+    "query stride": (lambda g: dict(query=randn(g, 2, 64, 4).transpose(1, 2)), "contiguous last dim"),
+    "gqa": (lambda g: dict(query=randn(g, 2, 3, 64)), "num_heads=3 is not a multiple of num_kv_heads=2"),
+    "table rows": (
+        lambda g: dict(block_tables=torch.zeros(3, 2, dtype=torch.int32, device=DEVICE)), "3 rows for 2 query tokens"
+    ),
+    "table dtype": (
+        lambda g: dict(block_tables=torch.zeros(2, 2, dtype=torch.float32, device=DEVICE)), "must be int32 or int64"
+    ),
+    "seq_lens shape": (
+        lambda g: dict(seq_lens=torch.zeros(3, dtype=torch.int32, device=DEVICE)), r"seq_lens must have shape \(2,\)"
+    ),
+    "max_seq_len": (lambda g: dict(max_seq_len=33), "max_seq_len=33 does not fit block_tables of 2 blocks x 16"),
+    "out shape": (lambda g: dict(out=torch.empty(2, 4, 32, device=DEVICE)), "out shape"),
+    "variant": (lambda g: dict(variant="v2"), "variant must be auto, single or partitioned"),
+    "non-contiguous cache": (
+        lambda g: dict(key_cache=randn(g, 16, 4, 2, 64).transpose(0, 1)), "must be contiguous"
+    ),
+}
+
+
+@pytest.mark.parametrize("override, message", BAD_DECODES.values(), ids=BAD_DECODES.keys())
+def test_decode_rejects_bad_inputs(override, message, generator):
+    args = _decode_args(generator, **override(generator))
+    with pytest.raises(ValueError, match=message):
+        paged_decode_attention(**args)
+
+
+def test_prefill_rejects_bad_metadata(generator):
+    query = randn(generator, 5, 4, 64)
+    caches = (randn(generator, 4, 16, 2, 64), randn(generator, 4, 16, 2, 64))
+    tables = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
+    start_loc = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)
+    context_lens = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"query_start_loc must have shape \(3,\)"):
+        paged_prefill_attention(query, *caches, tables, start_loc[:2], context_lens, 3, 0.1)
+    with pytest.raises(ValueError, match=r"context_lens must be int32 or int64"):
+        paged_prefill_attention(query, *caches, tables, start_loc, context_lens.float(), 3, 0.1)
+    with pytest.raises(ValueError, match=r"max_query_len=6 must be in \[0, num_prefill_tokens=5\]"):
+        paged_prefill_attention(query, *caches, tables, start_loc, context_lens, 6, 0.1)
+
+
+def test_forward_reuses_the_reference_input_checks(generator):
+    batch = make_metadata(decodes=[3], block_size=16, generator=generator, device=DEVICE)
+    inputs = make_attention_inputs(batch, num_heads=4, num_kv_heads=2, head_dim=64, generator=generator)
+    with pytest.raises(ValueError, match="metadata.block_size=8 != key_cache block_size=16"):
+        batch.metadata.block_size = 8
+        TritonBackend().forward(inputs.query, inputs.key, inputs.value, inputs.key_cache, inputs.value_cache,
+                                batch.metadata, 0.1)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors")
+def test_cpu_tensors_are_refused_without_the_interpreter(monkeypatch, generator):
+    monkeypatch.setattr(triton_backend, "is_interpreted", lambda: False)
+    with pytest.raises(ValueError, match="need CUDA tensors .or CPU tensors with TRITON_INTERPRET=1"):
+        paged_decode_attention(**_decode_args(generator))
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        copy_blocks(random_layers(generator, num_layers=1), [(0, 1)])
+    batch = make_metadata(decodes=[3], block_size=16, generator=generator)
+    inputs = make_attention_inputs(batch, num_heads=4, num_kv_heads=2, head_dim=64, generator=generator)
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        TritonBackend().forward(inputs.query, inputs.key, inputs.value, inputs.key_cache, inputs.value_cache,
+                                batch.metadata, 0.1)
+
+
+def test_dispatch_gives_the_triton_backend():
+    backend = get_attention_backend("triton", DEVICE)
+    assert type(backend) is TritonBackend and backend.name == "triton"
+    expected_auto = TritonBackend if DEVICE == "cuda" else TorchReferenceBackend
+    assert type(get_attention_backend("auto", DEVICE)) is expected_auto
+
+
+# ---------------------------------------------------------------------------- benchmarks/gpu_check.py
+
+
+def once(torch_module, fn, *, repeats):
+    """A stand-in for gpu_check's CUDA timer: runs `fn` once and reports a fixed time."""
+    fn()
+    return {"ms": 1.0, "eager_ms": 1.0, "timing": "stand-in"}
+
+
+def test_gpu_check_parses_arguments_and_counts_bytes_and_flops(tmp_path):
+    from benchmarks import gpu_check
+
+    args = gpu_check.parse_args([str(tmp_path), "--quick"])
+    assert args.out_dir == tmp_path and args.quick and not args.skip_tests
+    # K and V of 512 tokens x 8 kv heads x 128 lanes x 2 bytes, query + output, table row + length
+    assert gpu_check.decode_bytes(1, 512, 2) == 2 * 512 * 8 * 128 * 2 + 2 * 32 * 128 * 2 + 32 * 4 + 4
+    assert gpu_check.prefill_flops(1, 0, 4) == 4 * 32 * 128 * (1 + 2 + 3 + 4)
+    assert gpu_check.prefill_flops(2, 3, 2) == 2 * 4 * 32 * 128 * (4 + 5)
+
+
+def test_gpu_check_measurement_code_runs_on_this_device():
+    """The GPU-only measurement paths, on tiny shapes with a stand-in timer: the paged
+    results must agree with the dense SDPA the script compares against."""
+    from benchmarks import gpu_check
+
+    decode = gpu_check.decode_point(torch, torch.float32, 2, 40, repeats=1, device=DEVICE, timer=once)
+    assert decode["variant"] == "single" and decode["bytes"] == gpu_check.decode_bytes(2, 40, 4)
+    assert decode["max_abs_diff_vs_dense"] < 1e-4
+    for context in (0, 16):
+        prefill = gpu_check.prefill_point(torch, torch.float32, 2, context, 8, repeats=1, device=DEVICE, timer=once)
+        assert "dense_error" not in prefill and prefill["max_abs_diff_vs_dense"] < 1e-4
+    report = {
+        "environment": {"torch": "x", "triton": "y", "device": "GPU"}, "quick": False, "skipped": {}, "errors": {},
+        "tests": {"summary": "1 passed", "interpreter": False},
+        "copy_bandwidth": {"gbps": 4000.0, "bytes": 2**31},
+        "decode": [decode | {"fraction_of_copy_bandwidth": 0.5}, {"batch": 1, "skipped": "time budget"}],
+        "prefill": [prefill],
+    }
+    table = gpu_check.format_table(report)
+    assert "decode" in table and "prefill" in table and "4000 GB/s" in table
