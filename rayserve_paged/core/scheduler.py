@@ -70,6 +70,8 @@ class Scheduler:
         self.groups: dict[str, SequenceGroup] = {}  # every unfinished group, by request id
         self.counters = SchedulerCounters()
         self._has_finished_running = False
+        self._params_sent: set[str] = set()  # requests whose sampling params workers hold
+        self._finished_ids: list[str] = []  # ... and that ended since the last step
 
     # ------------------------------------------------------------------ requests
 
@@ -84,6 +86,7 @@ class Scheduler:
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
+        self._release_params(request_id)
         for queue in (self.waiting, self.swapped):
             if group in queue:
                 queue.remove(group)
@@ -106,7 +109,13 @@ class Scheduler:
                 self.block_manager.free(seq)
         if group.is_finished():
             self.groups.pop(group.request_id, None)
+            self._release_params(group.request_id)
             self._has_finished_running = True
+
+    def _release_params(self, request_id: str) -> None:
+        if request_id in self._params_sent:
+            self._params_sent.discard(request_id)
+            self._finished_ids.append(request_id)
 
     @property
     def num_unfinished_groups(self) -> int:
@@ -119,6 +128,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self._finished_ids:
+            out.finished_request_ids, self._finished_ids = self._finished_ids, []
         if self._has_finished_running:
             self.running = [g for g in self.running if not g.is_finished()]
             self._has_finished_running = False
@@ -225,11 +236,15 @@ class Scheduler:
             num_tokens += end - start
             seq.num_computed_tokens = end
         first = group.seqs[0]
+        params = None
+        if group.request_id not in self._params_sent:
+            self._params_sent.add(group.request_id)
+            params = group.sampling_params
         out.groups.append(
             ScheduledGroup(
                 group.request_id,
                 scheduled,
-                group.sampling_params,
+                params,
                 first.num_prompt_tokens,
                 len(group.seqs) == 1 and len(first.token_ids) == first.num_prompt_tokens,
             )

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from rayserve_paged.core.outputs import ScheduledGroup
+from rayserve_paged.core.outputs import ScheduledGroup, compact_pickle
+from rayserve_paged.core.sequence import SamplingParams
 
 _MASK = float("-inf")
 
 
+@compact_pickle
 @dataclass(slots=True)
 class SeqSample:
     seq_id: int
@@ -29,6 +31,7 @@ class SeqSample:
     top_logprobs: list[dict[int, float]] | None = None  # per token: its top-k alternatives
 
 
+@compact_pickle
 @dataclass(slots=True)
 class SamplerOutput:
     samples: list[SeqSample]  # one per scheduled sequence, in SchedulerOutput order
@@ -56,17 +59,19 @@ class Sampler:
         self.beam_factor = max(2, 1 + num_eos_tokens)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, groups: list[ScheduledGroup]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, groups: list[ScheduledGroup], group_params: list[SamplingParams]
+    ) -> SamplerOutput:
+        """`group_params[i]` samples `groups[i]` (workers keep each request's parameters)."""
         logits = logits.float()  # [num_seqs, vocab]
         raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_seqs, vocab]
         samples: list[SeqSample] = []
         draws: list[_Row] = []  # non-beam rows to draw, expanded for best_of
         owners: list[tuple[int, int]] = []  # (samples index, copies) for each draw group
-        row_params = [g.sampling_params for g in groups for _ in g.seqs]  # per logits row
+        row_params = [p for g, p in zip(groups, group_params) for _ in g.seqs]  # per logits row
         row = 0
-        penalised = self._apply_penalties(logits, groups)
-        for group in groups:
-            params = group.sampling_params
+        penalised = self._apply_penalties(logits, groups, group_params)
+        for group, params in zip(groups, group_params):
             for seq in group.seqs:
                 if params.use_beam_search:
                     samples.append(self._beam_candidates(seq.seq_id, raw_logprobs[row], params.best_of))
@@ -85,20 +90,19 @@ class Sampler:
 
     # ------------------------------------------------------------------ penalties
 
-    def _apply_penalties(self, logits: torch.Tensor, groups: list[ScheduledGroup]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, groups: list[ScheduledGroup], group_params) -> torch.Tensor:
         rows = []
         row = 0
-        for group in groups:
+        for group, params in zip(groups, group_params):
             for seq in group.seqs:
-                if seq.history is not None and not group.sampling_params.use_beam_search:
-                    rows.append((row, group, seq))
+                if seq.history is not None and not params.use_beam_search:
+                    rows.append((row, group, params, seq))
                 row += 1
         if not rows:
             return logits
         logits = logits.clone()
         vocab = logits.shape[-1]
-        for row, group, seq in rows:
-            p = group.sampling_params
+        for row, group, p, seq in rows:
             history = torch.tensor(seq.history, dtype=torch.long, device=logits.device)
             output = history[group.num_prompt_tokens :]
             counts = torch.bincount(output.clamp(0, vocab - 1), minlength=vocab).to(logits.dtype)  # [vocab]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from rayserve_paged.core.outputs import ScheduledSeq, SchedulerOutput
+from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.models.sampler import Sampler, SamplerOutput
 from rayserve_paged.ops.attention import AttentionMetadata
 
@@ -29,6 +30,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler  # only the rank that returns samples has one
+        self.params: dict[str, SamplingParams] = {}  # request id -> its sampling parameters
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         seqs = [s for g in out.groups for s in g.seqs]
@@ -78,8 +80,19 @@ class ModelRunner:
             logits_indices=_long([last_index[s.seq_id] for s in seqs], device),
         )
 
+    def _group_params(self, out: SchedulerOutput) -> list[SamplingParams]:
+        """Parameters arrive with a request's first step and stay until it finishes."""
+        for request_id in out.finished_request_ids:
+            self.params.pop(request_id, None)
+        params = self.params
+        for g in out.groups:
+            if g.sampling_params is not None:
+                params[g.request_id] = g.sampling_params
+        return [params[g.request_id] for g in out.groups]
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv_caches: list) -> SamplerOutput | None:
+        group_params = self._group_params(out)
         if not out.groups:
             return SamplerOutput([]) if self.sampler is not None else None
         inputs = self.prepare(out)
@@ -87,7 +100,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # [num_seqs, vocab]
         if self.sampler is None:
             return None
-        return self.sampler(logits, out.groups)
+        return self.sampler(logits, out.groups, group_params)
 
 
 def _long(values: list[int], device) -> torch.Tensor:

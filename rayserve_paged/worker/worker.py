@@ -133,6 +133,7 @@ class Worker:
             for i in range(num_seqs)
         ]
         self.runner.execute(SchedulerOutput(groups=groups), self.kv_caches)
+        self.runner.params.clear()
         self.kv_caches = []
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
