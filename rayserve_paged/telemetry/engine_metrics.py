@@ -1,0 +1,218 @@
+"""Engine metrics of one replica, measured in its scheduler actor.
+
+Gauges and counters are observable: their callbacks read the engine's own counters
+(`scheduler.counters`, `block_manager.counters`, `block_manager.usage()`, the queues) when
+a reader collects, so a step pays nothing for them. Only the latency histograms and the
+finished-request counter are recorded, once per finished request.
+
+The callbacks run on the collecting thread (GET /metrics, the Prometheus server, the OTLP
+exporter) while the step thread mutates the engine, without a lock: each figure is one int
+read (atomic under the GIL), so a collection may straddle a step but never sees a torn value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
+
+from rayserve_paged.telemetry import names
+
+
+class EngineLike(Protocol):
+    """What EngineMetrics reads; LLMEngine has it. Attributes, read at collection time:
+
+    scheduler.counters.preemptions_recompute / preemptions_swap
+    scheduler.waiting / running / swapped        (running may keep finished groups a step)
+    block_manager.usage() -> BlockUsage          (gpu_used / gpu_cached / gpu_free / gpu_total, cpu_*)
+    block_manager.counters                       (copy_on_write_blocks, swapped_in_blocks,
+                                                  swapped_out_blocks, prefix_cache_queries/hits)
+    num_prompt_tokens, num_generation_tokens
+    """
+
+    scheduler: Any
+    block_manager: Any
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+def _swapped_blocks(engine: EngineLike):
+    c = engine.block_manager.counters
+    return (("in", c.swapped_in_blocks), ("out", c.swapped_out_blocks))
+
+
+def _preemptions(engine: EngineLike):
+    c = engine.scheduler.counters
+    return (("recompute", c.preemptions_recompute), ("swap", c.preemptions_swap))
+
+
+def _tokens(engine: EngineLike):
+    return (("prompt", engine.num_prompt_tokens), ("generation", engine.num_generation_tokens))
+
+
+def finish_reason(output) -> str:
+    """A finished request's reason: its first completion's. An output without completions
+    is a request the engine ignored (it can never fit); the engine maps that to "length"."""
+    if output.outputs and output.outputs[0].finish_reason is not None:
+        return output.outputs[0].finish_reason
+    return "length" if output.error is not None else "abort"
+
+
+class EngineMetrics:
+    def __init__(self, meter_provider: MeterProvider, engine: EngineLike, replica: str) -> None:
+        self.engine = engine
+        self.replica = replica
+        self._attrs = {names.REPLICA: replica}
+        self._reason_attrs: dict[str, dict[str, str]] = {}
+        meter = meter_provider.get_meter(names.METER_NAME)
+
+        # -- KV cache (observable: the block manager's state at collection)
+        meter.create_observable_up_down_counter(
+            names.KV_CACHE_BLOCKS,
+            callbacks=[self._observe_blocks],
+            unit="{block}",
+            description="KV cache blocks by pool (gpu, cpu) and state (used: held by sequences; "
+            "cached: free but holding a reusable prefix; free).",
+        )
+        meter.create_observable_gauge(
+            names.KV_CACHE_USAGE,
+            callbacks=[self._observe_usage],
+            unit="1",
+            description="Fraction of the pool's KV blocks held by sequences (1 = full).",
+        )
+        meter.create_observable_counter(
+            names.KV_CACHE_SWAPPED_BLOCKS,
+            callbacks=[self._counter(_swapped_blocks, names.DIRECTION)],
+            unit="{block}",
+            description="KV blocks copied between the GPU pool and the CPU swap pool (in: CPU to GPU).",
+        )
+        meter.create_observable_counter(
+            names.KV_CACHE_COPY_ON_WRITE_BLOCKS,
+            callbacks=[self._counter(lambda e: e.block_manager.counters.copy_on_write_blocks)],
+            unit="{block}",
+            description="KV blocks copied because a shared block was appended to (copy-on-write).",
+        )
+        meter.create_observable_counter(
+            names.PREFIX_CACHE_QUERIES,
+            callbacks=[self._counter(lambda e: e.block_manager.counters.prefix_cache_queries)],
+            unit="{token}",
+            description="Prompt tokens looked up in the prefix cache at admission.",
+        )
+        meter.create_observable_counter(
+            names.PREFIX_CACHE_HITS,
+            callbacks=[self._counter(lambda e: e.block_manager.counters.prefix_cache_hits)],
+            unit="{token}",
+            description="Of the prefix-cache queries, tokens found in cached blocks (not recomputed).",
+        )
+
+        # -- scheduler
+        meter.create_observable_up_down_counter(
+            names.SCHEDULER_REQUESTS,
+            callbacks=[self._observe_requests],
+            unit="{request}",
+            description="Unfinished requests (sequence groups) by queue: running, waiting, swapped.",
+        )
+        meter.create_observable_counter(
+            names.SCHEDULER_PREEMPTIONS,
+            callbacks=[self._counter(_preemptions, names.MODE)],
+            unit="{preemption}",
+            description="Sequence groups preempted for lack of KV blocks, by mode (recompute, swap).",
+        )
+        meter.create_observable_counter(
+            names.TOKENS,
+            callbacks=[self._counter(_tokens, names.TOKEN_TYPE)],
+            unit="{token}",
+            description="Tokens computed: prompt (prefilled, after prefix-cache hits) and generation (sampled).",
+        )
+
+        # -- per finished request
+        self._finished = meter.create_counter(
+            names.REQUEST_FINISHED,
+            unit="{request}",
+            description="Finished requests by finish_reason (stop, length, abort).",
+        )
+        self._ttft = meter.create_histogram(
+            names.REQUEST_TIME_TO_FIRST_TOKEN, unit="s", description="Arrival to the first generated token."
+        )
+        self._tpot = meter.create_histogram(
+            names.REQUEST_TIME_PER_OUTPUT_TOKEN,
+            unit="s",
+            description="Mean time between output tokens of a request: (finish - first token) / (tokens - 1).",
+        )
+        self._e2e = meter.create_histogram(
+            names.REQUEST_E2E_LATENCY, unit="s", description="Arrival to the last token (end-to-end latency)."
+        )
+        self._queue = meter.create_histogram(
+            names.REQUEST_QUEUE_TIME, unit="s", description="Arrival to first scheduled (time spent waiting)."
+        )
+
+    # ------------------------------------------------------------------ per finished request
+
+    def record_finished(self, output) -> None:
+        """Count a finished RequestOutput and record its latencies (no-op while unfinished).
+        Call once per request, with the output whose `finished` is True."""
+        if not output.finished:
+            return
+        self._finished.add(1, self._reason_attributes(finish_reason(output)))
+        m = output.metrics
+        if m is None or m.first_token_time is None:  # ignored: never ran
+            return
+        self._ttft.record(m.first_token_time - m.arrival_time, self._attrs)
+        if m.first_scheduled_time is not None:
+            self._queue.record(m.first_scheduled_time - m.arrival_time, self._attrs)
+        if m.finished_time is not None:
+            self._e2e.record(m.finished_time - m.arrival_time, self._attrs)
+            num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
+            if num_tokens > 1:
+                self._tpot.record((m.finished_time - m.first_token_time) / (num_tokens - 1), self._attrs)
+
+    def record_aborted(self) -> None:
+        """Count a request aborted by its caller (the engine returns no output for it)."""
+        self._finished.add(1, self._reason_attributes("abort"))
+
+    def _reason_attributes(self, reason: str) -> dict[str, str]:
+        attrs = self._reason_attrs.get(reason)
+        if attrs is None:
+            attrs = self._reason_attrs[reason] = {**self._attrs, names.FINISH_REASON: reason}
+        return attrs
+
+    # ------------------------------------------------------------------ callbacks
+
+    def _counter(self, read, key: str | None = None):
+        """A callback for a counter read by `read(engine)`: one value, or (label, value)
+        pairs observed with attribute `key`."""
+        attrs = self._attrs
+
+        def callback(options: CallbackOptions) -> Iterable[Observation]:
+            value = read(self.engine)
+            if key is None:
+                return [Observation(value, attrs)]
+            return [Observation(v, {**attrs, key: label}) for label, v in value]
+
+        return callback
+
+    def _observe_blocks(self, options: CallbackOptions) -> Iterable[Observation]:
+        u = self.engine.block_manager.usage()
+        rows = (
+            ("gpu", "used", u.gpu_used),
+            ("gpu", "cached", u.gpu_cached),
+            ("gpu", "free", u.gpu_free),
+            ("cpu", "used", u.cpu_used),
+            ("cpu", "free", u.cpu_free),
+        )
+        return [Observation(n, {**self._attrs, names.POOL: pool, names.STATE: state}) for pool, state, n in rows]
+
+    def _observe_usage(self, options: CallbackOptions) -> Iterable[Observation]:
+        u = self.engine.block_manager.usage()
+        return [
+            Observation(u.gpu_usage, {**self._attrs, names.POOL: "gpu"}),
+            Observation(u.cpu_usage, {**self._attrs, names.POOL: "cpu"}),
+        ]
+
+    def _observe_requests(self, options: CallbackOptions) -> Iterable[Observation]:
+        s = self.engine.scheduler
+        # finished groups stay in `running` until the next schedule(); count only live ones
+        num_running = sum(1 for g in list(s.running) if not g.is_finished())
+        rows = (("running", num_running), ("waiting", len(s.waiting)), ("swapped", len(s.swapped)))
+        return [Observation(n, {**self._attrs, names.STATE: state}) for state, n in rows]
