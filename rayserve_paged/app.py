@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from rayserve_paged.config import EngineConfig
+from rayserve_paged.telemetry import TelemetryConfig
 
 
 class AppArgs(EngineConfig):
@@ -38,6 +39,9 @@ class AppArgs(EngineConfig):
     ingress_cpus: float = Field(0.1, ge=0, description="CPUs of each OpenAIIngress replica.")
     ingress_replicas: int = Field(1, ge=1, description="OpenAIIngress replicas.")
     ingress_max_ongoing_requests: int = Field(1024, ge=1, description="Requests in flight per ingress replica.")
+    telemetry: TelemetryConfig = Field(
+        default_factory=TelemetryConfig, description="Metrics export (Prometheus port, OTLP interval)."
+    )
 
 
 def uses_gpu(args: EngineConfig) -> bool:
@@ -93,7 +97,10 @@ def build_app(args: AppArgs | dict):
         args = AppArgs(**args)
     engine = engine_config_of(args)
     llm = serve.deployment(LLMServer, **llm_server_options(args)).bind(
-        engine.model_dump(), scheduler_cpus=args.scheduler_cpus, worker_cpus=args.worker_cpus
+        engine.model_dump(),
+        scheduler_cpus=args.scheduler_cpus,
+        worker_cpus=args.worker_cpus,
+        telemetry=args.telemetry.model_dump(),
     )
     ingress = serve.deployment(
         OpenAIIngress,
@@ -102,4 +109,6 @@ def build_app(args: AppArgs | dict):
         max_ongoing_requests=args.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": args.ingress_cpus},
     )
-    return ingress.bind(llm, args.tokenizer or args.model, args.served_model_name or args.model, args.api_key)
+    return ingress.bind(
+        llm, args.tokenizer or args.model, args.served_model_name or args.model, args.api_key, args.trust_remote_code
+    )

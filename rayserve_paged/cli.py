@@ -11,6 +11,9 @@ import sys
 BENCHMARKS = {
     "memory": "benchmarks.memory",
     "scheduler": "benchmarks.scheduler_step",
+    "sharing": "benchmarks.sharing",
+    "throughput": "benchmarks.throughput",
+    "ray-overhead": "benchmarks.ray_overhead",
 }
 
 DEMO_PROMPTS = [

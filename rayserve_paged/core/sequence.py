@@ -61,7 +61,6 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     max_tokens: int | None = 16
-    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -96,8 +95,6 @@ class SamplingParams:
             raise bad("best_of", f"must be an integer >= n ({self.n})")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be an integer >= 0")
         if not _is_finite(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a finite number >= 0")
         if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:

@@ -45,6 +45,7 @@ class LLMServer:
         scheduler_cpus: float = 0.0,
         worker_cpus: float = 1.0,
         scheduler_actor=None,
+        telemetry: dict | None = None,
     ) -> None:
         config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
         self.config = config
@@ -54,7 +55,7 @@ class LLMServer:
             scheduler_actor = (
                 ray.remote(SchedulerActor)
                 .options(num_cpus=scheduler_cpus, max_concurrency=10_000, scheduling_strategy=strategy)
-                .remote(config, worker_cpus=worker_cpus)
+                .remote(config, worker_cpus=worker_cpus, telemetry={**(telemetry or {}), "replica": _replica_id()})
             )
         self.actor = scheduler_actor
         self._info = ray.get(self.actor.model_info.remote())  # waits for the model to load
@@ -91,7 +92,7 @@ class LLMServer:
                 if isinstance(out, BaseException):
                     raise out
                 if out.error is not None:
-                    raise RequestError(out.error)
+                    raise RequestError(f"prompt: {out.error}")
                 finished = out.finished
                 yield out
         finally:
@@ -103,10 +104,15 @@ class LLMServer:
         await self.actor.abort.remote(request_id)
 
     async def model_info(self) -> dict:
+        if self._failure is not None:  # /health answers 503 once the engine is gone
+            raise RuntimeError(f"the engine failed: {self._failure!r}")
         return dict(self._info)
 
     async def stats(self) -> dict:
         return await self.actor.stats.remote()
+
+    async def metrics_text(self) -> str:
+        return await self.actor.metrics_text.remote()
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy (replaced)."""
@@ -133,6 +139,15 @@ class LLMServer:
             self._failure = e
             for queue in self._queues.values():
                 queue.put_nowait(RuntimeError(f"the engine failed: {e!r}"))
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # constructed outside a Serve replica (tests, scripts)
+        return "0"
 
 
 def _split_prompt(prompt) -> tuple[str | None, list[int] | None]:

@@ -21,6 +21,10 @@ class Executor:
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 
+    def gpu_snapshots(self) -> list[dict]:
+        """Each rank's GPU figures (telemetry)."""
+        return []
+
     def shutdown(self) -> None:
         """Release workers."""
 
@@ -44,3 +48,6 @@ class InProcessExecutor(Executor):
 
     def execute(self, out: SchedulerOutput) -> SamplerOutput:
         return self.worker.execute(out)
+
+    def gpu_snapshots(self) -> list[dict]:
+        return [self.worker.gpu_snapshot()]

@@ -110,6 +110,9 @@ class RayExecutor(Executor):
         results = ray.get([w.execute.remote(ref) for w in self.workers])
         return results[0]
 
+    def gpu_snapshots(self) -> list[dict]:
+        return ray.get([w.gpu_snapshot.remote() for w in self.workers], timeout=10)
+
     def check_health(self, timeout_s: float = 10.0) -> None:
         ray.get([w.ping.remote() for w in self.workers], timeout=timeout_s)
 

@@ -25,6 +25,7 @@ from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.engine.llm_engine import LLMEngine
 from rayserve_paged.engine.outputs import RequestOutput
+from rayserve_paged.telemetry import ReplicaTelemetry, TelemetryConfig
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,9 @@ class StepTiming:
 
 
 class SchedulerActor:
-    def __init__(self, config: EngineConfig, worker_cpus: float = 1.0, executor: str = "ray") -> None:
+    def __init__(
+        self, config: EngineConfig, worker_cpus: float = 1.0, executor: str = "ray", telemetry: dict | None = None
+    ) -> None:
         if executor == "ray":
             from rayserve_paged.engine.ray_executor import RayExecutor
 
@@ -51,6 +54,7 @@ class SchedulerActor:
         self._alive = True
         self._error: BaseException | None = None
         self.timing = StepTiming()
+        self.telemetry = ReplicaTelemetry(self.engine, TelemetryConfig.model_validate(telemetry or {}))
         self._thread = threading.Thread(target=self._run, name="step-loop", daemon=True)
         self._thread.start()
 
@@ -109,10 +113,15 @@ class SchedulerActor:
             "step_s": self.timing.step_s,
         }
 
+    async def metrics_text(self) -> str:
+        """Prometheus exposition text of this replica's engine and GPU metrics."""
+        return self.telemetry.metrics_text()
+
     def shutdown(self) -> None:
         self._alive = False
         self._wake.set()
         self._thread.join(timeout=10)
+        self.telemetry.shutdown()
         self.engine.executor.shutdown()
 
     # ------------------------------------------------------------------ internals
@@ -140,13 +149,21 @@ class SchedulerActor:
                     done.set_exception(e)
                 else:
                     done.set_result(None)
-            else:
-                self.engine.abort_request(payload)
+            elif self.engine.abort_request(payload):
+                self.telemetry.record_aborted()
+
+    def _poll_gpu(self) -> None:
+        try:
+            self.telemetry.update_gpu(self.engine.executor.gpu_snapshots())
+        except Exception as e:  # telemetry never stops the step loop
+            logger.warning("gathering GPU snapshots failed: %r", e)
 
     def _run(self) -> None:
         try:
             while self._alive:
                 self._apply_ops()
+                if self.telemetry.is_gpu_poll_due():
+                    self._poll_gpu()
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
@@ -155,6 +172,7 @@ class SchedulerActor:
                 outputs = self.engine.step()
                 self.timing.steps += 1
                 self.timing.step_s += time.perf_counter() - start
+                self.telemetry.record_outputs(outputs)
                 if outputs:
                     self._publish(outputs)
         except BaseException as e:  # a worker died, a kernel failed: every waiter must hear it

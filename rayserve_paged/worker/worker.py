@@ -21,6 +21,7 @@ from rayserve_paged.models.loader import get_model_config, load_model
 from rayserve_paged.models.sampler import Sampler, SamplerOutput
 from rayserve_paged.ops.cache_ops import copy_blocks, swap_kv_blocks
 from rayserve_paged.ops.paged_attention import get_attention_backend
+from rayserve_paged.telemetry import GpuProbe
 from rayserve_paged.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.num_steps = 0
         self.execute_s = 0.0  # wall time inside execute(): swaps, copies, model, sampler
+        self.gpu_probe = GpuProbe(rank, self.device)
 
     # ------------------------------------------------------------------ start-up
 
@@ -177,6 +179,10 @@ class Worker:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def gpu_snapshot(self) -> dict:
+        """GPU memory, allocator and KV pool figures of this rank, as plain data."""
+        return self.gpu_probe.snapshot(self.kv_caches, self.cpu_caches).to_dict()
 
     def timing(self) -> tuple[int, float]:
         """(steps executed, seconds inside execute) since start-up."""

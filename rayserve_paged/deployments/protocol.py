@@ -1,0 +1,433 @@
+"""The OpenAI HTTP API subset this server speaks, as pydantic models.
+
+Request bodies forbid unknown fields, so a misspelt or unsupported option is a 400 that
+names it instead of being silently ignored. Sampling ranges (temperature >= 0, top_p in
+(0, 1], ...) are checked once, by `SamplingParams`; `to_sampling_params` renames the
+internal field in its message to the request's field, so every 400 names what the client
+sent. Beyond OpenAI, the vLLM extensions (top_k, min_p, best_of, beam search,
+repetition_penalty, stop_token_ids, ...) are accepted.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
+
+MAX_CHOICES = 16  # most n / best_of per prompt
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
+MAX_PROMPTS = 128  # most prompts in one /v1/completions batch
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs
+
+_REQUEST = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(BaseModel):
+    message: str = Field(description="What went wrong, naming the field when a field is at fault.")
+    type: str = Field(description="invalid_request_error, not_found_error or server_error.")
+    param: str | None = Field(None, description="The request field at fault, if any.")
+    code: str | None = Field(None, description="Machine-readable code, e.g. model_not_found, invalid_api_key.")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+_PARAM_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*):")
+
+
+def param_of(message: str) -> str | None:
+    """The field an error message starts with ("top_p: must be in (0, 1]" -> "top_p")."""
+    match = _PARAM_PREFIX.match(message)
+    return match.group(1) if match else None
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class StreamOptions(BaseModel):
+    model_config = _REQUEST
+
+    include_usage: bool = Field(False, description="Send a last chunk with usage counts (and no choices).")
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = _REQUEST
+
+    model: str | None = Field(None, description="The served model name (GET /v1/models); omitted = the served model.")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices returned per prompt.")
+    temperature: float | None = Field(
+        None, description="Sampling temperature >= 0; 0 is greedy. Default 1 (0 with use_beam_search)."
+    )
+    top_p: float | None = Field(
+        None, description="Nucleus sampling: keep the smallest set of tokens with mass top_p, in (0, 1]."
+    )
+    top_k: int | None = Field(None, description="Keep the k most likely tokens; -1 or 0 disables.")
+    min_p: float | None = Field(
+        None, description="Drop tokens less likely than min_p times the most likely one, in [0, 1]."
+    )
+    presence_penalty: float | None = Field(None, description="Penalty in [-2, 2] for tokens already present.")
+    frequency_penalty: float | None = Field(
+        None, description="Penalty in [-2, 2] proportional to a token's count so far."
+    )
+    repetition_penalty: float | None = Field(
+        None, description="Multiplicative penalty (> 0, 1 = off) on prompt and output tokens."
+    )
+    seed: int | None = Field(
+        None, ge=-(2**63), lt=2**64, description="Per-request seed: the same seed and request give the same output."
+    )
+    stop: str | list[str] | None = Field(
+        None, description=f"Up to {MAX_STOP_STRINGS} strings that end generation (not included in the text)."
+    )
+    stop_token_ids: list[int] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS, description="Token ids that end generation."
+    )
+    include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the text.")
+    ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token.")
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
+    use_beam_search: bool = Field(False, description="Beam search with width best_of (or n); needs temperature 0.")
+    length_penalty: float = Field(1.0, description="Beam search: scores are logprob / length ** length_penalty.")
+    early_stopping: bool | Literal["never"] = Field(
+        False, description="Beam search: stop when best_of hypotheses are done (true), heuristically (false), or never."
+    )
+    user: str | None = Field(None, description="End-user id (accepted, not used).")
+    stream: bool = Field(False, description="Answer with server-sent events, one chunk per step.")
+    stream_options: StreamOptions | None = Field(None, description="Streaming options; only with stream: true.")
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop):
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings (got {len(stop)})")
+        return stop
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description=(
+            "A string, a list of strings (one set of n choices per prompt), a list of token ids, "
+            f"or a list of token-id lists; at most {MAX_PROMPTS} prompts."
+        )
+    )
+    max_tokens: int | None = Field(16, description="Most tokens to generate per choice (>= 1).")
+    best_of: int | None = Field(
+        None, ge=1, le=MAX_CHOICES, description="Generate best_of choices and return the n most likely (>= n)."
+    )
+    logprobs: int | None = Field(
+        None, ge=0, description="Return the logprobs of the sampled tokens and of the most likely `logprobs` others."
+    )
+    echo: bool = Field(False, description="Put the prompt text in front of each choice's text.")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, prompt):
+        return _check_prompt_shape(prompt)
+
+
+class ContentPart(BaseModel):
+    model_config = _REQUEST
+
+    type: Literal["text"] = Field(description="Only text parts are supported.")
+    text: str = Field(description="The text.")
+
+
+class ChatMessage(BaseModel):
+    model_config = _REQUEST
+
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="Who speaks; developer is treated as system."
+    )
+    content: str | list[ContentPart] = Field(description="The message text, or a list of text parts.")
+    name: str | None = Field(None, description="Participant name (accepted, not used).")
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    max_tokens: int | None = Field(None, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: int | None = Field(
+        None, description="Most tokens to generate per choice; omitted = up to the model's context length."
+    )
+    best_of: int | None = Field(
+        None, ge=1, le=MAX_CHOICES, description="Generate best_of choices and return the n most likely (>= n)."
+    )
+    logprobs: bool = Field(False, description="Return the logprob of each generated token.")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs: also this many most likely tokens per position."
+    )
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+_SHAPE = "must be a non-empty string, list of strings, list of token ids, or list of token-id lists"
+
+
+def _check_prompt_shape(prompt):
+    """One clear message instead of one pydantic error per member of the prompt union."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("empty prompt")
+        return prompt
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError(_SHAPE if not isinstance(prompt, list) else "empty prompt list")
+    if len(prompt) > MAX_PROMPTS and not all(_is_token(t) for t in prompt):
+        raise ValueError(f"at most {MAX_PROMPTS} prompts in one request (got {len(prompt)})")
+    if all(_is_token(t) for t in prompt):
+        return prompt
+    for item in prompt:
+        if isinstance(item, str):
+            if not item:
+                raise ValueError("empty prompt in the list")
+        elif isinstance(item, list):
+            if not item:
+                raise ValueError("empty token-id list in the list")
+            if not all(_is_token(t) for t in item):
+                raise ValueError("token ids must be integers")
+        else:
+            raise ValueError(_SHAPE)
+    if len({type(item) for item in prompt}) > 1:
+        raise ValueError("do not mix strings and token-id lists in one prompt list")
+    return prompt
+
+
+def _is_token(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --------------------------------------------------------------------------- to SamplingParams
+
+
+def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_logprobs: int) -> SamplingParams:
+    """The engine's SamplingParams for a request; SamplingParamsError names the request field."""
+    is_chat = isinstance(request, ChatCompletionRequest)
+    logprobs, logprobs_field = _requested_logprobs(request)
+    if logprobs is not None and logprobs > max_logprobs:
+        raise SamplingParamsError(f"{logprobs_field}: at most {max_logprobs} (got {logprobs})")
+    best_of = request.best_of if request.best_of is not None else request.n
+    if request.stream and best_of > request.n:
+        raise SamplingParamsError("best_of: cannot stream when best_of > n (the n kept are known only at the end)")
+    if request.stream and request.use_beam_search:
+        raise SamplingParamsError("use_beam_search: cannot stream beam search (beams are reordered until the end)")
+    if request.stream_options is not None and not request.stream:
+        raise SamplingParamsError("stream_options: only allowed when stream is true")
+    temperature = request.temperature
+    if temperature is None:
+        temperature = 0.0 if request.use_beam_search else 1.0
+    max_tokens = request.max_new_tokens if is_chat else request.max_tokens
+    options = {
+        "n": request.n,
+        "best_of": best_of,
+        "use_beam_search": request.use_beam_search,
+        "length_penalty": request.length_penalty,
+        "early_stopping": request.early_stopping,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": _or(request.top_p, 1.0),
+        "top_k": -1 if request.top_k in (None, 0) else request.top_k,
+        "min_p": _or(request.min_p, 0.0),
+        "presence_penalty": _or(request.presence_penalty, 0.0),
+        "frequency_penalty": _or(request.frequency_penalty, 0.0),
+        "repetition_penalty": _or(request.repetition_penalty, 1.0),
+        "seed": request.seed,
+        "stop": [request.stop] if isinstance(request.stop, str) else list(request.stop or []),
+        "stop_token_ids": list(request.stop_token_ids or []),
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+        "ignore_eos": request.ignore_eos,
+        "logprobs": logprobs,
+        "skip_special_tokens": request.skip_special_tokens,
+    }
+    try:
+        return SamplingParams(**options)
+    except SamplingParamsError as exc:
+        raise SamplingParamsError(_rename_field(str(exc), _field_names(request, logprobs_field))) from None
+
+
+def _requested_logprobs(request) -> tuple[int | None, str]:
+    if not isinstance(request, ChatCompletionRequest):
+        return request.logprobs, "logprobs"
+    if request.top_logprobs is not None and not request.logprobs:
+        raise SamplingParamsError("top_logprobs: needs logprobs: true")
+    if not request.logprobs:
+        return None, "top_logprobs"
+    return request.top_logprobs or 0, "top_logprobs"
+
+
+def _field_names(request, logprobs_field: str) -> dict[str, str]:
+    """SamplingParams field -> the request field the client set."""
+    names = {"logprobs": logprobs_field}
+    if request.best_of is None:
+        names["best_of"] = "n"
+    if isinstance(request, ChatCompletionRequest):
+        names["max_tokens"] = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    return names
+
+
+def _rename_field(message: str, names: dict[str, str]) -> str:
+    field = param_of(message)
+    if field in names:
+        return names[field] + message[len(field) :]
+    return message
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = Field(description="Prompt tokens (each prompt counted once, whatever n).")
+    completion_tokens: int = Field(description="Tokens in the returned choices.")
+    total_tokens: int = Field(description="prompt_tokens + completion_tokens.")
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list, description="Each generated token's text.")
+    token_logprobs: list[float | None] = Field(default_factory=list, description="Each token's logprob.")
+    top_logprobs: list[dict[str, float] | None] = Field(
+        default_factory=list, description="Per token: the sampled and the `logprobs` most likely tokens' logprobs."
+    )
+    text_offset: list[int] = Field(default_factory=list, description="Where each token starts in the choice text.")
+
+
+class CompletionChoice(BaseModel):
+    index: int = Field(description="prompt_index * n + choice_index.")
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = Field(None, description="stop, length, or null while streaming.")
+    stop_reason: int | str | None = Field(None, description="The stop string or stop token id that ended the choice.")
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(BaseModel):
+    """One server-sent event of a streamed completion."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobToken] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """A chat stream's increment; fields it does not carry are left out, not null."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "rayserve-paged"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from rayserve_paged.config import EngineConfig
+from rayserve_paged.deployments.openai_ingress import create_openai_app
+from rayserve_paged.engine.llm_engine import LLMEngine
+from rayserve_paged.models.tiny import make_tiny_model
+from tests.deployments.engine_client import InProcessEngineClient
+
+MODEL = "tiny-opt-test"
+MAX_MODEL_LEN = 128
+MAX_LOGPROBS = 5
+MAX_NUM_SEQS = 8
+
+
+@pytest.fixture(scope="session")
+def tiny_opt_path(tmp_path_factory) -> str:
+    return str(make_tiny_model("opt", tmp_path_factory.mktemp("deployments-opt")))
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_opt_path) -> LLMEngine:
+    config = EngineConfig(
+        model=tiny_opt_path,
+        device="cpu",
+        max_model_len=MAX_MODEL_LEN,
+        num_gpu_blocks_override=64,
+        swap_space_gb=0.01,
+        max_logprobs=MAX_LOGPROBS,
+        max_num_seqs=MAX_NUM_SEQS,
+    )
+    return LLMEngine(config)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def engine_client(engine):
+    client = InProcessEngineClient(engine, MODEL)
+    yield client
+    await client.close()
+    # every test leaves the engine idle with all KV blocks free
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_gpu_blocks() == engine.block_manager.gpu.num_blocks
+
+
+@pytest.fixture
+def app(engine_client, engine):
+    return create_openai_app(engine_client, engine.tokenizer, MODEL)
+
+
+@pytest.fixture
+async def http(app):
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        yield client
+
+
+def parse_sse(response: httpx.Response) -> list[dict]:
+    """The JSON events of a server-sent event stream that must end with [DONE]."""
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [event for event in response.text.split("\n\n") if event]
+    assert all(event.startswith("data: ") for event in events), events
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None, *words: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert error["param"] == param, error
+    for word in words:
+        assert word in error["message"], error
+    return error
