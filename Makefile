@@ -1,4 +1,5 @@
 # The whole set-up is two commands:  `make run`  (serve the tiny model)  and  `make test`.
+export RAY_USAGE_STATS_ENABLED = 0
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
@@ -7,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 # multi-GB CUDA build.  A machine with an NVIDIA driver takes the default build.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install run test lint bench clean
+.PHONY: install run demo test lint bench clean
 
 install: $(STAMP)
 
@@ -22,14 +23,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
+# Serve the embedded tiny model on http://127.0.0.1:8000 in a fresh local Ray instance
+# (stop with Ctrl-C, or SIGTERM when it runs in the background).
 run: install
+	$(VENV)/bin/serve run --address local configs/tiny.yaml
+
+demo: install
 	$(VENV)/bin/rayserve-paged demo
 
 lint: install
 	$(VENV)/bin/lint-imports
 
 test: install lint
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=15
 
 bench: install
 	$(VENV)/bin/rayserve-paged bench memory --out bench-out

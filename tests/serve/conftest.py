@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,21 +30,24 @@ def _ray_bin() -> str:
 
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
-    """Address of a local head node started for this session; stopped at the end."""
+    """Address of a local head node started for this session; stopped at the end.
+
+    `ray start --block` keeps the head's processes tied to one process group, so the end of
+    the session stops exactly this cluster (`ray stop` would stop every Ray on the machine).
+    """
     os.environ.update(RAY_ENV)
     cache = tmp_path_factory.mktemp("model-cache")
     os.environ["RAYSERVE_PAGED_CACHE"] = str(cache)  # tiny models made once, shared by processes
     port = _free_port()
-    env = dict(os.environ)
-    subprocess.run(
-        [_ray_bin(), "start", "--head", f"--port={port}", "--num-cpus=2", "--num-gpus=0",
+    head = subprocess.Popen(
+        [_ray_bin(), "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--num-gpus=0",
          "--include-dashboard=false", "--disable-usage-stats"],
-        check=True, env=env, capture_output=True,
+        env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     address = f"127.0.0.1:{port}"
     import ray
 
-    ray.init(address=address)
+    _connect(ray, address, head)
     yield address
     from ray import serve
 
@@ -50,8 +55,26 @@ def ray_cluster(tmp_path_factory):
         serve.shutdown()
     finally:
         ray.shutdown()
-        subprocess.run([_ray_bin(), "stop", "--force"], env=env, capture_output=True)
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
         shutil.rmtree(cache, ignore_errors=True)
+
+
+def _connect(ray, address: str, head: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if head.poll() is not None:
+            raise RuntimeError(f"ray start exited with {head.returncode}")
+        try:
+            ray.init(address=address)
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
 
 
 @pytest.fixture()
