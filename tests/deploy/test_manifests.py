@@ -1,0 +1,418 @@
+"""The deployment files in deploy/ have the shape KubeRay and the Ray cluster launcher expect,
+carry the same Serve app as configs/, and give every replica room (no cluster, no GPU needed).
+
+What is checked against what:
+- deploy/rayservice-<name>.yaml (opt13b, opt13b-tp2): the fields the RayService / RayCluster
+  CRDs (ray.io/v1) read, with their types; serveConfigV2 validated by Ray Serve's own schema
+  (ServeDeploySchema) and equal to configs/<name>.yaml; the app builds; a GPU worker pod fits a
+  replica's placement group and the worker group holds Serve's max_replicas.
+- deploy/cluster-launcher-gpu.yaml: validated by the launcher's own JSON schema (ray-schema.json,
+  shipped in the ray package) plus the launcher's semantic rules; the GPU node types fit
+  configs/opt13b.yaml and configs/opt13b-tp2.yaml.
+- deploy/Dockerfile: a CUDA base, `pip install .[gpu]`, the same Ray version as the manifests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+RAYSERVICES = sorted(DEPLOY.glob("rayservice-*.yaml"))
+LAUNCHER = DEPLOY / "cluster-launcher-gpu.yaml"
+DOCKERFILE = DEPLOY / "Dockerfile"
+DOC = ROOT / "docs" / "DEPLOY.md"
+IMPORT_PATH = "rayserve_paged.app:build_app"
+GPU = "nvidia.com/gpu"
+
+
+@cache
+def _yaml(path: Path):
+    return yaml.safe_load(path.read_text())
+
+
+def _source_config(path: Path) -> Path:
+    """deploy/rayservice-<name>.yaml carries the app of configs/<name>.yaml."""
+    return ROOT / "configs" / (path.name.removeprefix("rayservice-"))
+
+
+def _cluster(path: Path) -> dict:
+    return _yaml(path)["spec"]["rayClusterConfig"]
+
+
+def _launcher() -> dict:
+    return _yaml(LAUNCHER)
+
+
+def _serve_config(path: Path) -> dict:
+    return yaml.safe_load(_yaml(path)["spec"]["serveConfigV2"])
+
+
+def _ray_version() -> str:
+    (version,) = {_cluster(path)["rayVersion"] for path in RAYSERVICES}
+    return version
+
+
+def _config(name: str) -> dict:
+    return _yaml(ROOT / "configs" / name)
+
+
+def _args(serve_config: dict) -> dict:
+    (app,) = serve_config["applications"]
+    return app["args"]
+
+
+def _bundles(args: dict) -> list[dict[str, float]]:
+    from rayserve_paged.app import AppArgs, placement_group_bundles
+
+    return placement_group_bundles(AppArgs(**args))
+
+
+def _pack(bundles: list[dict[str, float]]) -> dict[str, float]:
+    """What a STRICT_PACK placement group needs from one node."""
+    total: dict[str, float] = {}
+    for bundle in bundles:
+        for resource, amount in bundle.items():
+            total[resource] = total.get(resource, 0.0) + amount
+    return total
+
+
+def _per_node(node: dict[str, float], need: dict[str, float]) -> int:
+    """How many placement groups of `need` one node of `node` holds."""
+    return min(math.floor(node.get(resource, 0.0) / amount + 1e-9) for resource, amount in need.items() if amount)
+
+
+# ---------------------------------------------------------------- Kubernetes quantities
+
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+_DECIMAL = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def _cpu(quantity) -> float:
+    text = str(quantity)
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def _bytes(quantity) -> float:
+    text = str(quantity)
+    for suffixes in (_BINARY, _DECIMAL):
+        for suffix, factor in suffixes.items():
+            if text.endswith(suffix):
+                return float(text[: -len(suffix)]) * factor
+    return float(text)
+
+
+def _ray_resources(group: dict) -> dict[str, float]:
+    """The CPU/GPU a Ray node started in this pod has: rayStartParams, else the container limits
+    (how KubeRay and its autoscaler derive them)."""
+    params = group["rayStartParams"]
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    cpus = float(params["num-cpus"]) if "num-cpus" in params else _cpu(limits["cpu"])
+    gpus = float(params["num-gpus"]) if "num-gpus" in params else float(limits.get(GPU, 0))
+    return {"CPU": cpus, "GPU": gpus}
+
+
+# ---------------------------------------------------------------- RayService
+
+each_rayservice = pytest.mark.parametrize("path", RAYSERVICES, ids=lambda p: p.name)
+
+
+def test_rayservices_are_here():
+    assert {p.name for p in RAYSERVICES} >= {"rayservice-opt13b.yaml", "rayservice-opt13b-tp2.yaml"}
+    for path in RAYSERVICES:
+        assert _source_config(path).is_file(), f"{path.name} has no configs/ counterpart"
+    names = [_yaml(path)["metadata"]["name"] for path in RAYSERVICES]
+    assert len(set(names)) == len(names)
+
+
+@each_rayservice
+def test_rayservice_header(path):
+    service = _yaml(path)
+    assert service["apiVersion"] == "ray.io/v1"
+    assert service["kind"] == "RayService"
+    name = service["metadata"]["name"]
+    # A DNS-1035 label; KubeRay appends suffixes (-head-svc, -serve-svc, -raycluster-xxxxx).
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 40, name
+    assert "namespace" not in service["metadata"], "namespace comes from kubectl -n"
+
+
+@each_rayservice
+def test_rayservice_spec_fields_and_types(path):
+    spec = _yaml(path)["spec"]
+    known = {
+        "serveConfigV2",
+        "rayClusterConfig",
+        "serviceUnhealthySecondThreshold",
+        "deploymentUnhealthySecondThreshold",
+        "upgradeStrategy",
+        "serveService",
+        "excludeHeadPodFromServeSvc",
+    }
+    assert set(spec) <= known, set(spec) - known
+    assert {"serveConfigV2", "rayClusterConfig"} <= set(spec)
+    for field in ("serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold"):
+        assert type(spec[field]) is int and spec[field] > 0, field
+    assert spec["upgradeStrategy"]["type"] in ("NewCluster", "None")
+
+
+@each_rayservice
+def test_serve_config_v2_is_a_valid_serve_config_string(path):
+    from ray.serve.schema import ServeDeploySchema
+
+    raw = _yaml(path)["spec"]["serveConfigV2"]
+    assert isinstance(raw, str), "serveConfigV2 must be a YAML string, not a mapping"
+    config = yaml.safe_load(raw)
+    assert isinstance(config, dict) and config["applications"]
+    ServeDeploySchema.model_validate(config)  # what `serve deploy` / the dashboard API accept
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}, "pods must listen on all interfaces"
+    (app,) = config["applications"]
+    assert app["import_path"] == IMPORT_PATH
+
+
+@each_rayservice
+def test_serve_config_v2_equals_its_config(path):
+    embedded, source = _serve_config(path), _yaml(_source_config(path))
+    assert _args(embedded) == _args(source), f"{path.name} drifted from configs/{_source_config(path).name}"
+    for key in ("name", "route_prefix", "import_path"):
+        assert embedded["applications"][0][key] == source["applications"][0][key], key
+    assert embedded["proxy_location"] == source["proxy_location"]
+    assert embedded["http_options"] == source["http_options"]
+
+
+@each_rayservice
+def test_embedded_app_builds(path):
+    from rayserve_paged.app import AppArgs, build_app
+
+    args = AppArgs(**_args(_serve_config(path)))
+    assert build_app(args) is not None
+    assert args.device == "cuda" and not args.trust_remote_code
+
+
+@each_rayservice
+def test_ray_cluster_config(path):
+    cluster = _cluster(path)
+    assert isinstance(cluster["rayVersion"], str) and re.fullmatch(r"\d+\.\d+\.\d+", cluster["rayVersion"])
+    assert cluster["enableInTreeAutoscaling"] is True
+    options = cluster["autoscalerOptions"]
+    assert isinstance(options, dict)
+    assert set(options) <= {
+        "upscalingMode",
+        "idleTimeoutSeconds",
+        "image",
+        "imagePullPolicy",
+        "resources",
+        "env",
+        "envFrom",
+        "securityContext",
+        "volumeMounts",
+        "version",
+    }, set(options)
+    assert options["upscalingMode"] in ("Default", "Aggressive", "Conservative")
+    assert type(options["idleTimeoutSeconds"]) is int and options["idleTimeoutSeconds"] >= 0
+    for key in ("limits", "requests"):
+        assert {"cpu", "memory"} <= set(options["resources"][key])
+
+
+def _check_ray_start_params(params):
+    assert isinstance(params, dict)
+    # map[string]string in the CRD: an unquoted number or boolean is rejected.
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in params.items()), params
+
+
+def _container(group: dict) -> dict:
+    containers = group["template"]["spec"]["containers"]
+    assert isinstance(containers, list) and containers
+    return containers[0]
+
+
+@each_rayservice
+def test_head_group(path):
+    head = _cluster(path)["headGroupSpec"]
+    params = head["rayStartParams"]
+    _check_ray_start_params(params)
+    assert params["num-gpus"] == "0"
+    assert params["dashboard-host"] == "0.0.0.0", "the operator reaches the dashboard from outside the pod"
+    container = _container(head)
+    assert isinstance(container["image"], str) and container["image"]
+    assert container["image"].split(":")[0].endswith("rayserve-paged")
+    resources = container["resources"]
+    for key in ("limits", "requests"):
+        assert {"cpu", "memory"} <= set(resources[key]), key
+        assert GPU not in resources[key], "the head takes no GPU"
+        assert _cpu(resources[key]["cpu"]) > 0 and _bytes(resources[key]["memory"]) > 0
+    ports = {p["containerPort"]: p.get("name") for p in container["ports"]}
+    assert {6379, 8265, 8000} <= set(ports), ports
+    assert ports[6379] == "gcs-server" and ports[8265] == "dashboard" and ports[8000] == "serve"
+
+
+@each_rayservice
+def test_worker_groups(path):
+    groups = _cluster(path)["workerGroupSpecs"]
+    assert isinstance(groups, list) and groups
+    names = [g["groupName"] for g in groups]
+    assert len(set(names)) == len(names) and all(isinstance(n, str) and n for n in names)
+    head_image = _container(_cluster(path)["headGroupSpec"])["image"]
+    for group in groups:
+        for key in ("replicas", "minReplicas", "maxReplicas"):
+            assert type(group[key]) is int, key
+        assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], group["groupName"]
+        _check_ray_start_params(group["rayStartParams"])
+        container = _container(group)
+        assert container["image"] == head_image, "every Ray node runs the same image"
+        resources = container["resources"]
+        limits, requests = resources["limits"], resources["requests"]
+        assert int(limits[GPU]) >= 1, "GPU workers"
+        assert str(requests.get(GPU, limits[GPU])) == str(limits[GPU]), "extended resources: requests == limits"
+        if "num-gpus" in group["rayStartParams"]:
+            assert float(group["rayStartParams"]["num-gpus"]) == float(limits[GPU])
+        assert _bytes(limits["memory"]) > 0 and _cpu(limits["cpu"]) > 0
+        ports = {p["containerPort"] for p in container.get("ports", [])}
+        assert 8000 in ports, "proxy_location EveryNode: workers serve HTTP too"
+
+
+@each_rayservice
+def test_worker_shm_is_memory_backed(path):
+    for group in _cluster(path)["workerGroupSpecs"]:
+        spec = group["template"]["spec"]
+        mounts = {m["mountPath"]: m["name"] for m in _container(group)["volumeMounts"]}
+        assert "/dev/shm" in mounts
+        (volume,) = [v for v in spec["volumes"] if v["name"] == mounts["/dev/shm"]]
+        assert volume["emptyDir"]["medium"] == "Memory"
+        shm = _bytes(volume["emptyDir"]["sizeLimit"])
+        assert shm < _bytes(_container(group)["resources"]["limits"]["memory"])
+        store = group["rayStartParams"].get("object-store-memory")
+        if store is not None:
+            assert int(store) <= shm, "the object store lives in /dev/shm"
+
+
+@each_rayservice
+def test_replica_placement_group_fits_a_gpu_worker_and_the_group_covers_max_replicas(path):
+    args = _args(_serve_config(path))
+    need = _pack(_bundles(args))  # STRICT_PACK: all bundles on one node
+    assert need.get("GPU", 0) >= 1
+    capacity = 0
+    for group in _cluster(path)["workerGroupSpecs"]:
+        node = _ray_resources(group)
+        per_node = _per_node(node, need)
+        capacity += group["maxReplicas"] * per_node
+    assert capacity >= 1, f"no worker group fits a replica's placement group {need}"
+    max_replicas = args["autoscaling_config"]["max_replicas"]
+    assert capacity >= max_replicas, f"worker groups hold {capacity} replicas, Serve may ask for {max_replicas}"
+
+
+@each_rayservice
+def test_ingress_fits_the_head(path):
+    from rayserve_paged.app import AppArgs
+
+    args = AppArgs(**_args(_serve_config(path)))
+    head = _ray_resources(_cluster(path)["headGroupSpec"])
+    assert head["GPU"] == 0
+    assert args.ingress_replicas * args.ingress_cpus <= head["CPU"]
+
+
+# ---------------------------------------------------------------- cluster launcher
+
+
+def test_launcher_matches_rays_own_schema():
+    import jsonschema
+    import ray.autoscaler
+
+    schema_path = Path(os.path.dirname(ray.autoscaler.__file__)) / "ray-schema.json"
+    jsonschema.validate(_launcher(), json.loads(schema_path.read_text()))
+
+
+def test_launcher_structure():
+    config = _launcher()
+    assert isinstance(config["cluster_name"], str) and config["cluster_name"]
+    assert config["provider"]["type"] == "aws"
+    assert isinstance(config["provider"]["region"], str)
+    assert isinstance(config["idle_timeout_minutes"], (int, float)) and config["idle_timeout_minutes"] > 0
+    types = config["available_node_types"]
+    assert config["head_node_type"] in types
+    for name, node_type in types.items():
+        for key in ("node_config", "resources", "min_workers", "max_workers"):
+            assert key in node_type, f"{name}: {key}"
+        assert 0 <= node_type["min_workers"] <= node_type["max_workers"], name
+        assert node_type["node_config"]["InstanceType"], name
+        assert str(node_type["node_config"]["ImageId"]).startswith("ami-"), name
+        assert all(type(v) is int for v in node_type["resources"].values()), name
+    head = types[config["head_node_type"]]
+    assert head["resources"].get("GPU", 0) == 0 and head["resources"]["CPU"] > 0
+    gpu_types = [t for n, t in types.items() if n != config["head_node_type"] and t["resources"].get("GPU", 0) > 0]
+    assert gpu_types, "a GPU worker type"
+    workers = [t for n, t in types.items() if n != config["head_node_type"]]
+    assert config["max_workers"] >= sum(t["min_workers"] for t in workers)
+    assert config["max_workers"] <= sum(t["max_workers"] for t in workers)
+
+
+def test_launcher_installs_the_project_and_starts_ray():
+    config = _launcher()
+    rayservice_version = _ray_version()
+    assert "." in config["file_mounts"].values(), "the repository (ray up from its root) goes to the nodes"
+    setup = " ".join(config["setup_commands"])
+    assert "rayserve-paged[gpu]" in setup
+    assert f"=={rayservice_version}" in setup, "same Ray as the RayService"
+    head = " ".join(config["head_start_ray_commands"])
+    assert "--head" in head and "--autoscaling-config=~/ray_bootstrap_config.yaml" in head and "6379" in head
+    worker = " ".join(config["worker_start_ray_commands"])
+    assert "$RAY_HEAD_IP:6379" in worker
+    assert any("boto3" in c for c in config["head_setup_commands"]), "the AWS node provider runs on the head"
+
+
+@pytest.mark.parametrize("name", ["opt13b.yaml", "opt13b-tp2.yaml"])
+def test_launcher_gpu_types_fit_the_config(name):
+    config = _launcher()
+    args = _args(_config(name))
+    need = _pack(_bundles(args))
+    head_name = config["head_node_type"]
+    capacity = sum(
+        t["max_workers"] * _per_node({k: float(v) for k, v in t["resources"].items()}, need)
+        for n, t in config["available_node_types"].items()
+        if n != head_name
+    )
+    assert capacity >= args["autoscaling_config"]["max_replicas"], (name, need, capacity)
+    head = config["available_node_types"][head_name]["resources"]
+    assert args["ingress_replicas"] * args["ingress_cpus"] <= head["CPU"]
+
+
+# ---------------------------------------------------------------- image and docs
+
+
+def test_dockerfile_installs_the_package_on_cuda_with_the_same_ray():
+    text = DOCKERFILE.read_text()
+    base = re.search(r"^ARG CUDA_IMAGE=(\S+)", text, re.M)
+    assert base and base.group(1).startswith("nvidia/cuda:"), "a CUDA base image"
+    assert re.search(r"^FROM \$\{CUDA_IMAGE\}", text, re.M)
+    assert 'pip install ".[gpu]"' in text
+    ray_version = re.search(r"^ARG RAY_VERSION=(\S+)", text, re.M)
+    assert ray_version and ray_version.group(1) == _ray_version()
+    for path in ("pyproject.toml", "rayserve_paged"):
+        assert re.search(rf"^COPY .*\b{re.escape(path)}\b", text, re.M), path
+
+
+def test_deploy_doc_covers_the_files_and_commands():
+    text = DOC.read_text()
+    for needle in (
+        "deploy/Dockerfile",
+        "deploy/rayservice-opt13b.yaml",
+        "deploy/rayservice-opt13b-tp2.yaml",
+        "deploy/cluster-launcher-gpu.yaml",
+        "helm install",
+        "get rayservice",
+        "port-forward",
+        "ray up",
+        "serve deploy",
+        "target_ongoing_requests",
+        "STRICT_PACK",
+        "api_key",
+        "trust_remote_code",
+    ):
+        assert needle in text, needle
