@@ -12,6 +12,7 @@ which the request advanced; the last has finished=True.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import uuid
 
@@ -98,7 +99,10 @@ class LLMServer:
         finally:
             self._queues.pop(request_id, None)
             if not finished:  # the caller went away (or failed): free the request's blocks now
-                self.actor.abort.remote(request_id)
+                self._detached(self._send_abort(request_id))
+
+    async def _send_abort(self, request_id: str) -> None:
+        await self.actor.abort.remote(request_id)
 
     async def abort(self, request_id: str) -> None:
         await self.actor.abort.remote(request_id)
@@ -122,9 +126,16 @@ class LLMServer:
 
     # ------------------------------------------------------------------ output pump
 
+    @staticmethod
+    def _detached(coro) -> asyncio.Task:
+        """Run `coro` outside the calling request's context. Serve cancels the Ray calls a
+        request made when the request is cancelled (a client disconnect); the shared output
+        stream and the abort of a cancelled request must outlive it."""
+        return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+
     def _start_pump(self) -> None:
         if self._pump is None or self._pump.done():
-            self._pump = asyncio.get_running_loop().create_task(self._pump_outputs())
+            self._pump = self._detached(self._pump_outputs())
 
     async def _pump_outputs(self) -> None:
         """One stream from the scheduler actor carries every request's output, per step."""

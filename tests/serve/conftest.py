@@ -77,12 +77,18 @@ def _connect(ray, address: str, head: subprocess.Popen, timeout_s: float = 120) 
             time.sleep(1)
 
 
+@pytest.fixture(scope="session")
+def serve_port() -> int:
+    """The HTTP port of Serve's proxy on the session cluster (loopback only)."""
+    return _free_port()
+
+
 @pytest.fixture()
-def serve_session(ray_cluster):
+def serve_session(ray_cluster, serve_port):
     """Serve on the session cluster; every app is deleted after the test."""
     from ray import serve
 
-    serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
+    serve.start(http_options={"host": "127.0.0.1", "port": serve_port})
     yield serve
     for name in list(serve.status().applications):
         serve.delete(name)
