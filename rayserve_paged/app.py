@@ -28,6 +28,14 @@ class AppArgs(EngineConfig):
     )
     num_replicas: int = Field(1, ge=1, description="Fixed LLMServer replicas when autoscaling_config is unset.")
     max_ongoing_requests: int = Field(256, ge=1, description="Requests in flight per LLMServer replica.")
+    max_queued_requests: int = Field(
+        -1,
+        ge=-1,
+        description=(
+            "Requests each caller (ingress replica) queues for LLMServer beyond max_ongoing_requests; "
+            "more are answered 503 + Retry-After (Serve's BackPressureError). -1 = no limit."
+        ),
+    )
     ray_actor_options: dict[str, Any] = Field(
         default_factory=lambda: {"num_cpus": 0.1}, description="Options of the LLMServer replica actor."
     )
@@ -39,6 +47,17 @@ class AppArgs(EngineConfig):
     ingress_cpus: float = Field(0.1, ge=0, description="CPUs of each OpenAIIngress replica.")
     ingress_replicas: int = Field(1, ge=1, description="OpenAIIngress replicas.")
     ingress_max_ongoing_requests: int = Field(1024, ge=1, description="Requests in flight per ingress replica.")
+    max_pending_requests: int = Field(
+        256,
+        ge=1,
+        description=(
+            "Completion requests in flight per ingress replica; more are answered 503 + Retry-After at once. "
+            "Keep it <= ingress_max_ongoing_requests, or Serve queues the excess before it gets here."
+        ),
+    )
+    max_request_body_bytes: int = Field(
+        1 << 20, ge=1, description="Largest HTTP request body; a larger one is answered 413 before it is parsed."
+    )
     telemetry: TelemetryConfig = Field(
         default_factory=TelemetryConfig, description="Metrics export (Prometheus port, OTLP interval)."
     )
@@ -73,6 +92,7 @@ def llm_server_options(args: AppArgs) -> dict[str, Any]:
     options: dict[str, Any] = {
         "name": "LLMServer",
         "max_ongoing_requests": args.max_ongoing_requests,
+        "max_queued_requests": args.max_queued_requests,
         "ray_actor_options": dict(args.ray_actor_options),
         "placement_group_bundles": placement_group_bundles(args),
         "placement_group_strategy": args.placement_group_strategy,
@@ -110,5 +130,11 @@ def build_app(args: AppArgs | dict):
         ray_actor_options={"num_cpus": args.ingress_cpus},
     )
     return ingress.bind(
-        llm, args.tokenizer or args.model, args.served_model_name or args.model, args.api_key, args.trust_remote_code
+        llm,
+        args.tokenizer or args.model,
+        args.served_model_name or args.model,
+        args.api_key,
+        args.trust_remote_code,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_pending_requests=args.max_pending_requests,
     )

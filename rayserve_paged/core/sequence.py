@@ -117,8 +117,8 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
-        if not _is_finite(self.length_penalty):
-            raise bad("length_penalty", "must be a finite number")
+        if not _is_finite(self.length_penalty) or not -10 <= self.length_penalty <= 10:
+            raise bad("length_penalty", "must be in [-10, 10]")
         if self.early_stopping not in (True, False, "never"):
             raise bad("early_stopping", "must be true, false or 'never'")
         if self.use_beam_search:

@@ -21,7 +21,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayserve_paged.config import EngineConfig
-from rayserve_paged.core.sequence import SamplingParams
+from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
 from rayserve_paged.engine.llm_engine import RequestError
 from rayserve_paged.engine.outputs import RequestOutput
 from rayserve_paged.engine.scheduler_actor import SchedulerActor
@@ -35,6 +35,9 @@ def as_sampling_params(params: SamplingParams | dict | None) -> SamplingParams:
     if isinstance(params, SamplingParams):
         return params
     if isinstance(params, dict):
+        unknown = sorted(set(params) - set(SamplingParams.__dataclass_fields__))
+        if unknown:
+            raise SamplingParamsError(f"{unknown[0]}: unknown sampling parameter")
         return SamplingParams(**params)
     raise RequestError("sampling_params: expected SamplingParams or a dict of its fields")
 
@@ -163,7 +166,11 @@ def _replica_id() -> str:
 
 def _split_prompt(prompt) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("prompt: empty prompt")
         return prompt, None
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not prompt:
+            raise RequestError("prompt: empty prompt")
         return None, list(prompt)
     raise RequestError("prompt: expected a string or a list of token ids")

@@ -13,6 +13,15 @@ Invariant: every engine request an HTTP request starts is either seen finished o
 aborted when that HTTP request ends, however it ends (error, client disconnect,
 cancellation). The generators that own engine requests abort them in `finally`, from a
 shielded task, so a cancelled HTTP task still gets its aborts through.
+
+Limits, checked before any work (outermost first):
+
+    API key        401   constant-time compare; /health is open
+    admission      503   at most `max_pending_requests` generation requests in flight here
+    body size      413   Content-Length first, then the bytes actually received
+    handle         503   Serve's BackPressureError (LLMServer's max_queued_requests)
+
+Both 503s are the same error (code "overloaded", a Retry-After header), like Serve's own.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import re
 import time
 import uuid
@@ -33,6 +43,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -68,6 +79,10 @@ from rayserve_paged.telemetry import PROMETHEUS_CONTENT_TYPE
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 10.0
+DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20  # 1 MiB: 128 prompts of ~2k tokens fit easily
+DEFAULT_MAX_PENDING_REQUESTS = 256  # per ingress replica
+RETRY_AFTER_S = 1  # the Retry-After of an overloaded answer, unless Serve gives its own
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # what admission counts
 
 
 class EngineClient(Protocol):
@@ -138,18 +153,42 @@ class OpenAIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = dict(headers or {})
+        if status_code == 401:
+            self.headers["WWW-Authenticate"] = "Bearer"
 
     def response(self) -> Response:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status_code == 401 else None
-        return _json(ErrorResponse(error=self.info), self.status_code, headers)
+        return _json(ErrorResponse(error=self.info), self.status_code, self.headers or None)
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param=param if param is not None else param_of(message))
+
+
+def overloaded(message: str, retry_after_s: float | None = None) -> OpenAIError:
+    """503 with a Retry-After (whole seconds, rounded up): the openai client retries it."""
+    seconds = RETRY_AFTER_S if retry_after_s is None else max(0, math.ceil(retry_after_s))
+    return OpenAIError(
+        503, message, type="server_error", code="overloaded", headers={"Retry-After": str(seconds)}
+    )
+
+
+class RequestBodyTooLarge(StarletteHTTPException):
+    """Raised while the body is read. An HTTPException, so FastAPI's body parsing lets it
+    through instead of turning it into "There was an error parsing the body"."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413)
+        self.error = OpenAIError(
+            413,
+            f"the request body is larger than this server's limit of {max_bytes} bytes",
+            code="request_too_large",
+        )
 
 
 def _internal_error() -> OpenAIError:
@@ -157,10 +196,16 @@ def _internal_error() -> OpenAIError:
 
 
 def to_openai_error(exc: Exception, renames: dict[str, str] | None = None) -> OpenAIError:
-    """OpenAIError as is; engine ValueErrors (RequestError, SamplingParamsError, possibly
-    wrapped in a RayTaskError that is still a ValueError) -> 400; anything else -> 500."""
+    """OpenAIError as is; Serve's back-pressure -> 503 overloaded; engine ValueErrors
+    (RequestError, SamplingParamsError, possibly wrapped in a RayTaskError that is still a
+    ValueError) -> 400; anything else -> 500."""
     if isinstance(exc, OpenAIError):
         return exc
+    if isinstance(exc, BackPressureError):
+        return overloaded(
+            "the server is overloaded: the engine's request queue is full; retry later",
+            getattr(exc, "retry_after_s", None),
+        )
     if isinstance(exc, ValueError):
         cause = getattr(exc, "cause", None)  # RayTaskError: the engine's own exception
         message = str(cause if isinstance(cause, ValueError) else exc)
@@ -211,6 +256,18 @@ def _field_path(loc: Iterable[Any]) -> str:
 
 
 _UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "literal"})
+
+
+def _body_parse_error(cause: BaseException | None) -> OpenAIError:
+    """FastAPI's "There was an error parsing the body" (a body json.loads raised on, other
+    than a JSONDecodeError) as a 400 that says what is wrong with the body."""
+    if isinstance(cause, UnicodeDecodeError):
+        why = f"not UTF-8 (byte 0x{cause.object[cause.start]:02x} at offset {cause.start})"
+    elif isinstance(cause, RecursionError):
+        why = "nested too deeply"
+    else:
+        why = "not parsable"
+    return OpenAIError(400, f"invalid JSON body: {why}")
 
 
 # --------------------------------------------------------------------------- serving
@@ -855,6 +912,86 @@ class _APIKeyMiddleware:
         await error.response()(scope, receive, send)
 
 
+@dataclass(slots=True)
+class AdmissionLimit:
+    """Generation requests in flight in this ingress replica, from arrival until the last
+    byte of the answer (a stream included) or the client leaving."""
+
+    max_pending: int
+    num_pending: int = 0
+
+    def can_admit(self) -> bool:
+        return self.num_pending < self.max_pending
+
+
+class _AdmissionMiddleware:
+    """Over the limit, a generation request is answered 503 at once: it never waits in an
+    unbounded queue, never reads its body, never reaches the engine."""
+
+    def __init__(self, app, limit: AdmissionLimit) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or _route_path(scope) not in GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        if not self.limit.can_admit():
+            error = overloaded(
+                f"the server is overloaded: {self.limit.num_pending} requests are in flight on this "
+                f"replica (the limit is {self.limit.max_pending}); retry later"
+            )
+            return await error.response()(scope, receive, send)
+        self.limit.num_pending += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.limit.num_pending -= 1
+
+
+class _BodySizeLimitMiddleware:
+    """A body over `max_bytes` is a 413 before it is parsed: a declared Content-Length is
+    checked before a byte is read, and the bytes received are counted as they arrive (a
+    chunked body, or one longer than declared), so at most max_bytes + one chunk are held."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                return await OpenAIError(400, "invalid Content-Length header").response()(scope, receive, send)
+            if int(declared) > self.max_bytes:
+                return await RequestBodyTooLarge(self.max_bytes).error.response()(scope, receive, send)
+        num_received = 0
+
+        async def counting_receive():
+            nonlocal num_received
+            message = await receive()
+            if message["type"] == "http.request":
+                num_received += len(message.get("body", b""))
+                if num_received > self.max_bytes:
+                    raise RequestBodyTooLarge(self.max_bytes)
+            return message
+
+        is_started = False
+
+        async def tracking_send(message) -> None:
+            nonlocal is_started
+            is_started = is_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except RequestBodyTooLarge as exc:  # read outside a route's body parsing
+            if is_started:
+                raise
+            await exc.error.response()(scope, receive, send)
+
+
 class _InternalErrorMiddleware:
     """An exception no handler took becomes a logged, generic OpenAI-shaped 500."""
 
@@ -888,7 +1025,13 @@ def _route_path(scope) -> str:
 
 
 def create_openai_app(
-    client: EngineClient, tokenizer, served_model_name: str, api_key: str | None = None
+    client: EngineClient,
+    tokenizer,
+    served_model_name: str,
+    api_key: str | None = None,
+    *,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
 ) -> FastAPI:
     """The OpenAI-compatible FastAPI app over `client` (docs/API.md describes the API)."""
     serving = OpenAIServing(client, tokenizer, served_model_name)
@@ -897,6 +1040,7 @@ def create_openai_app(
         summary="OpenAI-compatible LLM serving with PagedAttention on Ray Serve",
     )
     app.state.serving = serving
+    app.state.admission = admission = AdmissionLimit(max_pending_requests)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_, exc: OpenAIError) -> Response:
@@ -906,8 +1050,14 @@ def create_openai_app(
     async def _invalid_request(_, exc: RequestValidationError) -> Response:
         return _validation_error(exc).response()
 
+    @app.exception_handler(RequestBodyTooLarge)
+    async def _body_too_large(_, exc: RequestBodyTooLarge) -> Response:
+        return exc.error.response()
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 400 and exc.__cause__ is not None:  # the body could not be read as JSON
+            return _body_parse_error(exc.__cause__).response()
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = f"{exc.detail}: {request.method} {request.url.path}"
         return OpenAIError(exc.status_code, message, type=kind).response()
@@ -939,7 +1089,10 @@ def create_openai_app(
             return JSONResponse({"status": "ok"})
         return OpenAIError(503, "the engine is not healthy", type="server_error", code="engine_unavailable").response()
 
+    # the last added runs first: API key, admission, internal errors, body size, the routes
+    app.add_middleware(_BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     app.add_middleware(_InternalErrorMiddleware)
+    app.add_middleware(_AdmissionMiddleware, limit=admission)
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset({"/health"}))
     return app
@@ -980,11 +1133,16 @@ class OpenAIIngress:
         served_model_name: str,
         api_key: str | None = None,
         trust_remote_code: bool = False,
+        max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+        max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
     ) -> None:
         self._client = HandleEngineClient(llm_handle)
         self._tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
         self._served_model_name = served_model_name
         self._api_key = api_key
+        self._limits = {"max_request_body_bytes": max_request_body_bytes, "max_pending_requests": max_pending_requests}
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_openai_app(self._client, self._tokenizer, self._served_model_name, self._api_key)
+        return create_openai_app(
+            self._client, self._tokenizer, self._served_model_name, self._api_key, **self._limits
+        )

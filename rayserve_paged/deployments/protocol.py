@@ -1,7 +1,9 @@
 """The OpenAI HTTP API subset this server speaks, as pydantic models.
 
 Request bodies forbid unknown fields, so a misspelt or unsupported option is a 400 that
-names it instead of being silently ignored. Sampling ranges (temperature >= 0, top_p in
+names it instead of being silently ignored, and they are strict: a JSON value of the wrong
+type is a 400 (`"max_tokens": true` or `"n": "2"` is not coerced). Text that reaches the
+tokenizer must be valid Unicode (JSON can escape a lone UTF-16 surrogate). Sampling ranges (temperature >= 0, top_p in
 (0, 1], ...) are checked once, by `SamplingParams`; `to_sampling_params` renames the
 internal field in its message to the request's field, so every 400 names what the client
 sent. Beyond OpenAI, the vLLM extensions (top_k, min_p, best_of, beam search,
@@ -23,8 +25,17 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_PROMPTS = 128  # most prompts in one /v1/completions batch
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs
+# |length_penalty| bound: beam scores divide by length ** length_penalty, which must stay a
+# finite, non-zero float for any context length (2**20 ** 10 = 2**200)
+MAX_LENGTH_PENALTY = 10.0
 
-_REQUEST = ConfigDict(extra="forbid")
+_REQUEST = ConfigDict(extra="forbid", strict=True)
+
+
+def _documented(**schema) -> dict:
+    """JSON-schema keywords for the OpenAPI description only. The range itself is checked
+    once, by SamplingParams, whose messages the 400s carry ("top_p: must be in (0, 1]")."""
+    return {"json_schema_extra": schema}
 
 
 # --------------------------------------------------------------------------- errors
@@ -67,36 +78,66 @@ class _SamplingFields(BaseModel):
     model: str | None = Field(None, description="The served model name (GET /v1/models); omitted = the served model.")
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices returned per prompt.")
     temperature: float | None = Field(
-        None, description="Sampling temperature >= 0; 0 is greedy. Default 1 (0 with use_beam_search)."
+        None,
+        description="Sampling temperature >= 0; 0 is greedy. Default 1 (0 with use_beam_search).",
+        **_documented(minimum=0),
     )
     top_p: float | None = Field(
-        None, description="Nucleus sampling: keep the smallest set of tokens with mass top_p, in (0, 1]."
+        None,
+        description="Nucleus sampling: keep the smallest set of tokens with mass top_p, in (0, 1].",
+        **_documented(exclusiveMinimum=0, maximum=1),
     )
-    top_k: int | None = Field(None, description="Keep the k most likely tokens; -1 or 0 disables.")
+    top_k: int | None = Field(
+        None, description="Keep the k most likely tokens; -1 or 0 disables.", **_documented(minimum=-1)
+    )
     min_p: float | None = Field(
-        None, description="Drop tokens less likely than min_p times the most likely one, in [0, 1]."
+        None,
+        description="Drop tokens less likely than min_p times the most likely one, in [0, 1].",
+        **_documented(minimum=0, maximum=1),
     )
-    presence_penalty: float | None = Field(None, description="Penalty in [-2, 2] for tokens already present.")
+    presence_penalty: float | None = Field(
+        None, description="Penalty in [-2, 2] for tokens already present.", **_documented(minimum=-2, maximum=2)
+    )
     frequency_penalty: float | None = Field(
-        None, description="Penalty in [-2, 2] proportional to a token's count so far."
+        None,
+        description="Penalty in [-2, 2] proportional to a token's count so far.",
+        **_documented(minimum=-2, maximum=2),
     )
     repetition_penalty: float | None = Field(
-        None, description="Multiplicative penalty (> 0, 1 = off) on prompt and output tokens."
+        None,
+        description="Multiplicative penalty (> 0, 1 = off) on prompt and output tokens.",
+        **_documented(exclusiveMinimum=0),
     )
     seed: int | None = Field(
         None, ge=-(2**63), lt=2**64, description="Per-request seed: the same seed and request give the same output."
     )
     stop: str | list[str] | None = Field(
-        None, description=f"Up to {MAX_STOP_STRINGS} strings that end generation (not included in the text)."
+        None,
+        description=f"Up to {MAX_STOP_STRINGS} non-empty strings that end generation (not included in the text).",
+        json_schema_extra=lambda schema: schema.update(
+            anyOf=[
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
+                {"type": "null"},
+            ]
+        ),
     )
     stop_token_ids: list[int] | None = Field(
-        None, max_length=MAX_STOP_TOKEN_IDS, description="Token ids that end generation."
+        None,
+        max_length=MAX_STOP_TOKEN_IDS,
+        description="Token ids that end generation.",
+        json_schema_extra=lambda schema: schema["anyOf"][0].update(items={"type": "integer", "minimum": 0}),
     )
     include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the text.")
     ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token.")
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
     use_beam_search: bool = Field(False, description="Beam search with width best_of (or n); needs temperature 0.")
-    length_penalty: float = Field(1.0, description="Beam search: scores are logprob / length ** length_penalty.")
+    length_penalty: float = Field(
+        1.0,
+        ge=-MAX_LENGTH_PENALTY,
+        le=MAX_LENGTH_PENALTY,
+        description="Beam search: scores are logprob / length ** length_penalty.",
+    )
     early_stopping: bool | Literal["never"] = Field(
         False, description="Beam search: stop when best_of hypotheses are done (true), heuristically (false), or never."
     )
@@ -109,6 +150,8 @@ class _SamplingFields(BaseModel):
     def _check_stop(cls, stop):
         if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings (got {len(stop)})")
+        for text in [stop] if isinstance(stop, str) else stop or []:
+            _check_unicode(text)
         return stop
 
 
@@ -118,10 +161,13 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description=(
             "A string, a list of strings (one set of n choices per prompt), a list of token ids, "
-            f"or a list of token-id lists; at most {MAX_PROMPTS} prompts."
-        )
+            f"or a list of token-id lists; at most {MAX_PROMPTS} prompts, none empty."
+        ),
+        json_schema_extra=lambda schema: schema.update(anyOf=_PROMPT_SCHEMAS),
     )
-    max_tokens: int | None = Field(16, description="Most tokens to generate per choice (>= 1).")
+    max_tokens: int | None = Field(
+        16, description="Most tokens to generate per choice (>= 1).", **_documented(minimum=1)
+    )
     best_of: int | None = Field(
         None, ge=1, le=MAX_CHOICES, description="Generate best_of choices and return the n most likely (>= n)."
     )
@@ -136,11 +182,25 @@ class CompletionRequest(_SamplingFields):
         return _check_prompt_shape(prompt)
 
 
+_TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT_SCHEMAS = [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_PROMPTS},
+    _TOKEN_IDS_SCHEMA,
+    {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1, "maxItems": MAX_PROMPTS},
+]
+
+
 class ContentPart(BaseModel):
     model_config = _REQUEST
 
     type: Literal["text"] = Field(description="Only text parts are supported.")
     text: str = Field(description="The text.")
+
+    @field_validator("text")
+    @classmethod
+    def _check_text(cls, text: str) -> str:
+        return _check_unicode(text)
 
 
 class ChatMessage(BaseModel):
@@ -152,6 +212,11 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] = Field(description="The message text, or a list of text parts.")
     name: str | None = Field(None, description="Participant name (accepted, not used).")
 
+    @field_validator("content")
+    @classmethod
+    def _check_content(cls, content):
+        return _check_unicode(content) if isinstance(content, str) else content
+
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
@@ -162,9 +227,13 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
-    max_tokens: int | None = Field(None, description="Deprecated alias of max_completion_tokens.")
+    max_tokens: int | None = Field(
+        None, description="Deprecated alias of max_completion_tokens.", **_documented(minimum=1)
+    )
     max_completion_tokens: int | None = Field(
-        None, description="Most tokens to generate per choice; omitted = up to the model's context length."
+        None,
+        description="Most tokens to generate per choice; omitted = up to the model's context length.",
+        **_documented(minimum=1),
     )
     best_of: int | None = Field(
         None, ge=1, le=MAX_CHOICES, description="Generate best_of choices and return the n most likely (>= n)."
@@ -187,7 +256,7 @@ def _check_prompt_shape(prompt):
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("empty prompt")
-        return prompt
+        return _check_unicode(prompt)
     if not isinstance(prompt, list) or not prompt:
         raise ValueError(_SHAPE if not isinstance(prompt, list) else "empty prompt list")
     if len(prompt) > MAX_PROMPTS and not all(_is_token(t) for t in prompt):
@@ -198,6 +267,7 @@ def _check_prompt_shape(prompt):
         if isinstance(item, str):
             if not item:
                 raise ValueError("empty prompt in the list")
+            _check_unicode(item)
         elif isinstance(item, list):
             if not item:
                 raise ValueError("empty token-id list in the list")
@@ -212,6 +282,17 @@ def _check_prompt_shape(prompt):
 
 def _is_token(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_unicode(text: str) -> str:
+    """JSON may escape a lone UTF-16 surrogate ("\\ud800"); no tokenizer can encode one."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"text must be valid Unicode: a lone surrogate U+{ord(text[exc.start]):04X} at index {exc.start}"
+        ) from None
+    return text
 
 
 # --------------------------------------------------------------------------- to SamplingParams
@@ -230,6 +311,8 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_l
         raise SamplingParamsError("use_beam_search: cannot stream beam search (beams are reordered until the end)")
     if request.stream_options is not None and not request.stream:
         raise SamplingParamsError("stream_options: only allowed when stream is true")
+    if request.use_beam_search:
+        _check_beam_search(request)
     temperature = request.temperature
     if temperature is None:
         temperature = 0.0 if request.use_beam_search else 1.0
@@ -260,6 +343,20 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_l
         return SamplingParams(**options)
     except SamplingParamsError as exc:
         raise SamplingParamsError(_rename_field(str(exc), _field_names(request, logprobs_field))) from None
+
+
+def _check_beam_search(request: CompletionRequest | ChatCompletionRequest) -> None:
+    """Name the truncation option the client set (SamplingParams reports them all as top_p)."""
+    for name, is_set in (
+        ("top_p", request.top_p not in (None, 1.0)),
+        ("top_k", request.top_k not in (None, 0, -1)),
+        ("min_p", request.min_p not in (None, 0.0)),
+    ):
+        if is_set:
+            raise SamplingParamsError(
+                f"{name}: cannot be combined with use_beam_search (beams keep the most likely tokens; "
+                "there is nothing to truncate)"
+            )
 
 
 def _requested_logprobs(request) -> tuple[int | None, str]:

@@ -5,6 +5,7 @@ import json
 import httpx
 import pytest
 
+from rayserve_paged.app import AppArgs, build_app
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.deployments.openai_ingress import create_openai_app
 from rayserve_paged.engine.llm_engine import LLMEngine
@@ -81,3 +82,25 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
     for word in words:
         assert word in error["message"], error
     return error
+
+
+def record_binds(monkeypatch, args: AppArgs) -> dict[str, dict]:
+    """build_app(args) with serve.deployment recorded: {name: {options, args, kwargs}}."""
+    from ray import serve
+
+    bound: dict[str, dict] = {}
+
+    def deployment(cls, **options):
+        record = bound.setdefault(options["name"], {"options": options})
+
+        class _Deployment:
+            @staticmethod
+            def bind(*args, **kwargs):
+                record.update(args=args, kwargs=kwargs)
+                return record
+
+        return _Deployment()
+
+    monkeypatch.setattr(serve, "deployment", deployment)
+    build_app(args)
+    return bound

@@ -1,5 +1,8 @@
 """Bad input is a 4xx in OpenAI's shape that names the problem, and the server keeps
-serving; unexpected failures are a generic 500; the API key guards every route but /health."""
+serving; unexpected failures are a generic 500; the API key guards every route but /health.
+
+BAD_REQUESTS is the table of distinct invalid requests: each must be a 4xx (never a 5xx)
+whose error names the field at fault, and a valid request must succeed right after it."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
 
 # (name, route, body (dict or raw bytes), status, param, words in the message)
 C, CHAT_ROUTE = "/v1/completions", "/v1/chat/completions"
+ONE_MIB = 1 << 20
 BAD_REQUESTS = [
     ("malformed json", C, b'{"prompt": "Hi", ', 400, None, ["invalid JSON"]),
     ("not an object", C, b"[1, 2]", 400, None, []),
@@ -68,7 +72,129 @@ BAD_REQUESTS = [
     ),
     ("chat zero max tokens", CHAT_ROUTE, {**CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens", []),
     ("chat echo unsupported", CHAT_ROUTE, {**CHAT, "echo": True}, 400, "echo", ["unknown field"]),
+    # the body itself
+    ("non-UTF-8 body", C, b'{"prompt": "\xff\xfe", "max_tokens": 2}', 400, None, ["invalid JSON body", "UTF-8"]),
+    ("JSON nested too deeply", C, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None, ["nested"]),
+    ("empty body", C, b"", 400, None, ["required"]),
+    ("JSON null body", C, b"null", 400, None, ["dictionary"]),
+    ("oversize body", C, b'{"prompt": "' + b"x" * ONE_MIB + b'"}', 413, None, [str(ONE_MIB), "bytes"]),
+    ("NaN temperature", C, b'{"prompt": "Hi", "temperature": NaN}', 400, "temperature", ["finite"]),
+    ("lone surrogate in prompt", C, b'{"prompt": "a\\ud800"}', 400, "prompt", ["Unicode", "U+D800"]),
+    # wrong types (strict: nothing is coerced)
+    ("max_tokens a bool", C, {**OK, "max_tokens": True}, 400, "max_tokens", ["integer"]),
+    ("max_tokens a float", C, {**OK, "max_tokens": 2.5}, 400, "max_tokens", ["integer"]),
+    ("n a string", C, {**OK, "n": "2"}, 400, "n", ["integer"]),
+    ("stream a string", C, {**OK, "stream": "yes"}, 400, "stream", ["boolean"]),
+    ("model not a string", C, {**OK, "model": 5}, 400, "model", ["string"]),
+    ("prompt a number", C, {**OK, "prompt": 5}, 400, "prompt", ["must be"]),
+    ("prompt of bools", C, {**OK, "prompt": [True, False]}, 400, "prompt", ["must be"]),
+    ("prompt of floats", C, {**OK, "prompt": [1.5]}, 400, "prompt", ["must be"]),
+    ("prompt nested too deep", C, {**OK, "prompt": [[[1]]]}, 400, "prompt", ["integers"]),
+    ("prompt mixes kinds", C, {**OK, "prompt": ["a", [1]]}, 400, "prompt", ["mix"]),
+    ("too many prompts", C, {**OK, "prompt": ["a"] * 129}, 400, "prompt", ["128"]),
+    ("early_stopping unknown", C, {**OK, "early_stopping": "sometimes"}, 400, "early_stopping", ["never"]),
+    ("seed a string", C, {**OK, "seed": "x"}, 400, "seed", ["integer"]),
+    # values out of range
+    ("huge max_tokens", C, {**OK, "max_tokens": 10**30}, 400, "max_tokens", ["context length"]),
+    ("zero max_tokens", C, {**OK, "max_tokens": 0}, 400, "max_tokens", [">= 1"]),
+    ("n zero", C, {**OK, "n": 0}, 400, "n", ["greater than or equal to 1"]),
+    ("best_of too large", C, {**OK, "best_of": 17}, 400, "best_of", ["16"]),
+    ("top_p zero", C, {**OK, "top_p": 0}, 400, "top_p", ["(0, 1]"]),
+    ("top_k below -1", C, {**OK, "top_k": -2}, 400, "top_k", ["-1"]),
+    ("min_p above 1", C, {**OK, "min_p": 2}, 400, "min_p", ["[0, 1]"]),
+    ("presence_penalty out of range", C, {**OK, "presence_penalty": 3}, 400, "presence_penalty", ["[-2, 2]"]),
+    ("frequency_penalty out of range", C, {**OK, "frequency_penalty": -3}, 400, "frequency_penalty", ["[-2, 2]"]),
+    ("repetition_penalty zero", C, {**OK, "repetition_penalty": 0}, 400, "repetition_penalty", ["> 0"]),
+    ("seed too large", C, {**OK, "seed": 2**64}, 400, "seed", ["less than"]),
+    ("negative stop token", C, {**OK, "stop_token_ids": [-1]}, 400, "stop_token_ids", ["non-negative"]),
+    ("too many stop tokens", C, {**OK, "stop_token_ids": list(range(65))}, 400, "stop_token_ids", ["64"]),
+    ("negative logprobs", C, {**OK, "logprobs": -1}, 400, "logprobs", ["greater than or equal to 0"]),
+    ("huge logprobs", C, {**OK, "logprobs": 10**9}, 400, "logprobs", ["at most"]),
+    ("length_penalty out of range", C, {**OK, "length_penalty": 1e308}, 400, "length_penalty", ["10"]),
+    # beam search with options it cannot use
+    ("beam with top_k", C, {**OK, "use_beam_search": True, "n": 2, "top_k": 5}, 400, "top_k", ["beam"]),
+    ("beam with top_p", C, {**OK, "use_beam_search": True, "n": 2, "top_p": 0.5}, 400, "top_p", ["beam"]),
+    ("beam with min_p", C, {**OK, "use_beam_search": True, "n": 2, "min_p": 0.1}, 400, "min_p", ["beam"]),
+    ("beam of width 1", C, {**OK, "use_beam_search": True}, 400, "n", ["beam width"]),
+    ("unknown nested field", C, {**OK, "stream": True, "stream_options": {"x": 1}}, 400, "stream_options.x", []),
+    # chat
+    ("chat unknown model", CHAT_ROUTE, {**CHAT, "model": "gpt-4o"}, 404, "model", ["gpt-4o"]),
+    ("chat missing messages", CHAT_ROUTE, {"model": MODEL}, 400, "messages", ["required"]),
+    ("chat messages a string", CHAT_ROUTE, {**CHAT, "messages": "Hi"}, 400, "messages", ["list"]),
+    (
+        "chat content a number",
+        CHAT_ROUTE,
+        {**CHAT, "messages": [{"role": "user", "content": 5}]},
+        400,
+        "messages[0].content",
+        ["string"],
+    ),
+    (
+        "chat content missing",
+        CHAT_ROUTE,
+        {**CHAT, "messages": [{"role": "user"}]},
+        400,
+        "messages[0].content",
+        ["required"],
+    ),
+    (
+        "chat image part",
+        CHAT_ROUTE,
+        {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages[0].content",
+        ["'text'"],
+    ),
+    (
+        "chat tool role",
+        CHAT_ROUTE,
+        {**CHAT, "messages": [{"role": "tool", "content": "x"}]},
+        400,
+        "messages[0].role",
+        ["'user'"],
+    ),
+    (
+        "chat unknown message field",
+        CHAT_ROUTE,
+        {**CHAT, "messages": [{"role": "user", "content": "x", "foo": 1}]},
+        400,
+        "messages[0].foo",
+        ["unknown field"],
+    ),
+    (
+        "chat lone surrogate",
+        CHAT_ROUTE,
+        b'{"messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 2}',
+        400,
+        "messages[0].content",
+        ["Unicode"],
+    ),
+    (
+        "chat prompt too long",
+        CHAT_ROUTE,
+        {**CHAT, "messages": [{"role": "user", "content": "hello " * 200}]},
+        400,
+        "messages",
+        ["context length"],
+    ),
+    ("chat tools unsupported", CHAT_ROUTE, {**CHAT, "tools": []}, 400, "tools", ["unknown field"]),
+    ("chat logprobs not a bool", CHAT_ROUTE, {**CHAT, "logprobs": 3}, 400, "logprobs", ["boolean"]),
+    (
+        "chat top_logprobs above 20",
+        CHAT_ROUTE,
+        {**CHAT, "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+        ["20"],
+    ),
+    ("chat negative max_tokens", CHAT_ROUTE, {**CHAT, "max_tokens": -1}, 400, "max_tokens", [">= 1"]),
 ]
+_CODES = {404: "model_not_found", 413: "request_too_large"}
+
+
+def test_the_table_has_at_least_30_distinct_cases():
+    assert len({name for name, *_ in BAD_REQUESTS}) == len(BAD_REQUESTS) >= 30
+    assert len({(route, repr(body)) for _, route, body, *_ in BAD_REQUESTS}) == len(BAD_REQUESTS)
 
 
 @pytest.mark.parametrize(
@@ -81,7 +207,7 @@ async def test_bad_request_then_a_good_one(http, route, body, status, param, wor
         response = await http.post(route, json=body)
     error = assert_openai_error(response, status, param, *words)
     assert error["type"] == "invalid_request_error"
-    assert error["code"] == ("model_not_found" if status == 404 else None)
+    assert error["code"] == _CODES.get(status)
     good = await http.post(route, json=OK if route == C else CHAT)
     assert good.status_code == 200, good.text
 

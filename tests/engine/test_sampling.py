@@ -189,3 +189,10 @@ def test_token_ids_past_the_tokenizers_vocab_decode_to_no_text(llm):
     assert llm.engine.detokenizer.decode_next(seq, seq.token_ids[-1], True) == ""
     seq.append_token(70)
     assert llm.engine.detokenizer.decode_next(seq, 70, True) == tokenizer.decode([70])
+
+
+def test_length_penalty_is_bounded():
+    # beam scores divide by generated_len ** length_penalty: huge values overflow the step
+    for bad in (1e308, -1e9, float("nan")):
+        with pytest.raises(SamplingParamsError, match="length_penalty"):
+            SamplingParams(n=2, use_beam_search=True, temperature=0.0, length_penalty=bad)

@@ -55,12 +55,23 @@ def ray_cluster(tmp_path_factory):
         serve.shutdown()
     finally:
         ray.shutdown()
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
+        _stop_group(head)
         shutil.rmtree(cache, ignore_errors=True)
+
+
+def _stop_group(head: subprocess.Popen) -> None:
+    """SIGTERM the head's process group, then SIGKILL whatever of it is left (the GCS and
+    raylet may outlive a SIGTERM of `ray start`)."""
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(head.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            head.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(1)
 
 
 def _connect(ray, address: str, head: subprocess.Popen, timeout_s: float = 120) -> None:
