@@ -14,6 +14,8 @@ BENCHMARKS = {
     "sharing": "benchmarks.sharing",
     "throughput": "benchmarks.throughput",
     "ray-overhead": "benchmarks.ray_overhead",
+    "telemetry": "benchmarks.telemetry_cost",
+    "serving": "benchmarks.serving",
 }
 
 DEMO_PROMPTS = [
