@@ -90,7 +90,7 @@ def main(argv: list[str]) -> int:
         model=args.model, device="cpu", max_model_len=512, kv_cache_memory_gb=0.1, swap_space_gb=0.01, num_cpu_threads=1
     )
     results = {"in_process": measure("in_process", config, requests)}
-    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
     try:
         results["ray"] = measure("ray", config, requests)
     finally:

@@ -1,0 +1,431 @@
+"""Offline throughput on CPU: this engine versus Hugging Face transformers `generate` with
+static batches, on the same requests and the same random-weight OPT.
+
+    engine   LLM.generate with every request at once: iteration-level scheduling, paged KV
+             cache, a finished sequence leaves the batch at once and a waiting one takes
+             its place
+    hf       AutoModelForCausalLM.generate over static batches in request order, left
+             padded; a batch runs until its longest request has its tokens (shorter ones
+             keep decoding: that work is wasted), then the next batch starts. The batch
+             size is the best of a sweep (tokens/s on the first requests), or --hf-batch-size.
+
+Both decode greedily, ignore EOS (the engine: ignore_eos; HF: min_new_tokens = max_new_tokens)
+and run float32 on the CPU with the same torch intra-op thread count. Output tokens per
+second = the requests' output tokens (each request's own length, never HF's padding or
+overrun) / wall seconds of the generate calls, after one untimed warm-up call each. Model
+loading is not timed.
+
+Requests: prompt and output lengths uniform on 16..256 (inclusive), random token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from rayserve_paged import LLM, SamplingParams
+from rayserve_paged.models.tiny import SPECIAL_TOKENS, TINY_VOCAB_SIZE, make_tiny_model
+
+DEFAULT_SEED = 0
+DEFAULT_THREADS = 1  # robust on a shared CPU: a descheduled second thread stalls every op
+HF_BATCH_SIZES = (8, 16, 32)
+NUM_PROFILE_REQUESTS = 32
+PAD_TOKEN_ID = 0  # the tiny tokenizer's <pad>
+TARGET_RATIO = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    num_requests: int
+    min_prompt_len: int
+    max_prompt_len: int
+    min_output_len: int
+    max_output_len: int
+    num_sweep_requests: int  # HF batch-size sweep: tokens/s on the first requests only
+    model: dict  # config.json overrides of the tiny OPT
+
+
+FULL = Workload(
+    num_requests=200,
+    min_prompt_len=16,
+    max_prompt_len=256,
+    min_output_len=16,
+    max_output_len=256,
+    num_sweep_requests=32,
+    # 6 layers, hidden 512, 8 heads of 64, ffn 2048: ~19M parameters in the layers, so the
+    # model, not Python, dominates a step. The tiny tokenizer's vocabulary (512).
+    model={
+        "num_hidden_layers": 6,
+        "hidden_size": 512,
+        "word_embed_proj_dim": 512,
+        "num_attention_heads": 8,
+        "ffn_dim": 2048,
+        "vocab_size": TINY_VOCAB_SIZE,
+        "max_position_embeddings": 2048,
+    },
+)
+QUICK = Workload(
+    num_requests=8,
+    min_prompt_len=4,
+    max_prompt_len=32,
+    min_output_len=4,
+    max_output_len=24,
+    num_sweep_requests=8,
+    model={},  # the default tiny OPT: 2 layers, hidden 64
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def make_requests(workload: Workload, seed: int) -> list[Request]:
+    rng = random.Random(f"throughput-{seed}")
+    first = len(SPECIAL_TOKENS)
+    requests = []
+    for _ in range(workload.num_requests):
+        prompt_len = rng.randint(workload.min_prompt_len, workload.max_prompt_len)
+        output_len = rng.randint(workload.min_output_len, workload.max_output_len)
+        prompt = [rng.randrange(first, TINY_VOCAB_SIZE) for _ in range(prompt_len)]
+        requests.append(Request(prompt, output_len))
+    return requests
+
+
+def kv_cache_gb(workload: Workload, model_dir: str, block_size: int = 16) -> float:
+    """Room for every request at its full length at once (no preemption), plus 10%."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    bytes_per_token = 2 * config["num_hidden_layers"] * config["hidden_size"] * 4  # K and V, float32
+    max_len = workload.max_prompt_len + workload.max_output_len
+    tokens = workload.num_requests * (-(-max_len // block_size)) * block_size
+    return round(1.1 * tokens * bytes_per_token / 2**30 + 0.05, 2)
+
+
+# ---------------------------------------------------------------------------- engine
+
+
+def make_engine(model_dir: str, threads: int, kv_gb: float, seed: int) -> LLM:
+    return LLM(
+        model=model_dir,
+        dtype="float32",
+        device="cpu",
+        num_cpu_threads=threads,
+        kv_cache_memory_gb=kv_gb,
+        enable_prefix_caching=False,  # random prompts share nothing
+        seed=seed,
+    )
+
+
+def run_engine(llm: LLM, requests: list[Request]) -> tuple[float, list[list[int]]]:
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    t0 = time.perf_counter()
+    outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    for r, t in zip(requests, tokens):
+        assert len(t) == r.output_len, (len(t), r.output_len)
+    return seconds, tokens
+
+
+# ---------------------------------------------------------------------------- HF transformers
+
+
+def load_hf(model_dir: str):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+@torch.inference_mode()
+def _hf_batch(model, batch: list[Request]) -> list[list[int]]:
+    width = max(len(r.prompt_token_ids) for r in batch)
+    input_ids = torch.full((len(batch), width), PAD_TOKEN_ID, dtype=torch.long)  # [batch, width]
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # [batch, width]
+    for i, r in enumerate(batch):  # left padding
+        input_ids[i, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+        attention_mask[i, width - len(r.prompt_token_ids) :] = 1
+    max_new = max(r.output_len for r in batch)
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        do_sample=False,
+        num_beams=1,
+        max_new_tokens=max_new,
+        min_new_tokens=max_new,  # EOS is never chosen (as ignore_eos)
+        pad_token_id=PAD_TOKEN_ID,
+        use_cache=True,
+    )  # [batch, width + max_new]
+    return [out[i, width : width + r.output_len].tolist() for i, r in enumerate(batch)]
+
+
+def run_hf(model, requests: list[Request], batch_size: int) -> tuple[float, list[list[int]]]:
+    tokens: list[list[int]] = []
+    t0 = time.perf_counter()
+    for start in range(0, len(requests), batch_size):
+        tokens += _hf_batch(model, requests[start : start + batch_size])
+    return time.perf_counter() - t0, tokens
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
+    """Greedy outputs of the two systems: identical requests, and the mean share of each
+    request's output that agrees before the first difference (float ties may differ)."""
+    same = sum(1 for x, y in zip(a, b) if x == y)
+    prefix = []
+    for x, y in zip(a, b):
+        k = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        prefix.append(k / max(len(x), 1))
+    return {"identical_requests": same, "mean_agreeing_prefix": sum(prefix) / len(prefix)}
+
+
+# Where an engine step's time goes: (label, file suffix, function name); cumulative seconds.
+PROFILE_PARTS = (
+    ("step (total)", "engine/llm_engine.py", "step"),
+    ("model forward", "models/opt.py", "forward"),
+    ("attention (torch paged reference)", "ops/paged_attention.py", "forward"),
+    ("  decode gather (_gather_batch)", "ops/paged_attention.py", "_gather_batch"),
+    ("  prefill attention", "ops/paged_attention.py", "_prefill_attention"),
+    ("  write K/V (reshape_and_cache)", "ops/cache_ops.py", "reshape_and_cache"),
+    ("linear layers (torch linear)", "", "<built-in method torch._C._nn.linear>"),
+    ("sampler", "models/sampler.py", "__call__"),
+    ("scheduler.schedule", "core/scheduler.py", "schedule"),
+    ("model runner prepare", "worker/model_runner.py", "prepare"),
+    ("process outputs (incl. detokenize)", "engine/llm_engine.py", "_process"),
+)
+
+
+def profile_engine(llm: LLM, requests: list[Request], top: int = 25) -> tuple[str, dict[str, float]]:
+    """cProfile of one engine run: the top functions (cumulative, then own time) and a
+    summary of where a step's time goes (cumulative seconds, profiler overhead included)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run_engine(llm, requests)
+    profiler.disable()
+    stream = io.StringIO()
+    stats = pstats.Stats(profiler, stream=stream)
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_stats(15)
+    summary = {}
+    for label, file_suffix, name in PROFILE_PARTS:
+        seconds = [ct for (path, _, func), (_, _, _, ct, _) in stats.stats.items()
+                   if func == name and path.endswith(file_suffix)]
+        # the outermost entry (the largest cumulative) when a name recurses or repeats
+        summary[label] = max(seconds, default=0.0)
+    return stream.getvalue(), summary
+
+
+def run(workload: Workload, seed: int, threads: int, hf_batch_size: int | None, quick: bool,
+        profile_path: str | None, log: Callable[[str], None] = print) -> dict:
+    loadavg_before = _loadavg()
+    torch.set_num_threads(threads)
+    requests = make_requests(workload, seed)
+    num_output_tokens = sum(r.output_len for r in requests)
+    warmup = make_requests(
+        Workload(2, workload.min_prompt_len, workload.min_prompt_len + 8, 4, 4, 2, workload.model), seed + 1
+    )
+    with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
+        model_dir = str(make_tiny_model("opt", os.path.join(tmp, "opt"), **workload.model))
+        kv_gb = kv_cache_gb(workload, model_dir)
+
+        # -- HF: sweep batch sizes on the first requests, then all requests with the best
+        hf = load_hf(model_dir)
+        run_hf(hf, warmup, len(warmup))
+        sweep = {}
+        if hf_batch_size is None:
+            subset = requests[: workload.num_sweep_requests]
+            subset_tokens = sum(r.output_len for r in subset)
+            for b in HF_BATCH_SIZES:
+                if b > len(subset) and sweep:
+                    break
+                seconds, _ = run_hf(hf, subset, b)
+                sweep[b] = subset_tokens / seconds
+                log(f"  hf sweep: batch {b:3d}: {sweep[b]:8.1f} output tokens/s ({len(subset)} requests)")
+            hf_batch_size = max(sweep, key=sweep.get)
+        loadavg = {"hf_start": _loadavg()}
+        hf_seconds, hf_tokens = run_hf(hf, requests, hf_batch_size)
+        loadavg["hf_end"] = _loadavg()
+        log(f"  hf batch {hf_batch_size}: {hf_seconds:.1f} s")
+        del hf
+
+        # -- the engine: every request at once
+        llm = make_engine(model_dir, threads, kv_gb, seed)
+        if torch.get_num_threads() != threads:
+            raise RuntimeError(f"torch threads {torch.get_num_threads()} != {threads}")
+        run_engine(llm, warmup)
+        loadavg["engine_start"] = _loadavg()
+        engine_seconds, engine_tokens = run_engine(llm, requests)
+        loadavg["engine_end"] = _loadavg()
+        counters = llm.engine.scheduler.counters
+        log(f"  engine: {engine_seconds:.1f} s")
+        profile = profile_summary = None
+        if profile_path is not None:
+            profile, profile_summary = profile_engine(llm, requests[:NUM_PROFILE_REQUESTS])
+            with open(profile_path, "w") as f:
+                f.write(profile)
+            log(f"  engine profiled (cProfile) -> {profile_path}")
+        engine_config = llm.engine.config.model_dump()
+        num_gpu_blocks = llm.engine.cache_sizes.num_gpu_blocks
+
+    engine_rate = num_output_tokens / engine_seconds
+    hf_rate = num_output_tokens / hf_seconds
+    return {
+        "engine_output_tokens_per_s": engine_rate,
+        "hf_output_tokens_per_s": hf_rate,
+        "ratio": engine_rate / hf_rate,
+        "target_ratio": TARGET_RATIO,
+        "target_met": engine_rate / hf_rate >= TARGET_RATIO,
+        "engine_seconds": engine_seconds,
+        "hf_seconds": hf_seconds,
+        "hf_batch_size": hf_batch_size,
+        "hf_sweep_output_tokens_per_s": {str(b): v for b, v in sweep.items()},
+        "engine_preemptions": counters.preemptions_recompute + counters.preemptions_swap,
+        "greedy_agreement": agreement(engine_tokens, hf_tokens),
+        "profile": profile,
+        "profile_summary_seconds": profile_summary,
+        "profile_num_requests": min(NUM_PROFILE_REQUESTS, len(requests)) if profile is not None else None,
+        "config": {
+            "workload": asdict(workload),
+            "num_output_tokens": num_output_tokens,
+            "num_prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+            "length_distribution": "prompt and output lengths uniform on [min, max] inclusive; random token ids",
+            "model": {"arch": "opt", "weights": "random (seed 0)", "dtype": "float32",
+                      **_model_config(workload)},
+            "torch_threads": threads,
+            "engine": {**engine_config, "num_gpu_blocks": num_gpu_blocks},
+            "hf": {"transformers": _transformers_version(), "decoding": "greedy, min_new_tokens = max_new_tokens",
+                   "padding": "left", "order": "request order, static batches"},
+            "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "loadavg_before": loadavg_before,
+            "loadavg": loadavg,
+        },
+        "seed": seed,
+        "quick": quick,
+    }
+
+
+def _model_config(workload: Workload) -> dict:
+    from rayserve_paged.models.tiny import tiny_config
+
+    config = tiny_config("opt", **workload.model)
+    keys = ("num_hidden_layers", "hidden_size", "num_attention_heads", "ffn_dim", "vocab_size",
+            "max_position_embeddings", "tie_word_embeddings")
+    return {k: config[k] for k in keys}
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
+    except OSError:
+        return None
+
+
+def format_report(result: dict) -> str:
+    cfg = result["config"]
+    w = cfg["workload"]
+    m = cfg["model"]
+    lines = [
+        f"{w['num_requests']} requests: prompts uniform {w['min_prompt_len']}-{w['max_prompt_len']}, outputs uniform "
+        f"{w['min_output_len']}-{w['max_output_len']} tokens ({cfg['num_prompt_tokens']} prompt / "
+        f"{cfg['num_output_tokens']} output tokens), greedy, EOS ignored",
+        f"OPT, random weights, float32: {m['num_hidden_layers']} layers, hidden {m['hidden_size']}, "
+        f"{m['num_attention_heads']} heads, ffn {m['ffn_dim']}, vocab {m['vocab_size']}; CPU, torch threads "
+        f"{cfg['torch_threads']} (both systems)",
+        "load average (1/5/15 min): " + ", ".join(f"{k} {v}" for k, v in cfg["loadavg"].items()),
+        "",
+    ]
+    if result["hf_sweep_output_tokens_per_s"]:
+        lines.append(
+            f"HF batch-size sweep (first {w['num_sweep_requests']} requests), output tokens/s: "
+            + ", ".join(f"{b}: {v:.1f}" for b, v in result["hf_sweep_output_tokens_per_s"].items())
+        )
+        lines.append("")
+    header = f"{'system':34s} {'seconds':>8s} {'output tok/s':>13s}"
+    lines += [header, "-" * len(header)]
+    lines.append(
+        f"{'rayserve-paged (all at once)':34s} {result['engine_seconds']:8.1f} {result['engine_output_tokens_per_s']:13.1f}"
+    )
+    hf_name = f"HF generate (static batch {result['hf_batch_size']})"
+    lines.append(f"{hf_name:34s} {result['hf_seconds']:8.1f} {result['hf_output_tokens_per_s']:13.1f}")
+    a = result["greedy_agreement"]
+    lines += [
+        "",
+        f"ratio engine / HF: {result['ratio']:.2f}x  "
+        f"[{'PASS' if result['target_met'] else 'FAIL'}] target >= {result['target_ratio']:g}x",
+        f"engine preemptions: {result['engine_preemptions']}; greedy outputs identical for "
+        f"{a['identical_requests']} / {w['num_requests']} requests (mean agreeing prefix {a['mean_agreeing_prefix']:.1%})",
+    ]
+    if result["profile_summary_seconds"]:
+        summary = result["profile_summary_seconds"]
+        total = summary["step (total)"] or 1.0
+        lines += ["", f"engine profile (cProfile, first {result['profile_num_requests']} requests), "
+                  "cumulative seconds and share of step time:"]
+        lines += [f"  {label:38s} {seconds:8.1f} {seconds / total:7.1%}" for label, seconds in summary.items()]
+    return "\n".join(lines)
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr)  # stderr: stdout holds only the table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rayserve-paged bench throughput", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="directory for throughput.json")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                        help=f"torch intra-op threads for both systems (default {DEFAULT_THREADS})")
+    parser.add_argument("--num-requests", type=int, default=None, help=f"default {FULL.num_requests}")
+    parser.add_argument("--hf-batch-size", type=int, default=None,
+                        help=f"skip the sweep over {', '.join(map(str, HF_BATCH_SIZES))}")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"then run the engine on the first {NUM_PROFILE_REQUESTS} requests under cProfile; "
+                        "top functions by cumulative time -> engine_profile.txt")
+    parser.add_argument("--quick", action="store_true", help="seconds, for tests (tiny model, a few requests)")
+    args = parser.parse_args(argv)
+    workload = QUICK if args.quick else FULL
+    if args.num_requests is not None:
+        if args.num_requests < 1:
+            parser.error("--num-requests must be >= 1")
+        workload = Workload(**{**asdict(workload), "num_requests": args.num_requests})
+    if args.threads < 1 or (args.hf_batch_size is not None and args.hf_batch_size < 1):
+        parser.error("--threads and --hf-batch-size must be >= 1")
+    os.makedirs(args.out, exist_ok=True)
+    profile_path = os.path.join(args.out, "engine_profile.txt") if args.profile else None
+    result = run(workload, args.seed, args.threads, args.hf_batch_size, args.quick, profile_path, log=_progress)
+    path = os.path.join(args.out, "throughput.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(format_report(result))
+    print(f"\nwrote {path}" + (f" and {profile_path}" if profile_path else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
