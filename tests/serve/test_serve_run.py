@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import REPO, _free_port
+from .conftest import REPO
 
 pytestmark = pytest.mark.ray
 
@@ -36,9 +36,11 @@ def _wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float = 300) -> 
 
 
 @pytest.fixture(scope="module")
-def tiny_server(ray_cluster, tmp_path_factory):
-    """The tiny app on a free port of the session cluster; SIGTERM and delete afterwards."""
-    port = _free_port()
+def tiny_server(ray_cluster, serve_port, tmp_path_factory):
+    """The tiny app on the session cluster's Serve port (Serve has one HTTP proxy port per
+    cluster: if an earlier test started Serve, `serve run` keeps that port); SIGTERM and delete
+    afterwards."""
+    port = serve_port
     config = (REPO / "configs" / "tiny.yaml").read_text().replace("port: 8000", f"port: {port}")
     path = tmp_path_factory.mktemp("serve") / "tiny.yaml"
     path.write_text(config)
