@@ -124,15 +124,44 @@ def _causal_attention(query, keys, values, context_len: int, scale: float) -> to
     )
 
 
+DECODE_CHUNK = 32  # sequences per padded batch: sorted by length, so padding stays small
+
+
 def _decode_attention(query, key_cache, value_cache, metadata, scale) -> torch.Tensor:
-    """One query per sequence over its seq_len cached positions, batched with a length mask."""
+    """One query per sequence over its seq_len cached positions.
+
+    Sequences are sorted by length and attended in chunks of DECODE_CHUNK, each padded only
+    to its own longest: a batch of mixed lengths gathers (and masks) about the tokens it holds
+    instead of num_decodes x the longest.
+    """
+    num_decodes = query.shape[0]
+    lens = metadata.decode_seq_lens_host
+    if lens is None:
+        lens = metadata.decode_seq_lens.tolist()
+    if num_decodes <= DECODE_CHUNK:
+        return _decode_batch(query, key_cache, value_cache, metadata.decode_block_tables,
+                             metadata.decode_seq_lens, max(lens), metadata.block_size, scale)  # fmt: skip
+    order = sorted(range(num_decodes), key=lens.__getitem__)
+    out = torch.empty_like(query)  # [num_decodes, num_heads, head_dim]
+    for start in range(0, num_decodes, DECODE_CHUNK):
+        chunk = order[start : start + DECODE_CHUNK]
+        index = torch.tensor(chunk, device=query.device)
+        out[index] = _decode_batch(
+            query.index_select(0, index), key_cache, value_cache,
+            metadata.decode_block_tables.index_select(0, index), metadata.decode_seq_lens.index_select(0, index),
+            lens[chunk[-1]], metadata.block_size, scale,
+        )  # fmt: skip
+    return out
+
+
+def _decode_batch(query, key_cache, value_cache, block_tables, seq_lens, max_len, block_size, scale):
+    """Decode attention for sequences padded to max_len, with a length mask."""
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    max_len = metadata.max_decode_seq_len
-    num_blocks = -(-max_len // metadata.block_size)
-    block_tables = metadata.decode_block_tables[:, :num_blocks]  # [num_decodes, num_blocks]
+    num_blocks = -(-max_len // block_size)
+    block_tables = block_tables[:, :num_blocks]  # [num_decodes, num_blocks]
     positions = torch.arange(max_len, device=query.device)  # [max_len]
-    is_valid = positions[None, :] < metadata.decode_seq_lens[:, None]  # [num_decodes, max_len]
+    is_valid = positions[None, :] < seq_lens[:, None]  # [num_decodes, max_len]
     keys = _gather_batch(key_cache, block_tables, max_len, is_valid)  # [num_decodes, kv_heads, max_len, d]
     values = _gather_batch(value_cache, block_tables, max_len, is_valid)
     grouped = query.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)

@@ -483,3 +483,18 @@ def test_unknown_backend_lists_valid_names():
     message = "unknown attention_backend 'xformers'; valid names: auto, torch, triton, flash"
     with pytest.raises(ValueError, match=message):
         get_attention_backend("xformers")
+
+
+@pytest.mark.parametrize("with_host_lists", [True, False])
+def test_many_decodes_of_mixed_lengths_are_chunked_by_length_and_match_dense(with_host_lists, generator):
+    """Past DECODE_CHUNK sequences the decode runs in length-sorted chunks; the result must
+    be the same as one dense attention per sequence, in the original order."""
+    from rayserve_paged.ops import paged_attention
+
+    assert paged_attention.DECODE_CHUNK == 32
+    decodes = [int(x) for x in torch.randint(0, 90, (75,), generator=generator)]
+    batch, _, output, expected, _ = run_case(
+        dict(prefills=[(5, 3)], decodes=decodes), generator, with_host_lists=with_host_lists
+    )
+    num_real = batch.num_real_tokens
+    torch.testing.assert_close(output[:num_real], expected[:num_real].float(), atol=1e-5, rtol=1e-5)
