@@ -37,7 +37,8 @@ def test_seeded_sampling_is_reproducible_across_runs_and_batches(llm, tiny_paths
 def test_parallel_samples_share_the_prompt_blocks(llm):
     engine = llm.engine
     prompt_ids = list(range(10, 10 + 40))  # 40 tokens: blocks 0 and 1 full, 2 partial
-    engine.add_request("shared", None, SamplingParams(n=4, temperature=1.0, max_tokens=8), prompt_token_ids=prompt_ids)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=8, ignore_eos=True, seed=5)  # no early EOS
+    engine.add_request("shared", None, params, prompt_token_ids=prompt_ids)
     engine.step()  # prefill, then the engine forks the parent into 4 sequences
     group = engine.scheduler.groups["shared"]
     assert len(group.seqs) == 4
@@ -169,7 +170,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(llm):
 
 def test_abort_frees_the_request_at_once(llm):
     engine = llm.engine
-    engine.add_request("gone", PROMPT, SamplingParams(n=3, temperature=1.0, max_tokens=50))
+    engine.add_request("gone", PROMPT, SamplingParams(n=3, temperature=1.0, max_tokens=50, ignore_eos=True, seed=1))
     engine.step()
     engine.step()
     assert engine.block_manager.usage().gpu_used > 0
