@@ -94,7 +94,9 @@ class Case:
             return SamplingParams(
                 n=self.width, use_beam_search=True, temperature=0.0, max_tokens=max_tokens, ignore_eos=True
             )
-        return SamplingParams(n=self.width, temperature=1.0, top_p=1.0, max_tokens=max_tokens, ignore_eos=True, seed=seed)
+        return SamplingParams(
+            n=self.width, temperature=1.0, top_p=1.0, max_tokens=max_tokens, ignore_eos=True, seed=seed
+        )
 
 
 CASES = [Case(f"parallel_n{w}", "parallel", w) for w in (2, 4, 6)] + [Case(f"beam_w{w}", "beam", w) for w in (2, 4, 6)]
@@ -239,7 +241,9 @@ class BlockMeter:
         return math.sqrt(residual / n) / mean_unshared
 
 
-def run_case(llm: LLM, meter: BlockMeter, case: Case, requests: list[Request], prompts: list[list[int]], seed: int) -> dict:
+def run_case(
+    llm: LLM, meter: BlockMeter, case: Case, requests: list[Request], prompts: list[list[int]], seed: int
+) -> dict:
     engine = llm.engine
     counters = engine.scheduler.counters
     preemptions_before = counters.preemptions_recompute + counters.preemptions_swap
@@ -395,7 +399,8 @@ def format_report(result: dict) -> str:
     lines = [
         f"tiny OPT ({model['num_hidden_layers']} layer, hidden {model['hidden_size']}, vocab {model['vocab_size']}, "
         f"random weights), block size {cfg['engine']['block_size']}, prefix caching off, "
-        f"{cfg['engine']['num_gpu_blocks_override']} blocks (no preemption), max_num_seqs {cfg['engine']['max_num_seqs']}, "
+        f"{cfg['engine']['num_gpu_blocks_override']} blocks (no preemption), "
+        f"max_num_seqs {cfg['engine']['max_num_seqs']}, "
         f"seed {result['seed']}; outputs capped at {cfg['max_output_len']} tokens, ignore_eos",
         "saved = 1 - sum over steps of blocks in use / sum over steps of blocks needed without sharing "
         "(both taken after scheduling)",
@@ -403,7 +408,8 @@ def format_report(result: dict) -> str:
     ]
     header = (
         f"{'dataset':9s} {'case':12s} {'saved':>6s} {'+-se':>5s} | {'expect':>6s} {'pop':>6s} {'uncap':>6s} | "
-        f"{'blocks':>7s} {'unshared':>8s} {'peak':>5s} {'unshrd':>6s} | {'seqs':>5s} {'steps':>5s} {'CoW':>6s} {'secs':>5s}"
+        f"{'blocks':>7s} {'unshared':>8s} {'peak':>5s} {'unshrd':>6s} | "
+        f"{'seqs':>5s} {'steps':>5s} {'CoW':>6s} {'secs':>5s}"
     )
     lines += [
         "saved +- se: measured, with its standard error over requests; expect: parallel sampling's value from the",
@@ -463,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="directory for sharing.json")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--sharegpt-requests", type=int, default=None,
-                        help=f"default {DEFAULT_NUM_REQUESTS['sharegpt']} ({QUICK_NUM_REQUESTS['sharegpt']} with --quick)")
+                        help=f"default {DEFAULT_NUM_REQUESTS['sharegpt']} "
+                        f"({QUICK_NUM_REQUESTS['sharegpt']} with --quick)")
     parser.add_argument("--alpaca-requests", type=int, default=None,
                         help=f"default {DEFAULT_NUM_REQUESTS['alpaca']} ({QUICK_NUM_REQUESTS['alpaca']} with --quick)")
     parser.add_argument("--max-output-len", type=int, default=None,

@@ -370,7 +370,8 @@ def format_report(result: dict) -> str:
     header = f"{'system':34s} {'seconds':>8s} {'output tok/s':>13s}"
     lines += [header, "-" * len(header)]
     lines.append(
-        f"{'rayserve-paged (all at once)':34s} {result['engine_seconds']:8.1f} {result['engine_output_tokens_per_s']:13.1f}"
+        f"{'rayserve-paged (all at once)':34s} {result['engine_seconds']:8.1f} "
+        f"{result['engine_output_tokens_per_s']:13.1f}"
     )
     hf_name = f"HF generate (static batch {result['hf_batch_size']})"
     lines.append(f"{hf_name:34s} {result['hf_seconds']:8.1f} {result['hf_output_tokens_per_s']:13.1f}")
@@ -380,7 +381,8 @@ def format_report(result: dict) -> str:
         f"ratio engine / HF: {result['ratio']:.2f}x  "
         f"[{'PASS' if result['target_met'] else 'FAIL'}] target >= {result['target_ratio']:g}x",
         f"engine preemptions: {result['engine_preemptions']}; greedy outputs identical for "
-        f"{a['identical_requests']} / {w['num_requests']} requests (mean agreeing prefix {a['mean_agreeing_prefix']:.1%})",
+        f"{a['identical_requests']} / {w['num_requests']} requests "
+        f"(mean agreeing prefix {a['mean_agreeing_prefix']:.1%})",
     ]
     if result["profile_summary_seconds"]:
         summary = result["profile_summary_seconds"]

@@ -113,6 +113,7 @@ def test_throughput_json_records_config(throughput_json):
     assert cfg["torch_threads"] == 1
     assert cfg["engine"]["num_cpu_threads"] == 1
     w = cfg["workload"]
-    assert w["num_requests"] * w["min_output_len"] <= cfg["num_output_tokens"] <= w["num_requests"] * w["max_output_len"]
+    num_output_tokens = cfg["num_output_tokens"]
+    assert w["num_requests"] * w["min_output_len"] <= num_output_tokens <= w["num_requests"] * w["max_output_len"]
     assert cfg["model"]["dtype"] == "float32"
     assert throughput_json["quick"] is True
