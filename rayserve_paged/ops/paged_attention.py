@@ -180,7 +180,9 @@ def _gather_batch(cache, block_tables, max_len: int, is_valid) -> torch.Tensor:
     # [num_seqs * num_blocks, block_size, num_kv_heads, head_dim]
     blocks = cache.index_select(0, block_tables.reshape(-1))
     tokens = blocks.reshape(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_len]
-    tokens = tokens.masked_fill(~is_valid[:, :, None, None], 0)  # [num_seqs, max_len, kv_heads, d]
+    # in place: `blocks` is a fresh gather, never the cache (an out-of-place fill allocated a
+    # second padded copy each call and was the largest single cost of CPU decode)
+    tokens.masked_fill_(~is_valid[:, :, None, None], 0)  # [num_seqs, max_len, kv_heads, d]
     return tokens.transpose(1, 2)  # [num_seqs, num_kv_heads, max_len, head_dim]
 
 
