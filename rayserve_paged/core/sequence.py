@@ -43,6 +43,11 @@ FINISH_REASONS = {
 }
 
 
+# stop_reason of a sequence ended with finish_reason "length" because its group could not
+# grow even with every other request preempted: the KV pool, not max_tokens, was the limit.
+KV_CACHE_LIMIT = "kv_cache_limit"
+
+
 class SamplingParamsError(ValueError):
     """Invalid sampling parameters; the message names the field."""
 
@@ -244,7 +249,7 @@ class Sequence:
 class SequenceGroup:
     """A request: sequences that share one prompt, scheduled all-or-nothing."""
 
-    __slots__ = ("request_id", "seqs", "sampling_params", "arrival_time", "arrival_index", "metrics")
+    __slots__ = ("request_id", "seqs", "sampling_params", "arrival_time", "arrival_index", "metrics", "is_prefilling")
 
     def __init__(
         self,
@@ -261,6 +266,8 @@ class SequenceGroup:
         # FCFS order: a strictly increasing admission number (ties of arrival_time are common).
         self.arrival_index = arrival_index
         self.metrics: dict[str, float] = {}
+        # Admitted, with prompt (or recomputed) tokens still to prefill in later chunks.
+        self.is_prefilling = False
 
     @property
     def prompt_token_ids(self) -> list[int]:
