@@ -133,6 +133,9 @@ class SamplingParams:
                 raise bad("temperature", "beam search is deterministic: set temperature 0")
             if self.top_p < 1 or self.top_k != -1 or self.min_p > 0:
                 raise bad("top_p", "beam search cannot be combined with top_p/top_k/min_p")
+            for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+                if getattr(self, name) != (1.0 if name == "repetition_penalty" else 0.0):
+                    raise bad(name, "beam search cannot be combined with presence/frequency/repetition penalties")
         elif self.is_greedy and self.best_of > 1:
             raise bad("best_of", "greedy sampling (temperature 0) with best_of > 1 gives copies")
 

@@ -66,6 +66,9 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+            # on an error, the other requests of this call end too: the engine is left empty
+            for request_id in order:
+                self.engine.abort_request(request_id)
         return results
 
 

@@ -19,6 +19,7 @@ from rayserve_paged.core.outputs import SchedulerOutput
 from rayserve_paged.core.scheduler import Scheduler, SchedulerConfig
 from rayserve_paged.core.sequence import (
     FINISH_REASONS,
+    KV_CACHE_LIMIT,
     SamplingParams,
     SamplingParamsError,
     Sequence,
@@ -78,6 +79,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.resolved_max_num_batched_tokens(self.max_model_len),
                 max_model_len=self.max_model_len,
                 preemption_mode=config.preemption_mode,
+                enable_chunked_prefill=config.enable_chunked_prefill,
             ),
             self.block_manager,
         )
@@ -208,12 +210,15 @@ class LLMEngine:
         results = []
         for sg in out.groups:
             group = self.scheduler.groups[sg.request_id]
-            group_samples = [next(samples) for _ in sg.seqs]
             metrics = self._metrics[sg.request_id]
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-            if sg.is_first_step:
+            is_prompt = len(group.seqs) == 1 and group.seqs[0].num_output_tokens == 0
+            if is_prompt:
                 self.num_prompt_tokens += sum(len(s.token_ids) for s in sg.seqs)
+            if not sg.do_sample:  # a prefill chunk: nothing sampled, nothing to report
+                continue
+            group_samples = [next(samples) for _ in sg.seqs]
             if group.sampling_params.use_beam_search:
                 self._process_beam(group, group_samples)
             else:
@@ -300,6 +305,7 @@ class LLMEngine:
         params = group.sampling_params
         width = params.best_of
         state = self._beams[group.request_id]
+        self._keep_cut_beams(group, state)
         by_id = {s.seq_id: s for s in group.seqs}
         candidates = []  # (score, parent, token, logprob)
         for sample in samples:
@@ -343,6 +349,21 @@ class LLMEngine:
                     self._finish(seq, SequenceStatus.FINISHED_ABORTED, None)  # discarded beams
             return
         self._advance_beams(group, survivors)
+
+    def _keep_cut_beams(self, group: SequenceGroup, state: _BeamState) -> None:
+        """Beams the scheduler ended because the KV pool could not hold the whole beam
+        (finish_reason "length", stop_reason KV_CACHE_LIMIT) are finished hypotheses, as
+        beams that reach max_tokens are."""
+        params = group.sampling_params
+        cut = [s for s in group.seqs if s.status is SequenceStatus.FINISHED_LENGTH and s.stop_reason == KV_CACHE_LIMIT]
+        for seq in cut:
+            seq.output_text = self.detokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
+            score = seq.cumulative_logprob / max(seq.num_output_tokens, 1) ** params.length_penalty
+            state.finished.append((score, seq))
+        if cut:
+            state.finished.sort(key=lambda f: f[0], reverse=True)
+            del state.finished[params.best_of :]
+            group.seqs[:] = [s for s in group.seqs if s not in cut]
 
     def _beam_ends(self, parent: Sequence, token: int, generated: int, params: SamplingParams):
         if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
@@ -411,7 +432,11 @@ class LLMEngine:
             outputs=[],
             finished=True,
             metrics=metrics,
-            error="the request can never fit in the KV cache (prompt too long for this server)",
+            error=(
+                f"the request can never fit in the KV cache of {self.block_manager.gpu.num_blocks} blocks x "
+                f"{self.block_manager.block_size} tokens (prompt longer than max_model_len {self.max_model_len}, "
+                "or more than the whole pool): raise kv_cache_memory_gb / num_gpu_blocks_override"
+            ),
         )
 
     def _forget(self, request_id: str) -> None:

@@ -155,8 +155,9 @@ class Sampler:
             sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, vocab]
             ranks = torch.arange(vocab, device=device).unsqueeze(0)
             drop = ranks >= k.unsqueeze(1)
-            sorted_probs = sorted_logits.softmax(dim=-1)
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            # top-p is measured on what top-k leaves (as HF's warpers and vLLM do): keep the
+            # smallest prefix whose mass reaches top_p (the first token always stays)
+            sorted_probs = sorted_logits.masked_fill(drop, _MASK).softmax(dim=-1)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             drop |= mass_before >= torch.tensor(top_p, device=device).unsqueeze(1)
             drop[:, 0] = False
