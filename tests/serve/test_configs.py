@@ -61,7 +61,8 @@ def test_opt13b_is_the_paper_setup():
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"preemption_mode": "drop"}, "preemption_mode"),
         ({"no_such_option": 1}, "no_such_option"),
-        ({"max_model_len": 4096, "max_num_batched_tokens": 1024}, "max_num_batched_tokens"),
+        # a budget below max_model_len needs chunked prefill
+        ({"max_model_len": 4096, "max_num_batched_tokens": 1024, "enable_chunked_prefill": False}, "max_num_batched_tokens"),
     ],
 )
 def test_invalid_args_fail_at_build_time_naming_the_field(bad, field):
