@@ -269,7 +269,15 @@ class Scheduler:
             )
             num_tokens += end - start
             seq.num_computed_tokens = end
-        self._emit(group, scheduled, out, do_sample=True)
+        # (inlined _emit: this runs for every running group every step)
+        request_id = group.request_id
+        params = None
+        if request_id not in self._params_sent:
+            self._params_sent.add(request_id)
+            params = group.sampling_params
+        first = group.seqs[0]
+        is_first_step = len(group.seqs) == 1 and len(first.token_ids) == first.num_prompt_tokens
+        out.groups.append(ScheduledGroup(request_id, scheduled, params, first.num_prompt_tokens, is_first_step))
         return num_tokens
 
     def _schedule_prefill(self, group: SequenceGroup, out: SchedulerOutput, budget: int) -> int:
