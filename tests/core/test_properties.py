@@ -104,6 +104,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         out = self.s.schedule()
         self.shadow.apply(out, self.seqs)
         for sg in out.groups:
+            if not sg.do_sample:  # a prefill chunk: nothing sampled
+                continue
             group = self.s.groups[sg.request_id]
             if sg.is_first_step and group.sampling_params.best_of > 1:
                 for _ in range(group.sampling_params.best_of - 1):
