@@ -147,13 +147,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=int, default=24, help="engine steps between long arrivals")
     parser.add_argument("--chunk-budget", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="the default tiny OPT and a few short requests (tests)")
     args = parser.parse_args(argv)
+    model = FULL.model
+    if args.quick:
+        model = {}
+        args.num_decodes, args.decode_len, args.num_long = 2, 6, 1
+        args.min_long, args.max_long, args.interval, args.chunk_budget = 60, 80, 2, 32
     torch.set_num_threads(1)
     decodes, longs = make_workload(args)
     loadavg = {"start": _loadavg()}
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-mixed-") as tmp:
-        model_dir = str(make_tiny_model("opt", os.path.join(tmp, "opt"), **FULL.model))
+        model_dir = str(make_tiny_model("opt", os.path.join(tmp, "opt"), **model))
         for chunked in (True, False):
             runs.append(run_once(model_dir, args, chunked, decodes, longs))
             loadavg[f"after_{'chunked' if chunked else 'unchunked'}"] = _loadavg()
