@@ -3,11 +3,13 @@
     HTTP ──> create_openai_app(client, tokenizer, ...)   validate, tokenize, SSE, errors
                  │ EngineClient: generate / generate_stream / abort / model_info
                  ▼
-             HandleEngineClient(handle) ──> LLMServer deployment (Serve)      in production
-             any in-process client      ──> LLMEngine                          in tests
+             LLMServer (the replica this app runs in: deployments/llm_server.py)  in production
+             an EngineFrontend over an in-process engine                          in tests
 
-Prompts are tokenized here, so usage counts and context-length errors are exact before
-the engine sees a request; the engine receives token ids.
+Prompts are tokenized here (in a thread pool, off the event loop), so usage
+counts and context-length errors are exact before the engine sees a request; the engine
+receives token ids. Streams read deltas: each SSE event carries what one engine step (or,
+for a slow client, several) added to one request.
 
 Invariant: every engine request an HTTP request starts is either seen finished or
 aborted when that HTTP request ends, however it ends (error, client disconnect,
@@ -34,15 +36,14 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
-from ray import serve
 from ray.serve.exceptions import BackPressureError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -82,6 +83,7 @@ HEALTH_TIMEOUT_S = 10.0
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20  # 1 MiB: 128 prompts of ~2k tokens fit easily
 DEFAULT_MAX_PENDING_REQUESTS = 256  # per ingress replica
 RETRY_AFTER_S = 1  # the Retry-After of an overloaded answer, unless Serve gives its own
+TOKENIZER_THREADS = 2
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # what admission counts
 
 
@@ -90,12 +92,14 @@ class EngineClient(Protocol):
 
     async def generate(
         self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
-    ) -> RequestOutput: ...
+    ) -> RequestOutput:
+        """The cumulative result."""
+        ...
 
     def generate_stream(
         self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs, one per engine step in which the request advanced; the last is finished."""
+        """Deltas: what is new since the previous output; the last is finished."""
         ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -107,37 +111,6 @@ class EngineClient(Protocol):
     async def metrics_text(self) -> str:
         """Prometheus exposition text of the engine's metrics."""
         ...
-
-
-class HandleEngineClient:
-    """EngineClient over a Serve DeploymentHandle to the LLMServer deployment."""
-
-    def __init__(self, handle) -> None:
-        self._handle = handle
-        self._stream_handle = handle.options(stream=True)
-
-    async def generate(self, prompt, sampling_params, request_id) -> RequestOutput:
-        return await self._handle.generate.remote(prompt, sampling_params, request_id)
-
-    async def generate_stream(self, prompt, sampling_params, request_id) -> AsyncIterator[RequestOutput]:
-        response = self._stream_handle.generate_stream.remote(prompt, sampling_params, request_id)
-        is_finished = False
-        try:
-            async for output in response:
-                is_finished = output.finished
-                yield output
-        finally:
-            if not is_finished:
-                response.cancel()  # best effort; the ingress also aborts the request by id
-
-    async def abort(self, request_id: str) -> None:
-        await self._handle.abort.remote(request_id)
-
-    async def model_info(self) -> dict:
-        return await self._handle.model_info.remote()
-
-    async def metrics_text(self) -> str:
-        return await self._handle.metrics_text.remote()
 
 
 # --------------------------------------------------------------------------- errors
@@ -281,13 +254,11 @@ class _Prompt:
 
 @dataclass(slots=True)
 class _ChoiceProgress:
-    """How much of one choice's cumulative output a stream has already sent."""
+    """What a stream has sent of one choice."""
 
-    num_chars: int = 0
     num_tokens: int = 0
     text_offset: int = 0
     is_started: bool = False
-    is_finished: bool = False
 
 
 class OpenAIServing:
@@ -300,6 +271,11 @@ class OpenAIServing:
         self._info: dict | None = None
         self._token_texts = TokenTexts(tokenizer)
         self._background: set[asyncio.Task] = set()  # detached aborts, referenced until done
+        self._pool = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize")
+
+    async def _in_pool(self, fn):
+        """Tokenizer work (encoding, chat templates) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
     # ---------------------------------------------------------------- model info, health
 
@@ -350,7 +326,7 @@ class OpenAIServing:
         params = _sampling_params(request, info)
         if request.echo and request.logprobs is not None:
             raise bad_request("echo: cannot be combined with logprobs (prompt logprobs are not computed)")
-        prompts = [self._completion_prompt(p) for p in _prompt_list(request.prompt)]
+        prompts = await self._in_pool(lambda: [self._completion_prompt(p) for p in _prompt_list(request.prompt)])
         for prompt in prompts:
             _check_fits(prompt.token_ids, params.max_tokens, info, "prompt", "max_tokens")
         response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -421,22 +397,22 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = request.stream_options is not None and request.stream_options.include_usage
-        holdback = _stop_holdback(params)
         progress: dict[int, _ChoiceProgress] = {}
-        latest: dict[int, RequestOutput] = {}
+        cached: dict[int, int] = {}
 
         def chunks(index: int, result: RequestOutput) -> Iterable[str]:
-            latest[index] = result
+            cached[index] = max(cached.get(index, 0), result.num_cached_tokens)
+            choices = []
             for out in result.outputs:
                 choice_index = index * request.n + out.index
                 state = progress.setdefault(choice_index, _ChoiceProgress())
-                choice = self._completion_delta(request, prompts[index], out, state, holdback, choice_index)
-                if choice is not None:
-                    yield _sse(
-                        CompletionStreamResponse(
-                            id=response_id, created=created, model=self.served_model_name, choices=[choice]
-                        )
+                choices.append(self._completion_delta(request, prompts[index], out, state, choice_index))
+            if choices:  # one event per request per step
+                yield _sse(
+                    CompletionStreamResponse(
+                        id=response_id, created=created, model=self.served_model_name, choices=choices
                     )
+                )
 
         try:
             for event in chunks(*first):
@@ -445,7 +421,7 @@ class OpenAIServing:
                 for event in chunks(index, result):
                     yield event
             if include_usage:
-                usage = _usage(prompts, [latest[i] for i in sorted(latest)])
+                usage = _stream_usage(prompts, progress.values(), sum(cached.values()))
                 chunk = CompletionStreamResponse(
                     id=response_id, created=created, model=self.served_model_name, choices=[], usage=usage
                 )
@@ -463,30 +439,23 @@ class OpenAIServing:
         prompt: _Prompt,
         out: CompletionOutput,
         state: _ChoiceProgress,
-        holdback: int,
         choice_index: int,
-    ) -> CompletionChoice | None:
-        text = _take_text(out, state, holdback)
+    ) -> CompletionChoice:
+        text = out.text
         if not state.is_started:
             state.is_started = True
             if request.echo:
                 text = self._echo_text(request, prompt) + text
         logprobs = None
-        new_token_ids = out.token_ids[state.num_tokens :]
-        if request.logprobs is not None and out.logprobs is not None and new_token_ids:
-            new_logprobs = out.logprobs[state.num_tokens : len(out.token_ids)]
-            logprobs, state.text_offset = self._completion_logprobs(new_token_ids, new_logprobs, state.text_offset)
-        state.num_tokens = len(out.token_ids)
-        is_finishing = out.finish_reason is not None and not state.is_finished
-        if not text and logprobs is None and not is_finishing:
-            return None
-        state.is_finished = state.is_finished or is_finishing
+        if request.logprobs is not None and out.logprobs is not None and out.token_ids:
+            logprobs, state.text_offset = self._completion_logprobs(out.token_ids, out.logprobs, state.text_offset)
+        state.num_tokens += len(out.token_ids)
         return CompletionChoice(
             index=choice_index,
             text=text,
             logprobs=logprobs,
-            finish_reason=out.finish_reason if is_finishing else None,
-            stop_reason=out.stop_reason if is_finishing else None,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
         )
 
     # ---------------------------------------------------------------- /v1/chat/completions
@@ -495,7 +464,7 @@ class OpenAIServing:
         self.check_model(request.model)
         info = await self.model_info()
         params = _sampling_params(request, info)
-        prompt = self._chat_prompt(request)
+        prompt = await self._in_pool(lambda: self._chat_prompt(request))
         max_tokens_field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         _check_fits(prompt.token_ids, params.max_tokens, info, "messages", max_tokens_field)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -571,9 +540,8 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = request.stream_options is not None and request.stream_options.include_usage
-        holdback = _stop_holdback(params)
         progress = [_ChoiceProgress() for _ in range(request.n)]
-        latest = first[1]
+        cached = first[1].num_cached_tokens
 
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
             body = ChatCompletionChunk(
@@ -582,21 +550,20 @@ class OpenAIServing:
             return _sse(body)
 
         def deltas(result: RequestOutput) -> Iterable[str]:
-            for out in result.outputs:
-                choice = self._chat_delta(request, out, progress[out.index], holdback)
-                if choice is not None:
-                    yield chunk([choice])
+            choices = [self._chat_delta(request, out, progress[out.index]) for out in result.outputs]
+            if choices:  # one event per request per step
+                yield chunk(choices)
 
         try:
             for index in range(request.n):  # the role comes first, in a chunk of its own
                 yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
-            for event in deltas(latest):
+            for event in deltas(first[1]):
                 yield event
-            async for _, latest in outputs:
-                for event in deltas(latest):
+            async for _, result in outputs:
+                for event in deltas(result):
                     yield event
             if include_usage:
-                yield chunk([], usage=_usage([prompt], [latest]))
+                yield chunk([], usage=_stream_usage([prompt], progress, cached))
             yield _SSE_DONE
         except Exception as exc:
             yield _sse(ErrorResponse(error=to_openai_error(exc, _engine_renames(request)).info))
@@ -605,23 +572,16 @@ class OpenAIServing:
             await outputs.aclose()
 
     def _chat_delta(
-        self, request: ChatCompletionRequest, out: CompletionOutput, state: _ChoiceProgress, holdback: int
-    ) -> ChatChunkChoice | None:
-        text = _take_text(out, state, holdback)
-        new_token_ids = out.token_ids[state.num_tokens :]
-        new_logprobs = out.logprobs[state.num_tokens : len(out.token_ids)] if out.logprobs is not None else None
-        logprobs = self._chat_logprobs(request, new_token_ids, new_logprobs) if new_token_ids else None
-        state.num_tokens = len(out.token_ids)
-        is_finishing = out.finish_reason is not None and not state.is_finished
-        if not text and logprobs is None and not is_finishing:
-            return None
-        state.is_finished = state.is_finished or is_finishing
+        self, request: ChatCompletionRequest, out: CompletionOutput, state: _ChoiceProgress
+    ) -> ChatChunkChoice:
+        logprobs = self._chat_logprobs(request, out.token_ids, out.logprobs) if out.token_ids else None
+        state.num_tokens += len(out.token_ids)
         return ChatChunkChoice(
             index=out.index,
-            delta=DeltaMessage(content=text) if text else DeltaMessage(),
+            delta=DeltaMessage(content=out.text) if out.text else DeltaMessage(),
             logprobs=logprobs,
-            finish_reason=out.finish_reason if is_finishing else None,
-            stop_reason=out.stop_reason if is_finishing else None,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
         )
 
     # ---------------------------------------------------------------- engine requests
@@ -648,14 +608,28 @@ class OpenAIServing:
     async def _stream_outputs(
         self, prompts: list[_Prompt], params: SamplingParams, request_ids: list[str]
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, cumulative output) from all prompts' streams as they come.
+        """(prompt index, delta) from all prompts' streams as they come.
 
-        Each stream is pumped by its own task into one queue; when this generator ends
-        (done, error, closed or cancelled) the pumps are cancelled and every request not
-        seen finished is aborted.
+        One prompt is read directly (the client's buffer coalesces what a slow reader has
+        not read yet); several are pumped by a task each into one queue. When this
+        generator ends (done, error, closed or cancelled) every request not seen finished
+        is aborted.
         """
-        queue: asyncio.Queue = asyncio.Queue()
         unfinished = set(request_ids)
+        if len(prompts) == 1:
+            stream = self.client.generate_stream(prompts[0].token_ids, params, request_ids[0])
+            try:
+                async for item in stream:
+                    _check_served(item)
+                    if item.finished:
+                        unfinished.clear()
+                    yield 0, item
+            finally:
+                if unfinished:
+                    await self._abort(unfinished)
+                await stream.aclose()
+            return
+        queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, prompt: _Prompt, request_id: str) -> None:
             try:
@@ -814,27 +788,16 @@ def _check_served(result: RequestOutput) -> None:
         raise ValueError(f"prompt: {result.error}")
 
 
-def _stop_holdback(params: SamplingParams) -> int:
-    """Characters a stream keeps back: the engine cuts a matched stop string out of the
-    text, so a possible stop-string prefix at the end must not be sent yet."""
-    if not params.stop or params.include_stop_str_in_output:
-        return 0
-    return max(len(s) for s in params.stop) - 1
-
-
-def _take_text(out: CompletionOutput, state: _ChoiceProgress, holdback: int) -> str:
-    """The text of `out` not yet sent, less the holdback while the choice runs."""
-    end = len(out.text) if out.finish_reason is not None else len(out.text) - holdback
-    if end <= state.num_chars:
-        return ""
-    delta = out.text[state.num_chars : end]
-    state.num_chars = end
-    return delta
-
-
 def _usage(prompts: list[_Prompt], results: Iterable[RequestOutput]) -> UsageInfo:
+    results = list(results)
     num_completion = sum(len(out.token_ids) for result in results for out in result.outputs)
-    return UsageInfo.of(sum(len(p.token_ids) for p in prompts), num_completion)
+    num_cached = sum(result.num_cached_tokens for result in results)
+    return UsageInfo.of(sum(len(p.token_ids) for p in prompts), num_completion, num_cached)
+
+
+def _stream_usage(prompts: list[_Prompt], progress: Iterable[_ChoiceProgress], num_cached: int) -> UsageInfo:
+    num_completion = sum(state.num_tokens for state in progress)
+    return UsageInfo.of(sum(len(p.token_ids) for p in prompts), num_completion, num_cached)
 
 
 async def _first_output(
@@ -1096,53 +1059,3 @@ def create_openai_app(
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset({"/health"}))
     return app
-
-
-# --------------------------------------------------------------------------- Serve
-
-
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
-    """The tokenizer of a local directory or hub id (only its tokenizer files are fetched);
-    "tiny-opt" / "tiny-llama" resolve, as in the engine, to the cached tiny checkpoint,
-    written on this node if missing."""
-    from transformers import AutoTokenizer
-
-    path = str(name_or_path)
-    if not Path(path).expanduser().is_dir():
-        from rayserve_paged.models.tiny import TINY_MODELS, resolve_model  # imports torch
-
-        if path in TINY_MODELS:
-            path = str(resolve_model(path))
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-
-
-# Serve mechanism: `serve.ingress()` without an app (Ray 2.60's late-bound ingress). Serve
-# constructs the class on the replica, then calls `__serve_build_asgi_app__` and serves
-# the FastAPI app it returns. The app closes over this replica's handle, tokenizer and
-# key, so it is the same `create_openai_app` the tests drive with an in-process engine.
-# (`serve.ingress(app)` would need the app at import time, before the handle exists.)
-# The builder applies `serve.deployment(OpenAIIngress, ...)`.
-@serve.ingress()
-class OpenAIIngress:
-    """The HTTP ingress deployment: OpenAI API over a handle to the LLMServer deployment."""
-
-    def __init__(
-        self,
-        llm_handle,
-        tokenizer_path: str,
-        served_model_name: str,
-        api_key: str | None = None,
-        trust_remote_code: bool = False,
-        max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-        max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
-    ) -> None:
-        self._client = HandleEngineClient(llm_handle)
-        self._tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
-        self._served_model_name = served_model_name
-        self._api_key = api_key
-        self._limits = {"max_request_body_bytes": max_request_body_bytes, "max_pending_requests": max_pending_requests}
-
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_openai_app(
-            self._client, self._tokenizer, self._served_model_name, self._api_key, **self._limits
-        )

@@ -397,17 +397,23 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="Prompt tokens whose K/V came from the prefix cache.")
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = Field(description="Prompt tokens (each prompt counted once, whatever n).")
     completion_tokens: int = Field(description="Tokens in the returned choices.")
     total_tokens: int = Field(description="prompt_tokens + completion_tokens.")
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
 

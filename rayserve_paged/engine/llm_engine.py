@@ -190,14 +190,17 @@ class LLMEngine:
         group = self.scheduler.groups.get(request_id)
         if group is None or group.sampling_params.use_beam_search:
             return None
+        params = group.sampling_params
+        stops = [(index, stop) for index, stop in stops if index < len(group.seqs)]
         for index, stop in stops:
-            if index < len(group.seqs) and not group.seqs[index].status.is_finished:
+            if not group.seqs[index].status.is_finished:
                 self._finish(group.seqs[index], SequenceStatus.FINISHED_STOPPED, stop)
         if not group.is_finished():
             self.scheduler.free_finished(group)
             return None
         self.scheduler.abort(request_id)  # out of every queue (it may be waiting or swapped)
-        out = StepOutput(request_id, [], finished=True, metrics=self._metrics.get(request_id))
+        stopped = [_delta(i, group.seqs[i], params, group.seqs[i].num_output_tokens) for i, _ in stops]
+        out = StepOutput(request_id, stopped, finished=True, metrics=self._metrics.get(request_id))
         if out.metrics is not None:
             out.metrics.finished_time = time.monotonic()
         self._forget(group)
