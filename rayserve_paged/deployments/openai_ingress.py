@@ -65,10 +65,14 @@ from rayserve_paged.deployments.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     TopLogprob,
     UsageInfo,
     param_of,
@@ -321,6 +325,7 @@ class OpenAIServing:
     # ---------------------------------------------------------------- /v1/completions
 
     async def create_completion(self, request: CompletionRequest) -> Response:
+        _log_unknown_fields(request)
         self.check_model(request.model)
         info = await self.model_info()
         params = _sampling_params(request, info)
@@ -461,6 +466,7 @@ class OpenAIServing:
     # ---------------------------------------------------------------- /v1/chat/completions
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
+        _log_unknown_fields(request)
         self.check_model(request.model)
         info = await self.model_info()
         params = _sampling_params(request, info)
@@ -493,21 +499,47 @@ class OpenAIServing:
         )
         return _json(body)
 
-    def _chat_prompt(self, request: ChatCompletionRequest) -> _Prompt:
+    def _chat_prompt(self, request: ChatCompletionRequest, add_generation_prompt: bool = True) -> _Prompt:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise bad_request(
                 f"messages: the model {self.served_model_name!r} has no chat template; use /v1/completions",
                 param="messages",
             )
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in request.messages
-        ]
+        messages = [m.for_template() for m in request.messages]
+        options = {}
+        if request.tools and request.tool_choice != "none":
+            options["tools"] = request.tools
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **options
+            )
         except Exception as exc:  # the template's own checks (e.g. role order) raise
             raise bad_request(f"messages: the chat template rejected the conversation: {exc}", param="messages")
         # the template renders the BOS itself: no special tokens added on top
         return _Prompt(text, list(self.tokenizer(text, add_special_tokens=False).input_ids))
+
+    # ---------------------------------------------------------------- /tokenize, /detokenize
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(request.model)
+        info = await self.model_info()
+        if request.messages is not None:
+            chat = ChatCompletionRequest(messages=request.messages)
+            prompt = await self._in_pool(lambda: self._chat_prompt(chat, request.add_generation_prompt))
+            token_ids = prompt.token_ids
+        else:
+            encode = lambda: list(self.tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids)  # noqa: E731
+            token_ids = await self._in_pool(encode)
+        return TokenizeResponse(count=len(token_ids), max_model_len=info["max_model_len"], tokens=token_ids)
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(request.model)
+        info = await self.model_info()
+        vocab_size = info.get("vocab_size")
+        bad = next((t for t in request.tokens if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+        if bad is not None:
+            raise bad_request(f"tokens: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        return DetokenizeResponse(prompt=await self._in_pool(lambda: self.tokenizer.decode(request.tokens)))
 
     def _chat_logprobs(
         self, request: ChatCompletionRequest, token_ids: list[int], logprobs: list[dict[int, float]] | None
@@ -738,6 +770,13 @@ def _raw_token_bytes(raw: str) -> list[int] | None:
     if raw and all(ch in _BYTE_LEVEL for ch in raw):
         return [_BYTE_LEVEL[ch] for ch in raw]
     return None
+
+
+def _log_unknown_fields(request: CompletionRequest | ChatCompletionRequest) -> None:
+    """Unknown fields are ignored, as vLLM's server does; the log says which."""
+    unknown = request.unknown_fields()
+    if unknown:
+        logger.warning("ignored unknown request fields: %s", ", ".join(sorted(unknown)))
 
 
 def _engine_renames(request: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
@@ -1032,6 +1071,14 @@ def create_openai_app(
     @app.post("/v1/chat/completions", response_model=None, responses={200: {"model": ChatCompletionResponse}})
     async def chat_completions(request: ChatCompletionRequest) -> Response:
         return await serving.create_chat_completion(request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        return await serving.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        return await serving.detokenize(request)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

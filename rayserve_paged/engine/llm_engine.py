@@ -171,6 +171,9 @@ class LLMEngine:
             raise RequestError(
                 f"prompt: {len(token_ids)} tokens leave no room to generate within max_model_len {self.max_model_len}"
             )
+        bad_bias = next((t for t in params.logit_bias if t >= vocab), None)
+        if bad_bias is not None:
+            raise SamplingParamsError(f"logit_bias: token id {bad_bias} is outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise SamplingParamsError(f"logprobs: at most {self.config.max_logprobs} (got {params.logprobs})")
         if params.best_of > self.config.max_num_seqs:
