@@ -628,7 +628,9 @@ class TokenizeRequest(_RequestModel):
 
     model: str | None = Field(None, description="The served model name; omitted = the served model.")
     prompt: str | None = Field(None, description="Text to tokenize (give this or messages).")
-    messages: list[ChatMessage] | None = Field(None, description="A conversation, rendered by the chat template.")
+    messages: list[ChatMessage] | None = Field(
+        None, min_length=1, description="A conversation, rendered by the chat template."
+    )
     add_special_tokens: bool = Field(True, description="With prompt: add the tokenizer's special tokens (BOS).")
     add_generation_prompt: bool = Field(True, description="With messages: end with the assistant's turn opening.")
 

@@ -12,10 +12,10 @@ import httpx
 import pytest
 
 from rayserve_paged.app import AppArgs, llm_server_options
+from rayserve_paged.deployments.errors import RETRY_AFTER_S
 from rayserve_paged.deployments.openai_ingress import (
     DEFAULT_MAX_PENDING_REQUESTS,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
-    RETRY_AFTER_S,
     create_openai_app,
 )
 from tests.deployments.conftest import MAX_MODEL_LEN, MODEL, assert_openai_error, record_binds
