@@ -227,7 +227,7 @@ class OpenAIServing:
             text_offset += len(token)
         return result, text_offset
 
-    async def _completion_events(
+    def _completion_events(
         self,
         request: CompletionRequest,
         params: SamplingParams,
@@ -237,36 +237,52 @@ class OpenAIServing:
         response_id: str,
     ) -> AsyncIterator[str]:
         created = int(time.time())
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
-        progress: dict[int, _ChoiceProgress] = {}
-        cached: dict[int, int] = {}
 
-        def chunks(index: int, result: RequestOutput) -> Iterable[str]:
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None) -> str:
+            body = CompletionStreamResponse(
+                id=response_id, created=created, model=self.served_model_name, choices=choices, usage=usage
+            )
+            return sse_event(body)
+
+        def to_choice(index: int, out: CompletionOutput, state: _ChoiceProgress) -> CompletionChoice:
+            return self._completion_delta(request, prompts[index], out, state, index * request.n + out.index)
+
+        return self._stream_events(request, prompts, first, outputs, to_choice, chunk)
+
+    async def _stream_events(
+        self,
+        request: CompletionRequest | ChatCompletionRequest,
+        prompts: list[_Prompt],
+        first: tuple[int, RequestOutput],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        to_choice,
+        chunk,
+        preamble: Iterable[str] = (),
+    ) -> AsyncIterator[str]:
+        """The SSE body both routes share: the preamble, one event per engine output (one
+        request's step, or several steps a slow client had not read yet), the usage event
+        when asked, then [DONE]; an engine failure mid-stream becomes an error event."""
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        progress: dict[int, _ChoiceProgress] = {}  # by choice index across prompts
+        cached: dict[int, int] = {}  # prefix-cache hits by prompt
+
+        def events(index: int, result: RequestOutput) -> Iterable[str]:
             cached[index] = max(cached.get(index, 0), result.num_cached_tokens)
-            choices = []
-            for out in result.outputs:
-                choice_index = index * request.n + out.index
-                state = progress.setdefault(choice_index, _ChoiceProgress())
-                choices.append(self._completion_delta(request, prompts[index], out, state, choice_index))
-            if choices:  # one event per request per step
-                yield sse_event(
-                    CompletionStreamResponse(
-                        id=response_id, created=created, model=self.served_model_name, choices=choices
-                    )
-                )
+            states = (progress.setdefault(index * request.n + out.index, _ChoiceProgress()) for out in result.outputs)
+            choices = [to_choice(index, out, state) for out, state in zip(result.outputs, states)]
+            if choices:
+                yield chunk(choices, None)
 
         try:
-            for event in chunks(*first):
+            for event in preamble:
+                yield event
+            for event in events(*first):
                 yield event
             async for index, result in outputs:
-                for event in chunks(index, result):
+                for event in events(index, result):
                     yield event
             if include_usage:
-                usage = _stream_usage(prompts, progress.values(), sum(cached.values()))
-                chunk = CompletionStreamResponse(
-                    id=response_id, created=created, model=self.served_model_name, choices=[], usage=usage
-                )
-                yield sse_event(chunk)
+                yield chunk([], _stream_usage(prompts, progress.values(), sum(cached.values())))
             yield SSE_DONE
         except Exception as exc:
             yield sse_event(ErrorResponse(error=to_openai_error(exc, _engine_renames(request)).info))
@@ -397,7 +413,7 @@ class OpenAIServing:
             )
         return ChatLogprobs(content=content)
 
-    async def _chat_events(
+    def _chat_events(
         self,
         request: ChatCompletionRequest,
         params: SamplingParams,
@@ -407,37 +423,20 @@ class OpenAIServing:
         response_id: str,
     ) -> AsyncIterator[str]:
         created = int(time.time())
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
-        progress = [_ChoiceProgress() for _ in range(request.n)]
-        cached = first[1].num_cached_tokens
 
-        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None) -> str:
             body = ChatCompletionChunk(
                 id=response_id, created=created, model=self.served_model_name, choices=choices, usage=usage
             )
             return sse_event(body)
 
-        def deltas(result: RequestOutput) -> Iterable[str]:
-            choices = [self._chat_delta(request, out, progress[out.index]) for out in result.outputs]
-            if choices:  # one event per request per step
-                yield chunk(choices)
+        def to_choice(_: int, out: CompletionOutput, state: _ChoiceProgress) -> ChatChunkChoice:
+            return self._chat_delta(request, out, state)
 
-        try:
-            for index in range(request.n):  # the role comes first, in a chunk of its own
-                yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
-            for event in deltas(first[1]):
-                yield event
-            async for _, result in outputs:
-                for event in deltas(result):
-                    yield event
-            if include_usage:
-                yield chunk([], usage=_stream_usage([prompt], progress, cached))
-            yield SSE_DONE
-        except Exception as exc:
-            yield sse_event(ErrorResponse(error=to_openai_error(exc, _engine_renames(request)).info))
-            yield SSE_DONE
-        finally:
-            await outputs.aclose()
+        # the role comes first, in a chunk of its own per choice
+        roles = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))], None)
+                 for i in range(request.n)]  # fmt: skip
+        return self._stream_events(request, [prompt], first, outputs, to_choice, chunk, roles)
 
     def _chat_delta(
         self, request: ChatCompletionRequest, out: CompletionOutput, state: _ChoiceProgress
