@@ -176,11 +176,7 @@ class Sequence:
         "status",
         "cumulative_logprob",
         "output_logprobs",
-        "output_text",
         "stop_reason",
-        "read_offset",
-        "prefix_offset",
-        "tokens_text",
     )
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int]) -> None:
@@ -191,12 +187,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.cumulative_logprob = 0.0
         self.output_logprobs: list = []
-        self.output_text = ""
         self.stop_reason: int | str | None = None
-        # Incremental detokenization state (owned by the engine).
-        self.read_offset = 0
-        self.prefix_offset = 0
-        self.tokens_text: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -230,11 +221,7 @@ class Sequence:
         child.status = self.status
         child.cumulative_logprob = self.cumulative_logprob
         child.output_logprobs = list(self.output_logprobs)
-        child.output_text = self.output_text
         child.stop_reason = self.stop_reason
-        child.read_offset = self.read_offset
-        child.prefix_offset = self.prefix_offset
-        child.tokens_text = None if self.tokens_text is None else list(self.tokens_text)
         return child
 
     def reset_for_recompute(self) -> None:
