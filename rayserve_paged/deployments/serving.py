@@ -478,7 +478,7 @@ class OpenAIServing:
         """(prompt index, delta) from all prompts' streams as they come.
 
         One prompt is read directly (the client's buffer coalesces what a slow reader has
-        not read yet); several are pumped by a task each into one queue. When this
+        not read yet); several are pumped by a task each into one bounded queue. When this
         generator ends (done, error, closed or cancelled) every request not seen finished
         is aborted.
         """
@@ -496,16 +496,18 @@ class OpenAIServing:
                     await self._abort(unfinished)
                 await stream.aclose()
             return
-        queue: asyncio.Queue = asyncio.Queue()
+        # bounded: a pump waits for a slow reader, and meanwhile the client's own buffer
+        # coalesces that prompt's steps (the engine never waits)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(prompts))
 
         async def pump(index: int, prompt: _Prompt, request_id: str) -> None:
             try:
                 async for result in self.client.generate_stream(prompt.token_ids, params, request_id):
-                    queue.put_nowait((index, result))
+                    await queue.put((index, result))
             except Exception as exc:
-                queue.put_nowait((index, exc))
+                await queue.put((index, exc))
             else:
-                queue.put_nowait((index, None))  # this stream has ended
+                await queue.put((index, None))  # this stream has ended
 
         pumps = [asyncio.ensure_future(pump(i, p, r)) for i, (p, r) in enumerate(zip(prompts, request_ids))]
         try:
