@@ -50,7 +50,9 @@ class AppArgs(EngineConfig):
     ingress_cpus: float = Field(
         0.1, ge=0, description="Deprecated, ignored: the HTTP app runs in the LLMServer replicas."
     )
-    ingress_replicas: int = Field(1, ge=1, description="Deprecated, ignored: the HTTP app runs in the LLMServer replicas.")
+    ingress_replicas: int = Field(
+        1, ge=1, description="Deprecated, ignored: the HTTP app runs in the LLMServer replicas."
+    )
     ingress_max_ongoing_requests: int = Field(
         1024, ge=1, description="Deprecated, ignored: the HTTP app runs in the LLMServer replicas."
     )

@@ -115,7 +115,10 @@ class LLMServer:
     # ------------------------------------------------------------------ handle API
 
     async def generate(
-        self, prompt: str | list[int], sampling_params: SamplingParams | dict | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | dict | None = None,
+        request_id: str | None = None,
     ) -> RequestOutput:
         """The whole result, once finished."""
         params = as_sampling_params(sampling_params)
@@ -123,7 +126,10 @@ class LLMServer:
         return await self.frontend.generate(token_ids, params, request_id or _new_id(), text)
 
     async def generate_stream(
-        self, prompt: str | list[int], sampling_params: SamplingParams | dict | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | dict | None = None,
+        request_id: str | None = None,
     ):
         """Deltas (see the module docstring); closing the stream aborts the request."""
         params = as_sampling_params(sampling_params)

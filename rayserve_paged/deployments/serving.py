@@ -380,8 +380,8 @@ class OpenAIServing:
             prompt = await self._in_pool(lambda: self._chat_prompt(chat, request.add_generation_prompt))
             token_ids = prompt.token_ids
         else:
-            encode = lambda: list(self.tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids)  # noqa: E731
-            token_ids = await self._in_pool(encode)
+            prompt, add_special = request.prompt, request.add_special_tokens
+            token_ids = await self._in_pool(lambda: list(self.tokenizer(prompt, add_special_tokens=add_special).input_ids))
         return TokenizeResponse(count=len(token_ids), max_model_len=info["max_model_len"], tokens=token_ids)
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:

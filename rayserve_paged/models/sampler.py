@@ -71,7 +71,8 @@ class Sampler:
         owners: list[tuple[int, int]] = []  # (samples index, copies) for each draw group
         row_params = [p for g, p in zip(groups, group_params) for _ in g.seqs]  # per logits row
         row = 0
-        penalised = self._apply_logit_controls(self._apply_penalties(logits, groups, group_params), groups, group_params)
+        penalised = self._apply_penalties(logits, groups, group_params)
+        penalised = self._apply_logit_controls(penalised, groups, group_params)
         for group, params in zip(groups, group_params):
             for seq in group.seqs:
                 if params.use_beam_search:
