@@ -30,8 +30,12 @@ load, and stops both: SIGTERM to `serve run`, then SIGTERM and, after a grace pe
 to the head's process group (only the Ray processes this run started: `ray stop` would stop
 every Ray cluster on the machine). `--launch small-opt` first writes the small random-weight
 OPT of the throughput benchmark (6 layers, hidden 512, ffn 2048) to a temporary directory and
-a Serve config for it: one LLMServer replica, no autoscaling, worker 1.0 CPU, scheduler,
-replica and ingress 0.1 CPU each, `num_cpu_threads` = --threads.
+a Serve config for it: one LLMServer replica (which also serves HTTP), no autoscaling,
+worker 1.0 CPU, scheduler and replica 0.1 CPU each, `num_cpu_threads` = --threads.
+`--launch ceiling` does the same with a one-layer OPT of hidden size 16 (a step costs almost
+nothing: the serving path is what is measured), 256 requests of 16 prompt and exactly 256
+output tokens, at 16 and 64 in flight and all at once, compared in-process; it also writes
+serving_concurrency.png (output tokens/s against requests in flight).
 
 --compare-in-process (with --launch) runs the same requests all at once through
 `LLM.generate` in this process, with the config's engine options (a config without
@@ -525,7 +529,6 @@ def small_opt_config(model_dir: str, workload: Workload, threads: int, seed: int
                 "ray_actor_options": {"num_cpus": 0.1},
                 "scheduler_cpus": 0.1,
                 "worker_cpus": 1.0,
-                "ingress_cpus": 0.1,
             },
         }],
     }  # fmt: skip
