@@ -105,9 +105,9 @@ def run_once(model_dir: str, args, chunked: bool, decodes, longs) -> dict:
             token_times[rid] = []
         outputs = engine.step()
         now = time.perf_counter()
-        for o in outputs:
-            times = token_times[o.request_id]
-            times.extend([now] * (len(o.outputs[0].token_ids) - len(times)))
+        for o in outputs:  # per-step deltas: the tokens each request gained this step
+            for delta in o.outputs:
+                token_times[o.request_id].extend([now] * len(delta.token_ids))
         step += 1
     seconds = time.perf_counter() - start
     ttft = [token_times[r][0] - arrival[r] for r in token_times]
