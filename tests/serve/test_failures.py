@@ -28,11 +28,12 @@ def _kill_midway_and_recover(serve, app: str, victim: str, **overrides) -> dict:
     pid = victims[-1]
 
     async def stream_until_failure():
-        seen = 0
+        seen, killed = 0, False
         async for out in handle.options(stream=True).generate_stream.remote("a long answer", long):
-            seen = len(out.outputs[0].token_ids)
-            if seen == 5:
+            seen += sum(len(o.token_ids) for o in out.outputs)  # deltas
+            if seen >= 5 and not killed:
                 os.kill(pid, signal.SIGKILL)  # the process dies while the request is running
+                killed = True
         return seen
 
     started = time.monotonic()
