@@ -20,7 +20,7 @@ from rayserve_paged.models.layers import ParallelState
 from rayserve_paged.models.loader import get_model_config, load_model
 from rayserve_paged.models.sampler import Sampler, SamplerOutput
 from rayserve_paged.ops.cache_ops import copy_blocks, swap_kv_blocks
-from rayserve_paged.ops.paged_attention import get_attention_backend
+from rayserve_paged.ops.backends import get_attention_backend
 from rayserve_paged.telemetry import GpuProbe
 from rayserve_paged.worker.model_runner import ModelRunner
 

@@ -28,8 +28,8 @@ from rayserve_paged.ops import cache_ops  # noqa: E402
 from rayserve_paged.ops import triton_backend, triton_kernels  # noqa: E402
 from rayserve_paged.ops.triton_backend import (  # noqa: E402
     TritonBackend,
+    choose_decode_partition,
     choose_decode_variant,
-    copy_blocks,
     paged_decode_attention,
     paged_prefill_attention,
     reshape_and_cache,
@@ -296,15 +296,16 @@ def decode_launches(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize(
-    "decodes, expected_kernels",
+    "decodes, expected_kernels, grid",
     [
-        ([600, 3], ["paged_decode_partition_kernel", "paged_decode_reduce_kernel"]),  # 601 > 512
-        ([511, 3], ["paged_decode_kernel"]),  # seq_len 512 fits one partition
+        ([600, 3], ["paged_decode_partition_kernel", "paged_decode_reduce_kernel"], (2, 2, 3)),  # 601 > 256
+        ([255, 3], ["paged_decode_kernel"], (2, 2)),  # seq_len 256 fits the smallest partition
     ],
     ids=["long_context_partitioned", "short_context_single"],
 )
-def test_backend_picks_decode_variant_by_the_rule(decodes, expected_kernels, decode_launches, generator):
-    """Two sequences x 2 kv heads is far below 4 programs per SM: only the length decides."""
+def test_backend_picks_decode_variant_by_the_rule(decodes, expected_kernels, grid, decode_launches, generator):
+    """Two sequences x 2 kv heads is far below 4 programs per SM: the length decides, and
+    the smallest partition size (256 tokens) is the one that comes closest to filling the SMs."""
     batch = make_metadata(decodes=decodes, block_size=32, generator=generator, device=DEVICE)
     inputs = make_attention_inputs(batch, num_heads=4, num_kv_heads=2, head_dim=64, generator=generator)
     reference_caches = (inputs.key_cache.clone(), inputs.value_cache.clone())
@@ -315,32 +316,52 @@ def test_backend_picks_decode_variant_by_the_rule(decodes, expected_kernels, dec
         inputs.query, inputs.key, inputs.value, inputs.key_cache, inputs.value_cache, batch.metadata, 0.125
     )
     assert [name for name, _ in decode_launches] == expected_kernels
-    if len(expected_kernels) == 2:
-        assert decode_launches[0][1] == (2, 2, 2)  # (num_seqs, num_kv_heads, ceil(601 / 512))
+    assert decode_launches[0][1] == grid  # (num_seqs, num_kv_heads[, ceil(601 / 256)])
     torch.testing.assert_close(out, expected, atol=5e-5, rtol=5e-5)
 
 
 @pytest.mark.parametrize(
     "num_seqs, num_kv_heads, max_seq_len, expected",
     [
-        (1, 8, 8192, "partitioned"),  # one long sequence: 8 programs for 132 SMs
-        (16, 8, 2048, "partitioned"),  # 128 programs < 4 * 132
-        (65, 8, 4096, "partitioned"),  # 520 < 528
-        (66, 8, 4096, "single"),  # 528: enough programs
-        (256, 8, 8192, "single"),
-        (16, 8, 512, "single"),  # one partition: nothing to split
-        (16, 8, 513, "partitioned"),
-        (1, 1, 1, "single"),
+        (1, 8, 8192, 256),  # one long sequence: 8 programs; 32 partitions of 256 -> 256 programs
+        (1, 8, 65536, 512),  # 1024: 64 x 8 = 512 < 528 programs; 512: 128 x 8 = 1024
+        (4, 8, 65536, 1024),  # 64 partitions of 1024 x 32 = 2048 >= 528
+        (16, 8, 2048, 256),  # 128 programs, x 8 partitions = 1024 >= 528
+        (16, 8, 4096, 512),  # 128 x 8 partitions of 512 = 1024 >= 528
+        (65, 8, 4096, 1024),  # 520 < 528; 4 partitions of 1024 suffice
+        (66, 8, 4096, 0),  # 528: enough programs, short enough for one pass
+        (256, 8, 8192, 0),
+        (256, 8, 8193, 1024),  # past 8192 tokens: always partitioned, skewed batches included
+        (512, 8, 32768, 1024),
+        (16, 8, 256, 0),  # one partition: nothing to split
+        (16, 8, 257, 256),
+        (1, 1, 1, 0),
     ],
 )
-def test_decode_selection_rule(num_seqs, num_kv_heads, max_seq_len, expected):
-    assert choose_decode_variant(num_seqs, num_kv_heads, max_seq_len, num_sms=132) == expected
+def test_decode_partition_rule(num_seqs, num_kv_heads, max_seq_len, expected):
+    assert choose_decode_partition(num_seqs, num_kv_heads, max_seq_len, num_sms=132) == expected
+    variant = "partitioned" if expected else "single"
+    assert choose_decode_variant(num_seqs, num_kv_heads, max_seq_len, num_sms=132) == variant
 
 
-def test_decode_selection_rule_scales_with_sm_count():
-    assert choose_decode_variant(64, 8, 4096, num_sms=132) == "partitioned"
-    assert choose_decode_variant(64, 8, 4096, num_sms=64) == "single"
-    assert choose_decode_variant(64, 8, 4096, num_sms=132, partition_size=4096) == "single"
+def test_decode_partition_rule_scales_with_sm_count():
+    assert choose_decode_partition(64, 8, 4096, num_sms=132) == 1024
+    assert choose_decode_partition(64, 8, 4096, num_sms=64) == 0
+    assert choose_decode_partition(64, 8, 16384, num_sms=64) == 1024  # long: partitioned anyway
+
+
+def test_decode_workspace_covers_the_largest_partition_buffers(monkeypatch):
+    """The KV sizing reserves decode_workspace_bytes; every launch the rule can make for up
+    to max_num_seqs sequences and max_seq_len tokens must fit in it."""
+    most = triton_backend.decode_workspace_bytes(8, 32, 8, 128, 3000, num_sms=132)
+    launched = []
+    for num_seqs in range(1, 9):
+        for length in range(1, 3001):
+            size = choose_decode_partition(num_seqs, 8, length, 132)
+            if size:
+                launched.append(4 * num_seqs * 32 * -(-length // size) * (128 + 2))  # [S, H, P, 128] + 2 x [S, H, P]
+    assert most == max(launched)
+    assert triton_backend.decode_workspace_bytes(8, 32, 8, 128, 256, num_sms=132) == 0  # never partitioned
 
 
 # ---------------------------------------------------------------------------- prefill (direct)
@@ -409,55 +430,20 @@ def random_layers(generator, *, num_layers=3, num_blocks=10, block_size=8, dtype
     return [(randn(generator, *shape, dtype=dtype), randn(generator, *shape, dtype=dtype)) for _ in range(num_layers)]
 
 
-@pytest.mark.quick
-@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-def test_copy_blocks_matches_cache_ops_exactly(dtype, as_tensor, generator):
-    layers = random_layers(generator, dtype=dtype)
+def test_block_moves_are_the_batched_cache_ops_copies():
+    """copy_blocks and swap are torch copies (cache_ops), not kernels: one Triton copy kernel
+    read its pointers through an int -> pointer cast that hid their alignment (2-byte loads)."""
+    assert triton_backend.swap_blocks is cache_ops.swap_blocks
+    assert triton_backend.swap_kv_blocks is cache_ops.swap_kv_blocks
+    assert triton_backend.copy_blocks is cache_ops.copy_blocks
+    assert not hasattr(triton_kernels, "copy_blocks_kernel")
+    layers = random_layers(torch.Generator().manual_seed(0), num_layers=2)
     expected = [(key.clone(), value.clone()) for key, value in layers]
-    pairs = [(1, 5), (3, 2), (1, 7), (9, 0)]
-    mapping = torch.tensor(pairs, device=DEVICE) if as_tensor else pairs
-    cache_ops.copy_blocks(expected, pairs)
-    copy_blocks(layers, mapping)
+    cache_ops.copy_blocks(expected, [(1, 5), (9, 0)])
+    TritonBackend.copy_blocks(layers, [(1, 5), (9, 0)])
     for (key, value), (expected_key, expected_value) in zip(layers, expected):
         assert_bitwise_equal(key, expected_key)
         assert_bitwise_equal(value, expected_value)
-
-
-def test_copy_blocks_with_empty_mapping_changes_nothing(generator):
-    layers = random_layers(generator, num_layers=1)
-    before = [(key.clone(), value.clone()) for key, value in layers]
-    copy_blocks(layers, [])
-    copy_blocks(layers, torch.zeros(0, 2, dtype=torch.int64, device=DEVICE))
-    assert all(torch.equal(k, kb) and torch.equal(v, vb) for (k, v), (kb, vb) in zip(layers, before))
-
-
-BAD_COPIES = {
-    "source also destination": ([(0, 1), (1, 2)], r"blocks \[1\] as both source and destination"),
-    "source range": ([(10, 1)], r"source block 10 is outside \[0, 10\)"),
-    "repeated destination": ([(0, 3), (1, 3)], "repeated destination"),
-    "mapping dtype": (torch.zeros(2, 2, dtype=torch.int32), "must be int64"),
-}
-
-
-@pytest.mark.parametrize("mapping, message", BAD_COPIES.values(), ids=BAD_COPIES.keys())
-def test_copy_blocks_rejects_bad_mappings(mapping, message, generator):
-    with pytest.raises(ValueError, match=message):
-        copy_blocks(random_layers(generator, num_layers=1), mapping)
-
-
-def test_copy_blocks_rejects_mismatched_layers(generator):
-    layers = random_layers(generator, num_layers=1) + random_layers(generator, num_layers=1, num_blocks=9)
-    with pytest.raises(ValueError, match="layer 1 cache shape"):
-        copy_blocks(layers, [(0, 1)])
-    with pytest.raises(ValueError, match="kv_caches is empty"):
-        copy_blocks([], [(0, 1)])
-
-
-def test_swap_is_the_batched_cache_ops_copy():
-    assert triton_backend.swap_blocks is cache_ops.swap_blocks
-    assert triton_backend.swap_kv_blocks is cache_ops.swap_kv_blocks
-    assert TritonBackend.swap_blocks is not None and TritonBackend.copy_blocks is not None
 
 
 # ---------------------------------------------------------------------------- checks and dispatch
@@ -545,8 +531,6 @@ def test_cpu_tensors_are_refused_without_the_interpreter(monkeypatch, generator)
     monkeypatch.setattr(triton_backend, "is_interpreted", lambda: False)
     with pytest.raises(ValueError, match="need CUDA tensors .or CPU tensors with TRITON_INTERPRET=1"):
         paged_decode_attention(**_decode_args(generator))
-    with pytest.raises(ValueError, match="need CUDA tensors"):
-        copy_blocks(random_layers(generator, num_layers=1), [(0, 1)])
     batch = make_metadata(decodes=[3], block_size=16, generator=generator)
     inputs = make_attention_inputs(batch, num_heads=4, num_kv_heads=2, head_dim=64, generator=generator)
     with pytest.raises(ValueError, match="need CUDA tensors"):
