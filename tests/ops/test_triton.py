@@ -364,6 +364,96 @@ def test_decode_workspace_covers_the_largest_partition_buffers(monkeypatch):
     assert triton_backend.decode_workspace_bytes(8, 32, 8, 128, 256, num_sms=132) == 0  # never partitioned
 
 
+class ArgumentRecorder:
+    """Stands in for a jitted kernel: records each launch's arguments by name, then runs it."""
+
+    def __init__(self, kernel, launches: list, name: str) -> None:
+        self.kernel, self.launches, self.name = kernel, launches, name
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            named = dict(zip(self.arg_names, args)) | kwargs
+            self.launches.append((self.name, named))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+KERNEL_NAMES = ("paged_decode_kernel", "paged_decode_partition_kernel", "paged_decode_reduce_kernel",
+                "paged_prefill_kernel", "reshape_and_cache_kernel")
+# what triton specialises a launch on, besides constants: arguments it never specialises
+NOT_SPECIALIZED = {
+    "paged_decode_kernel": {"stride_table_seq"},
+    "paged_decode_partition_kernel": {"stride_table_seq", "max_partitions"},
+    "paged_decode_reduce_kernel": {"max_partitions"},
+    "paged_prefill_kernel": {"stride_table_seq"},
+    "reshape_and_cache_kernel": set(),
+}
+
+
+def specialization_key(named: dict, not_specialized: set) -> tuple:
+    """Triton's launch-time key, as its launcher builds it: constants by value; integers by
+    (== 1, divisible by 16) unless listed in do_not_specialize; floats by type; tensors by
+    dtype and 16-byte alignment of their data pointer."""
+    key = []
+    for name, value in sorted(named.items()):
+        if isinstance(value, torch.Tensor):
+            key.append((name, value.dtype, value.data_ptr() % 16 == 0))
+        elif isinstance(value, bool) or not isinstance(value, int):
+            key.append((name, value if name.isupper() or name == "num_warps" else type(value)))
+        elif name.isupper() or name == "num_warps":
+            key.append((name, value))
+        elif name not in not_specialized:
+            key.append((name, value == 1, value % 16 == 0))
+    return tuple(key)
+
+
+def test_do_not_specialize_lists_the_step_varying_arguments():
+    from rayserve_paged.ops.triton_aot import not_specialized_arguments
+
+    for name, expected in NOT_SPECIALIZED.items():
+        assert not_specialized_arguments(getattr(triton_kernels, name)) == expected, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=dtype_name)
+def test_steps_of_different_shapes_launch_the_same_variants(dtype, monkeypatch, generator):
+    """Two serving steps with different block-table widths, context lengths, partition counts
+    and token counts: every kernel must be launched with the same specialization key (no
+    recompile while serving), with the constants triton_aot compiles ahead of time."""
+    from rayserve_paged.ops import triton_aot
+
+    launches: list = []
+    for name in KERNEL_NAMES:
+        monkeypatch.setattr(triton_kernels, name, ArgumentRecorder(getattr(triton_kernels, name), launches, name))
+    monkeypatch.setattr(triton_backend, "is_interpreted", lambda: DEVICE == "cpu")
+    keys: dict[str, set] = {}
+    steps = [dict(prefills=[(0, 5)], decodes=[300, 2]), dict(prefills=[(7, 33), (16, 2)], decodes=[17, 700, 9, 1])]
+    for step in steps:
+        batch = make_metadata(**step, block_size=16, generator=generator, device=DEVICE)
+        inputs = make_attention_inputs(batch, num_heads=8, num_kv_heads=2, head_dim=80, generator=generator,
+                                       dtype=dtype)
+        TritonBackend().forward(inputs.query, inputs.key, inputs.value, inputs.key_cache, inputs.value_cache,
+                                batch.metadata, 0.1)
+    partitions = {named["max_partitions"] for name, named in launches if name == "paged_decode_reduce_kernel"}
+    widths = {named["stride_table_seq"] for name, named in launches if name == "paged_prefill_kernel"}
+    assert len(partitions) == 2 and len(widths) == 2  # the steps really differ in what used to specialise
+    for name, named in launches:
+        keys.setdefault(name, set()).add(specialization_key(named, NOT_SPECIALIZED[name]))
+        aot_kernel = {"paged_decode_kernel": "decode", "paged_decode_partition_kernel": "decode_partition",
+                      "paged_decode_reduce_kernel": "decode_reduce", "paged_prefill_kernel": "prefill",
+                      "reshape_and_cache_kernel": "reshape_and_cache"}[name]
+        config = triton_aot.KernelConfig(aot_kernel, dtype_name(dtype), 80, group_size=4, block_size=16,
+                                         num_kv_heads=2, partition_size=named.get("PARTITION_SIZE", 0))
+        _, _, constants, _, num_warps = triton_aot.launch_spec(config)
+        launched = {k: v for k, v in named.items() if k.isupper()}
+        assert launched == constants and named["num_warps"] == num_warps, name
+    assert set(keys) == set(KERNEL_NAMES) - {"paged_decode_kernel"}
+    assert all(len(variants) == 1 for variants in keys.values()), keys
+
+
 # ---------------------------------------------------------------------------- prefill (direct)
 
 
