@@ -34,11 +34,42 @@ def reshape_and_cache(
     """Write token i's key/value into slot `slot_mapping[i]` of the caches; skip PAD_SLOT."""
     _check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    is_real = slot_mapping != PAD_SLOT  # [num_tokens]
-    slots = slot_mapping[is_real]  # [num_real_tokens]
     flat_shape = (num_blocks * block_size, num_kv_heads, head_dim)
-    key_cache.view(flat_shape).index_copy_(0, slots, key[is_real])
-    value_cache.view(flat_shape).index_copy_(0, slots, value[is_real])
+    flat_key, flat_value = key_cache.view(flat_shape), value_cache.view(flat_shape)
+    if key_cache.device.type == "cpu":
+        # boolean indexing sizes its result on the host: free on CPU, a device sync elsewhere
+        is_real = slot_mapping != PAD_SLOT  # [num_tokens]
+        slots = slot_mapping[is_real]  # [num_real_tokens]
+        flat_key.index_copy_(0, slots, key[is_real])
+        flat_value.index_copy_(0, slots, value[is_real])
+        return
+    _write_fixed_shape(key, value, flat_key, flat_value, slot_mapping)
+
+
+def _write_fixed_shape(key, value, flat_key, flat_value, slot_mapping) -> None:
+    """reshape_and_cache on CUDA: the same bytes as the masked copy, without a device sync."""
+    slots, source, is_write = _padding_free_writes(slot_mapping)
+    for flat, new in ((flat_key, key), (flat_value, value)):
+        rows = torch.where(is_write[:, None, None], new.index_select(0, source), flat[:1])  # [num_tokens, kv, d]
+        flat.index_copy_(0, slots, rows)
+
+
+def _padding_free_writes(slot_mapping: torch.Tensor):
+    """(slots, source tokens, is_write) that write exactly what the masked copy writes, with
+    fixed shapes and so without a device sync. A PAD_SLOT token is redirected to the slot of
+    the nearest real token before it (or the first real token) and carries that token's
+    key/value: the slot receives the same bytes twice, so the order of the duplicate writes
+    does not matter. With no real token at all, every token rewrites slot 0 with its own
+    current contents (is_write False)."""
+    num_tokens = slot_mapping.shape[0]
+    is_real = slot_mapping != PAD_SLOT  # [num_tokens]
+    index = torch.arange(num_tokens, device=slot_mapping.device)
+    previous_real = torch.where(is_real, index, -1).cummax(0).values  # [num_tokens]; -1 before the first
+    first_real = is_real.to(torch.int8).argmax()  # 0 when there is none
+    source = torch.where(previous_real >= 0, previous_real, first_real)  # [num_tokens]
+    is_write = is_real.index_select(0, source)  # False only when no token is real
+    slots = torch.where(is_write, slot_mapping.index_select(0, source), 0)
+    return slots, source, is_write
 
 
 def _check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:

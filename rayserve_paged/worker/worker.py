@@ -36,6 +36,17 @@ class CacheSizes:
     block_bytes: int  # one block, all layers, K and V, this rank
 
 
+def kv_cache_budget_bytes(
+    total: int, free_before: int, allocated: int, peak: int, utilization: float, workspace: int
+) -> int:
+    """Bytes left for the KV cache: the utilization share of the device, less what other
+    processes hold, the profile step's peak (weights and activations) and the attention
+    workspace a decode step allocates on top of it (partition buffers), which the profile
+    step (prefills only) never allocates."""
+    used_by_others = total - free_before - allocated
+    return int(total * utilization - used_by_others - peak - workspace)
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -69,6 +80,8 @@ class Worker:
         self.num_steps = 0
         self.execute_s = 0.0  # wall time inside execute(): swaps, copies, model, sampler
         self.gpu_probe = GpuProbe(rank, self.device)
+        self.backend = None  # the attention backend, once the model is loaded
+        self.warmed_up: list[str] = []  # kernel variants compiled at start-up
 
     # ------------------------------------------------------------------ start-up
 
@@ -77,7 +90,7 @@ class Worker:
             torch.set_num_threads(self.config.num_cpu_threads)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        backend = get_attention_backend(self.config.attention_backend, self.device)
+        backend = self.backend = get_attention_backend(self.config.attention_backend, self.device)
         parallel = ParallelState(self.rank, self.world_size, group)
         model = load_model(self.model_path, self.dtype, self.device, backend, parallel=parallel)
         sampler = Sampler(len(self.model_config.eos_token_ids)) if self.rank == 0 else None
@@ -113,10 +126,21 @@ class Worker:
         self._profile_run()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        used_by_others = total - free_before - torch.cuda.memory_allocated(self.device)
-        budget = total * self.config.gpu_memory_utilization - used_by_others - peak
+        budget = kv_cache_budget_bytes(
+            total, free_before, torch.cuda.memory_allocated(self.device), peak,
+            self.config.gpu_memory_utilization, self.decode_workspace_bytes(),
+        )
         torch.cuda.empty_cache()
-        return max(int(budget) // block_bytes, 0)
+        return max(budget // block_bytes, 0)
+
+    def decode_workspace_bytes(self) -> int:
+        """The attention backend's largest per-layer decode buffers at max_num_seqs x max_model_len."""
+        mc = self.model_config
+        max_len = self.config.max_model_len or mc.max_model_len
+        return self.backend.decode_workspace_bytes(
+            self.config.max_num_seqs, mc.num_heads // self.world_size, self.num_kv_heads, mc.head_dim, max_len,
+            self.device,
+        )
 
     def _profile_run(self) -> None:
         from rayserve_paged.core.outputs import ScheduledGroup, ScheduledSeq
@@ -140,6 +164,22 @@ class Worker:
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self._allocate_caches(num_gpu_blocks, num_cpu_blocks)
+        self.warm_up()
+
+    def warm_up(self) -> list[str]:
+        """Compile every attention kernel variant now, before the engine reports ready, so
+        that no step stalls on a compile while serving (a no-op for the torch backend)."""
+        if not self.kv_caches or self.kv_caches[0][0].shape[0] == 0:
+            return []
+        mc = self.model_config
+        num_heads = mc.num_heads // self.world_size
+        qkv_stride = (num_heads + 2 * self.num_kv_heads) * mc.head_dim  # queries are slices of one QKV projection
+        start = time.perf_counter()
+        self.warmed_up = self.backend.warm_up(*self.kv_caches[0], num_heads, qkv_stride)
+        if self.warmed_up:
+            logger.info("rank %d compiled %d attention kernel variants in %.1f s: %s", self.rank,
+                        len(self.warmed_up), time.perf_counter() - start, ", ".join(self.warmed_up))
+        return self.warmed_up
 
     def _allocate_caches(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         mc = self.model_config

@@ -498,3 +498,32 @@ def test_many_decodes_of_mixed_lengths_are_chunked_by_length_and_match_dense(wit
     )
     num_real = batch.num_real_tokens
     torch.testing.assert_close(output[:num_real], expected[:num_real].float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [5, PAD_SLOT, 9, PAD_SLOT, PAD_SLOT, 0],
+        [PAD_SLOT, PAD_SLOT, 3, 4],  # padding before the first real token
+        [PAD_SLOT, PAD_SLOT, PAD_SLOT],  # nothing to write
+        [7, 1, 2],
+    ],
+    ids=["inner", "leading", "all_padding", "no_padding"],
+)
+def test_reshape_and_cache_without_masking_writes_exactly_what_masking_writes(slots, generator):
+    """The CUDA path (fixed shapes, no boolean indexing, so no device sync), run here on CPU
+    tensors: bit-identical caches to the masked copy, NaN slots included."""
+    from rayserve_paged.ops import cache_ops
+
+    key = torch.randn(len(slots), 2, 8, generator=generator)  # [num_tokens, kv_heads, d]
+    value = torch.randn(len(slots), 2, 8, generator=generator)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    expected = [torch.full((3, 4, 2, 8), float("nan")) for _ in range(2)]
+    expected[0][0, 0] = 1.5  # slot 0 holds data the all-padding case must leave alone
+    actual = [cache.clone() for cache in expected]
+    cache_ops.reshape_and_cache(key, value, *expected, slot_mapping)
+    flat = [cache.view(12, 2, 8) for cache in actual]
+    cache_ops._write_fixed_shape(key, value, *flat, slot_mapping)
+    for got, want in zip(actual, expected):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert int((~actual[0].isnan()).sum()) == 16 * sum(slot != PAD_SLOT for slot in slots) + (16 if 0 not in slots else 0)

@@ -454,6 +454,25 @@ def test_steps_of_different_shapes_launch_the_same_variants(dtype, monkeypatch, 
     assert all(len(variants) == 1 for variants in keys.values()), keys
 
 
+def test_warm_up_launches_every_variant_and_leaves_the_cache_alone(monkeypatch, generator):
+    launches: list = []
+    for name in KERNEL_NAMES:
+        monkeypatch.setattr(triton_kernels, name, ArgumentRecorder(getattr(triton_kernels, name), launches, name))
+    monkeypatch.setattr(triton_backend, "is_interpreted", lambda: DEVICE == "cpu")
+    key_cache, value_cache = randn(generator, 2, 8, 1, 16), randn(generator, 2, 8, 1, 16)  # the smallest shapes
+    before = (key_cache.clone(), value_cache.clone())
+    launched = triton_backend.warm_up(key_cache, value_cache, num_heads=2)
+    assert launched == ["reshape_and_cache", "prefill", "decode single"] + [
+        f"decode partitioned {size}" for size in triton_backend.PARTITION_SIZES
+    ]
+    names = [name for name, _ in launches]
+    assert set(names) == set(KERNEL_NAMES)
+    sizes = {named["PARTITION_SIZE"] for name, named in launches if name == "paged_decode_reduce_kernel"}
+    assert sizes == set(triton_backend.PARTITION_SIZES)
+    assert_bitwise_equal(key_cache, before[0])
+    assert_bitwise_equal(value_cache, before[1])
+
+
 # ---------------------------------------------------------------------------- prefill (direct)
 
 
