@@ -19,7 +19,7 @@ from rayserve_paged.core.outputs import SchedulerOutput
 from rayserve_paged.models.layers import ParallelState
 from rayserve_paged.models.loader import get_model_config, load_model
 from rayserve_paged.models.sampler import Sampler, SamplerOutput
-from rayserve_paged.ops.cache_ops import copy_blocks, swap_kv_blocks
+from rayserve_paged.ops.cache_ops import BlockSwapper, copy_blocks
 from rayserve_paged.ops.backends import get_attention_backend
 from rayserve_paged.telemetry import GpuProbe
 from rayserve_paged.worker.model_runner import ModelRunner
@@ -76,6 +76,7 @@ class Worker:
         self.num_kv_heads = self.model_config.num_kv_heads_per_rank(world_size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.swapper = BlockSwapper([], [])
         self.runner: ModelRunner | None = None
         self.num_steps = 0
         self.execute_s = 0.0  # wall time inside execute(): swaps, copies, model, sampler
@@ -194,6 +195,7 @@ class Worker:
             (torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin), torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin))
             for _ in range(mc.num_layers)
         ]
+        self.swapper = BlockSwapper(self.kv_caches, self.cpu_caches)
 
     # ------------------------------------------------------------------ the step
 
@@ -207,12 +209,13 @@ class Worker:
 
     def _execute(self, out: SchedulerOutput) -> SamplerOutput | None:
         # Order matters: blocks swapped out this step may be handed to swap-ins and copies.
+        # The swapper orders its side-stream copies against this stream with events: no sync
+        # here; last step's swap-outs land in the host pool first (finish).
+        self.swapper.finish()
         if out.blocks_to_swap_out:
-            swap_kv_blocks(self.kv_caches, self.cpu_caches, out.blocks_to_swap_out)
+            self.swapper.swap_out(out.blocks_to_swap_out)
         if out.blocks_to_swap_in:
-            swap_kv_blocks(self.cpu_caches, self.kv_caches, out.blocks_to_swap_in)
-        if (out.blocks_to_swap_out or out.blocks_to_swap_in) and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the one sync point of the step's swaps
+            self.swapper.swap_in(out.blocks_to_swap_in)
         if out.blocks_to_copy:
             copy_blocks(self.kv_caches, out.blocks_to_copy)
         return self.runner.execute(out, self.kv_caches)
