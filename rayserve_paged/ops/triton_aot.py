@@ -268,11 +268,15 @@ def _compile_job(job: tuple[KernelConfig, Target]) -> dict:
 
 
 def compile_all(configs=None, targets=TARGETS, jobs: int | None = None) -> list[dict]:
-    """Compile every (config, target) (configs None: ci_configs(target) for each target) in worker processes started fresh (spawn), so that a
+    """Compile every (config, target) (configs None: ci_configs(target) for each target; a
+    dict: its list per target name) in worker processes started fresh (spawn), so that a
     TRITON_INTERPRET=1 set in this process (the interpreter tests) cannot reach them."""
     import multiprocessing
 
-    work = [(config, target) for target in targets for config in (configs or ci_configs(target))]
+    if isinstance(configs, dict):  # per target name
+        work = [(config, target) for target in targets for config in configs[target.name]]
+    else:
+        work = [(config, target) for target in targets for config in (configs or ci_configs(target))]
     # the slow compiles first, so the last worker does not start one alone at the end
     work.sort(key=lambda job: (job[0].dtype != "float32", job[0].kernel not in ("prefill", "decode")))
     jobs = jobs or max(1, min(len(os.sched_getaffinity(0)), 4))
@@ -326,13 +330,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=None, help="compiler processes (default: CPUs, at most 4)")
     parser.add_argument("--markdown", action="store_true", help="print the docs/KERNELS.md table")
     parser.add_argument("--kernel", action="append", choices=KERNELS, help="only these kernels")
+    parser.add_argument("--dtype", action="append", choices=[str(d).removeprefix("torch.") for d in DTYPES],
+                        help="only these dtypes")
     parser.add_argument("--target", action="append", choices=[t.name for t in TARGETS], help="only these targets")
     args = parser.parse_args(argv)
     targets = [t for t in TARGETS if not args.target or t.name in args.target]
     start = time.perf_counter()
-    results = [
-        r for r in compile_all(None, targets, args.jobs) if not args.kernel or r["kernel"] in args.kernel
-    ]
+    configs = {
+        target.name: [
+            c for c in ci_configs(target)
+            if (not args.kernel or c.kernel in args.kernel) and (not args.dtype or c.dtype in args.dtype)
+        ]
+        for target in targets
+    }
+    results = compile_all(configs, targets, args.jobs)
     elapsed = time.perf_counter() - start
     bad = [(r, p) for r in results for p in problems(r)]
     if args.markdown:

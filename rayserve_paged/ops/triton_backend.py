@@ -152,9 +152,10 @@ def attention_tiles(kind: Literal["decode", "prefill"], dtype: torch.dtype, head
     rows_min = max(16, triton.next_power_of_2(group_size))
     if kind == "decode":
         tile_n = 64 if head_pad <= 128 else 32
-        return dict(GROUP_PAD=rows_min, TILE_N=tile_n // 2 if wide else tile_n, num_warps=4)
+        num_warps = 8 if wide and head_pad == 128 else 4  # fp32 at 128 spilled on sm_90 with 4
+        return dict(GROUP_PAD=rows_min, TILE_N=tile_n // 2 if wide else tile_n, num_warps=num_warps)
     if wide:
-        block_m, tile_n, num_warps = (32, 32, 4) if head_pad <= 128 else (16, 32, 4)
+        block_m, tile_n, num_warps = (32, 32, 8) if head_pad <= 128 else (16, 32, 8)
     elif head_pad <= 64:
         block_m, tile_n, num_warps = 64, 64, 4
     elif head_pad <= 128:

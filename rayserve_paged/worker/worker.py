@@ -22,6 +22,7 @@ from rayserve_paged.models.sampler import Sampler, SamplerOutput
 from rayserve_paged.ops.cache_ops import BlockSwapper, copy_blocks
 from rayserve_paged.ops.backends import get_attention_backend
 from rayserve_paged.telemetry import GpuProbe
+from rayserve_paged.worker.kv_sizing import kv_cache_budget_bytes
 from rayserve_paged.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -34,17 +35,6 @@ class CacheSizes:
     num_gpu_blocks: int
     num_cpu_blocks: int
     block_bytes: int  # one block, all layers, K and V, this rank
-
-
-def kv_cache_budget_bytes(
-    total: int, free_before: int, allocated: int, peak: int, utilization: float, workspace: int
-) -> int:
-    """Bytes left for the KV cache: the utilization share of the device, less what other
-    processes hold, the profile step's peak (weights and activations) and the attention
-    workspace a decode step allocates on top of it (partition buffers), which the profile
-    step (prefills only) never allocates."""
-    used_by_others = total - free_before - allocated
-    return int(total * utilization - used_by_others - peak - workspace)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -10,7 +10,8 @@ from rayserve_paged.config import EngineConfig
 from rayserve_paged.models.tiny import resolve_model
 from rayserve_paged.ops.paged_attention import TorchReferenceBackend
 from rayserve_paged.worker import worker as worker_module
-from rayserve_paged.worker.worker import Worker, kv_cache_budget_bytes
+from rayserve_paged.worker.kv_sizing import kv_cache_budget_bytes
+from rayserve_paged.worker.worker import Worker
 
 GiB = 1 << 30
 
