@@ -1,6 +1,6 @@
 """Triton kernels on a GPU: tests, decode and prefill timing, end-to-end greedy parity.
 
-    python benchmarks/gpu_check.py OUT_DIR [--quick] [--skip-tests] [--skip-e2e]
+    python benchmarks/gpu_check.py OUT_DIR [--quick] [--skip-tests] [--skip-e2e] [--cpu-backend B]
 
 With CUDA (sized for one H200, under 8 minutes; --quick does less of each):
   tests    pytest tests/ops/test_triton.py compiled on the GPU (RAYSERVE_PAGED_TRITON_TEST_DEVICE=cuda)
@@ -11,7 +11,11 @@ With CUDA (sized for one H200, under 8 minutes; --quick does less of each):
            both variants and the rule's pick; bytes it must read, GB/s, share of the copy
            bandwidth; torch SDPA on the same K/V laid out contiguously (time ratio paged / dense)
   prefill  paged prefill attention with and without cached context: time, TFLOP/s, vs SDPA
-  e2e      a random-weight OPT-1.3B-shaped checkpoint (hidden 2048, 24 layers, ffn 8192,
+  runner   the same model through load_model + ModelRunner (no engine: no pydantic, no ray):
+           greedy tokens equal to HF in float32; a swap out / swap in round trip halfway
+           (tokens unchanged) in fp32 / fp16 / bf16; KV sizing from gpu_memory_utilization;
+           no kernel compile after warm-up; fp16 / bf16 decode tokens/s
+  e2e      (needs pydantic) a random-weight OPT-1.3B-shaped checkpoint (hidden 2048, 24 layers, ffn 8192,
            32 heads; the tiny 512-token vocabulary) in float16: the engine's greedy tokens with
            attention_backend="triton" against HF generate in float16 (match rate), and engine
            tokens/s with the triton and the torch backends
