@@ -16,6 +16,8 @@ from rayserve_paged.ops import triton_aot  # noqa: E402
 from rayserve_paged.ops.triton_aot import TARGETS, ci_configs, problems  # noqa: E402
 
 TARGET = {target.name: target for target in TARGETS}
+# ~150 s of CPU on two idle cores (75-90 s wall); a loaded machine can take several times that
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module")
