@@ -468,7 +468,8 @@ def runner_check(torch, has_cuda: bool, quick: bool, cpu_backend: str = "triton"
         _free_memory(torch)
         for dtype in ("float32", "float16", "bfloat16") if has_cuda else ("float32",):
             model = load_model(path, dtype, device, backend)
-            runner = ModelRunner(model, block_size, torch.device(device), Sampler(len(mc.eos_token_ids)))
+            eos = tuple(mc.eos_token_ids)
+            runner = ModelRunner(model, block_size, torch.device(device), Sampler(len(eos), eos))
             blocks_per_seq = -(-(max(map(len, tokenizer_ids)) + max_new) // block_size)
             num_blocks = 2 * blocks_per_seq * len(tokenizer_ids) + 1
             if has_cuda and dtype == "float32":
