@@ -477,10 +477,11 @@ def runner_check(torch, has_cuda: bool, quick: bool, cpu_backend: str = "triton"
             caches = _caches(torch, mc, num_blocks, block_size, getattr(torch, dtype), device)
             host = _caches(torch, mc, num_blocks, block_size, getattr(torch, dtype), "cpu", pin=has_cuda)
             compiled_before = None
+            qkv_stride = (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim  # queries: slices of one QKV projection
             if has_cuda:
                 started = time.monotonic()
                 result.setdefault("warm_up", {})[dtype] = {
-                    "variants": backend.warm_up(*caches[0], mc.num_heads, (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim),
+                    "variants": backend.warm_up(*caches[0], mc.num_heads, qkv_stride),
                     "seconds": round(time.monotonic() - started, 2),
                 }
                 compiled_before = compiled_variants()
@@ -490,7 +491,8 @@ def runner_check(torch, has_cuda: bool, quick: bool, cpu_backend: str = "triton"
             swapped = [_cut_at_eos(tokens, eos_ids) for tokens in
                        runner_greedy(runner, caches, tokenizer_ids, max_new, block_size, blocks_per_seq, swapper)]
             if dtype == "float32":
-                result["hf_parity_float32"] = {"prompts": len(expected), "exact": sum(a == b for a, b in zip(ours, expected))}
+                exact = sum(a == b for a, b in zip(ours, expected))
+                result["hf_parity_float32"] = {"prompts": len(expected), "exact": exact}
                 if ours != expected:
                     result["failures"].append("float32 greedy tokens differ from HF")
             result.setdefault("swap_roundtrip_equal", {})[dtype] = swapped == ours
@@ -505,7 +507,8 @@ def runner_check(torch, has_cuda: bool, quick: bool, cpu_backend: str = "triton"
                     None if compiled_before is None or compiled_after is None else compiled_after - compiled_before
                 )
                 if compiled_before is not None and compiled_after is not None and compiled_after != compiled_before:
-                    result["failures"].append(f"{dtype}: {compiled_after - compiled_before} kernel compiles after warm-up")
+                    extra = compiled_after - compiled_before
+                    result["failures"].append(f"{dtype}: {extra} kernel compiles after warm-up")
             del model, runner, caches, host
             _free_memory(torch)
     result["model"] = "random-weight OPT-1.3B-shaped" if has_cuda else "tiny OPT (CPU)"
@@ -607,7 +610,8 @@ def kv_sizing(torch, runner, mc, backend, block_size, dtype) -> dict:
     budget = kv_cache_budget_bytes(
         total, free_before, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), 0.9, workspace
     )
-    block_bytes = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    element_size = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    block_bytes = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * element_size
     num_blocks = max(budget // block_bytes, 0)
     del caches
     torch.cuda.empty_cache()

@@ -314,7 +314,8 @@ def markdown_table(results: list[dict]) -> str:
     order = {name: i for i, name in enumerate(KERNELS)}
     for r in sorted(results, key=lambda r: (order[r["kernel"]], r["dtype"], r["head_dim"], r["target"])):
         if "error" in r:
-            lines.append(f"| {r['kernel']} | {r['dtype']} | {r['head_dim']} | | | | | {r['target']} | | error | | | | |")
+            head = f"| {r['kernel']} | {r['dtype']} | {r['head_dim']} |"
+            lines.append(f"{head} | | | | {r['target']} | | error | | | | |")
             continue
         lines.append(
             f"| {r['kernel']} | {r['dtype']} | {r['head_dim']} | {r['group_size']} | {r['block_size']} "
@@ -326,7 +327,9 @@ def markdown_table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rayserve_paged.ops.triton_aot", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m rayserve_paged.ops.triton_aot", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--jobs", type=int, default=None, help="compiler processes (default: CPUs, at most 4)")
     parser.add_argument("--markdown", action="store_true", help="print the docs/KERNELS.md table")
     parser.add_argument("--kernel", action="append", choices=KERNELS, help="only these kernels")

@@ -526,7 +526,8 @@ def test_reshape_and_cache_without_masking_writes_exactly_what_masking_writes(sl
     cache_ops._write_fixed_shape(key, value, *flat, slot_mapping)
     for got, want in zip(actual, expected):
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
-    assert int((~actual[0].isnan()).sum()) == 16 * sum(slot != PAD_SLOT for slot in slots) + (16 if 0 not in slots else 0)
+    written = 16 * sum(slot != PAD_SLOT for slot in slots)  # 16 values per slot (2 kv heads x 8)
+    assert int((~actual[0].isnan()).sum()) == written + (16 if 0 not in slots else 0)  # + the preset slot 0
 
 
 # ---------------------------------------------------------------------------- BlockSwapper
