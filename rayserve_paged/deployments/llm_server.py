@@ -27,13 +27,13 @@ from pathlib import Path
 
 import ray
 from ray.util.placement_group import get_current_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
 from rayserve_paged.engine.frontend import EngineFrontend
 from rayserve_paged.engine.llm_engine import RequestError
 from rayserve_paged.engine.outputs import RequestOutput
+from rayserve_paged.engine.ray_executor import scheduler_actor_options
 from rayserve_paged.engine.scheduler_actor import SchedulerActor
 
 logger = logging.getLogger(__name__)
@@ -88,11 +88,10 @@ class LLMServer:
         config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
         self.config = config
         if scheduler_actor is None:
-            pg = get_current_placement_group()
-            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0) if pg else None
+            placement = scheduler_actor_options(config, scheduler_cpus, worker_cpus, get_current_placement_group())
             scheduler_actor = (
                 ray.remote(SchedulerActor)
-                .options(num_cpus=scheduler_cpus, max_concurrency=10_000, scheduling_strategy=strategy)
+                .options(max_concurrency=10_000, **placement)
                 .remote(config, worker_cpus=worker_cpus, telemetry={**(telemetry or {}), "replica": _replica_id()})
             )
         self.actor = scheduler_actor
