@@ -35,7 +35,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -1102,18 +1101,11 @@ def create_openai_app(
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
-    """The tokenizer of a local directory or hub id (only its tokenizer files are fetched);
-    "tiny-opt" / "tiny-llama" resolve, as in the engine, to the cached tiny checkpoint,
-    written on this node if missing."""
-    from transformers import AutoTokenizer
+    """The tokenizer of a local directory, GGUF file or hub id (only its tokenizer files are
+    fetched); built-in names ("smollm2", "tiny-opt", ...) resolve as in the engine."""
+    from rayserve_paged.models.loader import load_tokenizer as load  # imports torch
 
-    path = str(name_or_path)
-    if not Path(path).expanduser().is_dir():
-        from rayserve_paged.models.tiny import TINY_MODELS, resolve_model  # imports torch
-
-        if path in TINY_MODELS:
-            path = str(resolve_model(path))
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return load(name_or_path, trust_remote_code)
 
 
 # Serve mechanism: `serve.ingress()` without an app (Ray 2.60's late-bound ingress). Serve
