@@ -14,16 +14,16 @@ from rayserve_paged import SamplingParams
 
 
 async def main() -> None:
-    # the LLMServer deployment of the app named "llm" in configs/tiny.yaml
+    # the LLMServer deployment of the app named "llm" in configs/smollm2.yaml (what `make run` serves)
     llm = serve.get_deployment_handle("LLMServer", app_name="llm")
     params = SamplingParams(temperature=0.0, max_tokens=16)
 
     # one call, the whole output
-    out = await llm.generate.remote("The paged KV cache stores", params)
+    out = await llm.generate.remote("The capital of France is", params)
     print("generate:", repr(out.outputs[0].text), out.outputs[0].finish_reason)
 
     # streaming: cumulative outputs, one per engine step
-    async for partial in llm.options(stream=True).generate_stream.remote("Once upon a time", params):
+    async for partial in llm.options(stream=True).generate_stream.remote("The three primary colors are", params):
         print("stream:", len(partial.outputs[0].token_ids), "tokens so far")
 
     # many concurrent calls share the engine's batches

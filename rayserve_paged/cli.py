@@ -16,6 +16,7 @@ BENCHMARKS = {
     "ray-overhead": "benchmarks.ray_overhead",
     "telemetry": "benchmarks.telemetry_cost",
     "serving": "benchmarks.serving",
+    "smollm2": "benchmarks.smollm2",
 }
 
 DEMO_QUESTIONS = [
