@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct, the embedded GGUF model: load time, and output tokens/s of this engine
 against Hugging Face transformers on the same model and the same chat requests.
 
-    rayserve-paged bench smollm2 --out DIR [--threads 1] [--num-requests 32] [--max-tokens 64] [--no-http]
+    rayserve-paged bench smollm2 --out DIR [--threads 1] [--num-requests 32] [--max-tokens 64]
+                                 [--rounds 1] [--no-load] [--no-http]
 
 load     each in a fresh subprocess (nothing cached in memory; the converted tokenizer is on
          disk after the first run): the project's `get_model_config` + `load_model`
@@ -18,8 +19,8 @@ Requests: NUM_REQUESTS different one-turn chat questions through the model's cha
 greedy, exactly max_tokens output tokens each (engine and HTTP: ignore_eos; HF:
 min_new_tokens = max_new_tokens), float32 on CPU, the same torch intra-op threads for both.
 Output tokens/s = requests x max_tokens / wall seconds of the generate call, after one untimed
-warm-up call each. The engine runs before and after HF (the machine is shared: the bracket
-shows how much its load moved).
+warm-up call each. The engine runs before and after HF, and with --rounds N the pair
+(HF, engine) N times (the machine is shared: the interleaving shows how much its load moved).
 """
 
 from __future__ import annotations
@@ -159,7 +160,8 @@ def run_http(convs: list[list[dict]], max_tokens: int, threads: int, log_dir: Pa
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "startup_s": startup}
 
 
-def run(num_requests: int, max_tokens: int, threads: int, http: bool, out_dir: Path, log=print) -> dict:
+def run(num_requests: int, max_tokens: int, threads: int, rounds: int, load: bool, http: bool, out_dir: Path,
+        log=print) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rayserve_paged import LLM
@@ -168,45 +170,56 @@ def run(num_requests: int, max_tokens: int, threads: int, http: bool, out_dir: P
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
               "threads": threads, "num_requests": num_requests, "max_tokens": max_tokens,
               "loadavg_start": os.getloadavg()}  # fmt: skip
-    log("load: project")
-    result["load_project"] = _load_in_subprocess("project", threads)
-    log("load: transformers")
-    result["load_hf"] = _load_in_subprocess("hf", threads)
+    if load:
+        log("load: project")
+        result["load_project"] = _load_in_subprocess("project", threads)
+        log("load: transformers")
+        result["load_hf"] = _load_in_subprocess("hf", threads)
     torch.set_num_threads(threads)
     convs = conversations(num_requests)
     llm = LLM("smollm2", num_cpu_threads=threads, **ENGINE_OPTIONS)
-    log("engine (1)")
-    result["engine_1"] = run_engine(llm, convs, max_tokens)
+    log("engine")
+    result["engine"] = [run_engine(llm, convs, max_tokens)]
     path = resolve_model("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    log("hf")
-    result["hf"] = run_hf(model, tokenizer, convs, max_tokens)
-    log("engine (2)")
-    result["engine_2"] = run_engine(llm, convs, max_tokens)
+    result["hf"] = []
+    for i in range(rounds):
+        log(f"hf, engine ({i + 1} of {rounds})")
+        result["hf"].append(run_hf(model, tokenizer, convs, max_tokens))
+        result["engine"].append(run_engine(llm, convs, max_tokens))
     del llm, model
-    engine = (result["engine_1"]["tokens_per_s"] + result["engine_2"]["tokens_per_s"]) / 2
-    result["engine_over_hf"] = engine / result["hf"]["tokens_per_s"]
+    result["engine_over_hf"] = _mean(result["engine"]) / _mean(result["hf"])
     if http:
         log("http")
         result["http"] = run_http(convs, max_tokens, threads, out_dir / "http-logs")
-        result["http_over_hf"] = result["http"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
+        result["http_over_hf"] = result["http"]["tokens_per_s"] / _mean(result["hf"])
     result["loadavg_end"] = os.getloadavg()
     return result
+
+
+def _mean(runs: list[dict]) -> float:
+    return sum(run["tokens_per_s"] for run in runs) / len(runs)
 
 
 def format_report(r: dict) -> str:
     lines = [
         f"SmolLM2-135M-Instruct Q4_1 GGUF, float32 CPU, {r['threads']} torch thread(s); {r['machine']}",
         f"load average start {r['loadavg_start']}, end {r['loadavg_end']}",
-        f"load (fresh process): project {r['load_project']['seconds']:.1f} s, peak RSS "
-        f"{r['load_project']['peak_rss_gib']:.2f} GiB; transformers {r['load_hf']['seconds']:.1f} s, "
-        f"peak RSS {r['load_hf']['peak_rss_gib']:.2f} GiB",
-        f"{r['num_requests']} chat requests x {r['max_tokens']} output tokens, greedy:",
     ]
-    for key in ("engine_1", "hf", "engine_2", "http"):
-        if key in r:
-            lines.append(f"  {key:9s} {r[key]['tokens_per_s']:8.1f} output tokens/s ({r[key]['seconds']:.1f} s)")
+    if "load_project" in r:
+        lines.append(
+            f"load (fresh process): project {r['load_project']['seconds']:.1f} s, peak RSS "
+            f"{r['load_project']['peak_rss_gib']:.2f} GiB; transformers {r['load_hf']['seconds']:.1f} s, "
+            f"peak RSS {r['load_hf']['peak_rss_gib']:.2f} GiB"
+        )
+    lines.append(f"{r['num_requests']} chat requests x {r['max_tokens']} output tokens, greedy (in run order):")
+    order = [("engine", r["engine"][0])]
+    for hf, engine in zip(r["hf"], r["engine"][1:]):
+        order += [("hf", hf), ("engine", engine)]
+    order += [("http", r["http"])] if "http" in r else []
+    for name, run in order:
+        lines.append(f"  {name:7s} {run['tokens_per_s']:8.1f} output tokens/s ({run['seconds']:.1f} s)")
     lines.append(f"  engine / hf = {r['engine_over_hf']:.2f}x" + (
         f"; http / hf = {r['http_over_hf']:.2f}x" if "http" in r else ""))  # fmt: skip
     return "\n".join(lines)
@@ -218,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     parser.add_argument("--num-requests", type=int, default=NUM_REQUESTS)
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    parser.add_argument("--rounds", type=int, default=1, help="(HF, engine) pairs after the first engine run")
+    parser.add_argument("--no-load", action="store_true", help="skip the load-time measurement")
     parser.add_argument("--no-http", action="store_true", help="skip the run over HTTP")
     parser.add_argument("--measure-load", choices=["project", "hf"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -228,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out is required")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = run(args.num_requests, args.max_tokens, args.threads, not args.no_http, out,
+    if min(args.rounds, args.num_requests, args.max_tokens, args.threads) < 1:
+        parser.error("--rounds, --num-requests, --max-tokens and --threads must be >= 1")
+    result = run(args.num_requests, args.max_tokens, args.threads, args.rounds, not args.no_load, not args.no_http, out,
                  log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
     (out / "smollm2.json").write_text(json.dumps(result, indent=2))
     print(format_report(result))
