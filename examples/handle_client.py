@@ -14,17 +14,17 @@ from rayserve_paged import SamplingParams
 
 
 async def main() -> None:
-    # the LLMServer deployment of the app named "llm" in configs/tiny.yaml
+    # the LLMServer deployment of the app named "llm" in configs/smollm2.yaml (what `make run` serves)
     llm = serve.get_deployment_handle("LLMServer", app_name="llm")
     params = SamplingParams(temperature=0.0, max_tokens=16)
 
     # one call, the whole output
-    out = await llm.generate.remote("The paged KV cache stores", params)
+    out = await llm.generate.remote("The capital of France is", params)
     print("generate:", repr(out.outputs[0].text), out.outputs[0].finish_reason)
 
     # streaming: deltas, one per engine step (what is new since the previous one); join them
     text = ""
-    async for delta in llm.options(stream=True).generate_stream.remote("Once upon a time", params):
+    async for delta in llm.options(stream=True).generate_stream.remote("The three primary colors are", params):
         for choice in delta.outputs:
             text += choice.text
             print("stream: +", choice.token_ids, repr(choice.text), choice.finish_reason or "")

@@ -17,13 +17,17 @@ BENCHMARKS = {
     "ray-overhead": "benchmarks.ray_overhead",
     "telemetry": "benchmarks.telemetry_cost",
     "serving": "benchmarks.serving",
+    "smollm2": "benchmarks.smollm2",
 }
 
-DEMO_PROMPTS = [
-    "The paged KV cache stores",
-    "Once upon a time, a small model",
-    "Ray Serve deployments",
+DEMO_QUESTIONS = [
+    "What is the capital of France?",
+    "Give me three tips for staying focused while studying.",
+    "Write a haiku about the sea.",
 ]
+
+# The embedded SmolLM2-135M-Instruct on CPU: KV for 1024-token sequences in 0.1 GiB.
+DEMO_ENGINE = {"max_model_len": 1024, "kv_cache_memory_gb": 0.1, "swap_space_gb": 0.1, "device": "cpu"}
 
 
 def _bench(argv: list[str]) -> int:
@@ -64,12 +68,16 @@ def _generate(args) -> int:
         seed=args.seed,
         use_beam_search=args.beam_search,
     )
-    outputs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1)
-    for out in outputs:
+    if args.chat:
+        conversations = [[{"role": "user", "content": prompt}] for prompt in args.prompt]
+        outputs = llm.chat(conversations, params, use_tqdm=len(args.prompt) > 1)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1)
+    for prompt, out in zip(args.prompt, outputs):  # the question, not the rendered chat template
         for completion in out.outputs:
             if args.json:
                 record = {
-                    "prompt": out.prompt,
+                    "prompt": prompt,
                     "index": completion.index,
                     "text": completion.text,
                     "token_ids": completion.token_ids,
@@ -77,24 +85,26 @@ def _generate(args) -> int:
                 }
                 print(json.dumps(record))
             else:
-                print(f"{out.prompt!r} -> {completion.text!r} ({completion.finish_reason})")
+                print(f"{prompt!r} -> {completion.text!r} ({completion.finish_reason})")
     return 0
 
 
 def _demo(args) -> int:
-    """Offline generation with the embedded tiny model: no GPU, no network."""
+    """Chat with the embedded SmolLM2-135M-Instruct offline: no GPU, no network. Each question
+    gets a greedy answer and two sampled ones (n=2 shares the prompt's KV blocks)."""
     from rayserve_paged import LLM, SamplingParams
 
-    llm = LLM(model="tiny-opt", max_model_len=512, kv_cache_memory_gb=0.1, swap_space_gb=0.1)
-    params = SamplingParams(n=2, temperature=0.8, top_p=0.95, max_tokens=24, seed=0)
-    outputs = llm.generate(DEMO_PROMPTS, params)
-    for out in outputs:
-        print(f"\nprompt: {out.prompt!r}")
-        for completion in out.outputs:
-            print(f"  [{completion.index}] {completion.text!r}  ({len(completion.token_ids)} tokens)")
+    llm = LLM(model=args.model, **DEMO_ENGINE)
+    conversations = [[{"role": "user", "content": question}] for question in DEMO_QUESTIONS]
+    greedy = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=48))
+    sampled = llm.chat(conversations, SamplingParams(n=2, temperature=0.8, top_p=0.95, max_tokens=48, seed=0))
+    for question, best, samples in zip(DEMO_QUESTIONS, greedy, sampled):
+        print(f"\nuser: {question}")
+        print(f"  greedy:     {best.outputs[0].text!r}")
+        for completion in samples.outputs:
+            print(f"  sampled [{completion.index}]: {completion.text!r}")
     usage = llm.engine.block_manager.usage()
     print(f"\nKV blocks: {usage.gpu_total} of {usage.block_size} tokens; in use after the batch: {usage.gpu_used}")
-    print("(tiny-opt has random weights: the text is not meant to read well)")
     return 0
 
 
@@ -110,8 +120,9 @@ def _parser() -> argparse.ArgumentParser:
     tiny.set_defaults(run=_make_tiny_model)
 
     gen = sub.add_parser("generate", help="offline generation with the LLM class")
-    gen.add_argument("--model", default="tiny-opt")
+    gen.add_argument("--model", default="smollm2", help="smollm2 (embedded), tiny-opt, tiny-llama, a path or hub id")
     gen.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    gen.add_argument("--chat", action="store_true", help="each prompt is a user message, through the chat template")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -125,7 +136,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per output")
     gen.set_defaults(run=_generate)
 
-    demo = sub.add_parser("demo", help="offline generation with the embedded tiny model")
+    demo = sub.add_parser("demo", help="offline chat with the embedded SmolLM2-135M-Instruct")
+    demo.add_argument("--model", default="smollm2", help="a model with a chat template")
     demo.set_defaults(run=_demo)
     return parser
 

@@ -17,7 +17,10 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
-    model: str = Field("tiny-opt", description="Local path, HF hub id, or tiny-opt / tiny-llama.")
+    model: str = Field(
+        "tiny-opt",
+        description="smollm2 (embedded GGUF), tiny-opt / tiny-llama, a local HF directory, a .gguf file, or a hub id.",
+    )
     tokenizer: str | None = Field(None, description="Tokenizer path or id; defaults to the model's.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Weights and KV dtype; auto = float32 on CPU, the checkpoint's dtype on GPU."

@@ -23,7 +23,6 @@ import asyncio
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import ray
 from ray.util.placement_group import get_current_placement_group
@@ -169,18 +168,11 @@ class LLMServer:
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
-    """The tokenizer of a local directory or hub id (only its tokenizer files are fetched);
-    "tiny-opt" / "tiny-llama" resolve, as in the engine, to the cached tiny checkpoint,
-    written on this node if missing."""
-    from transformers import AutoTokenizer
+    """The tokenizer of a local directory, GGUF file or hub id (only its tokenizer files are
+    fetched); built-in names ("smollm2", "tiny-opt", ...) resolve as in the engine."""
+    from rayserve_paged.models.loader import load_tokenizer as load  # imports torch
 
-    path = str(name_or_path)
-    if not Path(path).expanduser().is_dir():
-        from rayserve_paged.models.tiny import TINY_MODELS, resolve_model  # imports torch
-
-        if path in TINY_MODELS:
-            path = str(resolve_model(path))
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return load(name_or_path, trust_remote_code)
 
 
 def _new_id() -> str:

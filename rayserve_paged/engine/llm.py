@@ -54,6 +54,25 @@ class LLM:
             self.processor.add_request(request_id, text, token_ids, p)
         return self._run(order, use_tqdm)
 
+    def chat(
+        self,
+        messages: list[dict] | Seq[list[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation ([{"role", "content"}, ...]) or to
+        each of several, rendered with the tokenizer's chat template (as /v1/chat/completions)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(f"the model {self.engine.config.model!r} has no chat template; use generate()")
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            # the template renders the BOS itself: no special tokens added on top
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)
         bar = None

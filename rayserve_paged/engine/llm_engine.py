@@ -34,7 +34,7 @@ from rayserve_paged.core.sequence import (
 )
 from rayserve_paged.engine.executor import Executor, InProcessExecutor
 from rayserve_paged.engine.outputs import RequestMetrics, SequenceDelta, StepOutput
-from rayserve_paged.models.loader import get_model_config
+from rayserve_paged.models.loader import get_model_config, load_tokenizer
 from rayserve_paged.models.sampler import SamplerOutput, SeqSample
 from rayserve_paged.models.tiny import resolve_model
 
@@ -118,10 +118,7 @@ class LLMEngine:
         return wanted
 
     def _load_tokenizer(self):
-        from transformers import AutoTokenizer
-
-        path = self.config.tokenizer or self.model_path
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=self.config.trust_remote_code)
+        return load_tokenizer(self.config.tokenizer or self.model_path, self.config.trust_remote_code)
 
     def _check_kv_fits(self, num_gpu_blocks: int) -> None:
         capacity = num_gpu_blocks * self.config.block_size

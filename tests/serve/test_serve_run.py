@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -32,17 +33,16 @@ def _wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float = 300) -> 
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    raise AssertionError("the tiny app did not become healthy")
+    raise AssertionError("the app did not become healthy")
 
 
-@pytest.fixture(scope="module")
-def tiny_server(ray_cluster, serve_port, tmp_path_factory):
-    """The tiny app on the session cluster's Serve port (Serve has one HTTP proxy port per
-    cluster: if an earlier test started Serve, `serve run` keeps that port); SIGTERM and delete
-    afterwards."""
-    port = serve_port
-    config = (REPO / "configs" / "tiny.yaml").read_text().replace("port: 8000", f"port: {port}")
-    path = tmp_path_factory.mktemp("serve") / "tiny.yaml"
+@contextlib.contextmanager
+def served_config(name: str, ray_cluster: str, port: int, tmp_dir: Path):
+    """`serve run configs/<name>` on the session cluster's Serve port (Serve has one HTTP proxy
+    port per cluster: if an earlier test started Serve, `serve run` keeps that port); yields
+    the base URL once healthy; SIGTERM and delete afterwards."""
+    config = (REPO / "configs" / name).read_text().replace("port: 8000", f"port: {port}")
+    path = tmp_dir / name
     path.write_text(config)
     env = dict(os.environ, RAY_ADDRESS=ray_cluster)
     log = open(path.with_suffix(".log"), "w")
@@ -60,8 +60,14 @@ def tiny_server(ray_cluster, serve_port, tmp_path_factory):
         log.close()
         from ray import serve
 
-        for name in list(serve.status().applications):
-            serve.delete(name)
+        for app_name in list(serve.status().applications):
+            serve.delete(app_name)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(ray_cluster, serve_port, tmp_path_factory):
+    with served_config("tiny.yaml", ray_cluster, serve_port, tmp_path_factory.mktemp("serve")) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,379 @@
+"""GGUF checkpoints (llama.cpp's single-file format): config, weights and tokenizer.
+
+    file.gguf ──> header: metadata key/values + tensor infos (name, ggml type, shape, offset)
+       │            │
+       │            ├──> HF-style config dict (`llama.*` keys) ──> the same model classes
+       │            └──> tensor names  blk.N.attn_q ──> model.layers.N.self_attn.q_proj ...
+       └──> tensor data (mmap) ──> gguf.quants.dequantize ──> float32 ──> load_weights
+
+The header is parsed here with `struct` over an mmap: the `gguf` package's GGUFReader builds
+a numpy view per element of every metadata array, which for a 49k-token vocabulary costs
+seconds per process (measured in docs/BENCHMARKS.md), and every process that loads a model
+or only sizes its KV cache reads the header. Dequantization is the `gguf` package's.
+
+llama.cpp's converter permutes the rows of Llama's q and k projections (its RoPE pairs
+adjacent dimensions, HF's pairs the two halves); `_unpermute` undoes it, as transformers'
+GGUF loader does.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import mmap
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+
+# ggml type names this loader dequantizes (the `gguf` package's GGMLQuantizationType names)
+SUPPORTED_GGML_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
+# general.architecture -> HF architecture the project runs
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+
+# metadata value types: id -> struct format (8 = string, 9 = array)
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFError(ValueError):
+    """A GGUF file this loader cannot use; the message names the file and the problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]  # torch order (GGUF stores dims fastest-first; reversed here)
+    offset: int  # absolute, in the file
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFHeader:
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensor]
+
+
+# --------------------------------------------------------------------------- files
+
+
+def find_gguf_file(model_path: str | Path) -> Path | None:
+    """The GGUF file `model_path` names: a .gguf file, or the one .gguf in a directory without
+    config.json; None for anything else (an HF checkpoint directory)."""
+    path = Path(model_path).expanduser()
+    if path.suffix == ".gguf" and not path.is_dir():
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {str(model_path)!r} does not exist")
+        return path
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        names = ", ".join(f.name for f in found)
+        raise FileNotFoundError(f"{str(path)!r} holds several GGUF files ({names}); name one as the model")
+    return found[0] if found else None
+
+
+class _Cursor:
+    """Little-endian reads over a buffer; running past its end is a truncated file."""
+
+    def __init__(self, buf, path: Path) -> None:
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def unpack(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise GGUFError(f"{self.path}: truncated GGUF header (ends at byte {len(self.buf)})")
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        length = self.unpack("<Q")
+        if self.pos + length > len(self.buf):
+            raise GGUFError(f"{self.path}: truncated GGUF header (ends at byte {len(self.buf)})")
+        raw = self.buf[self.pos : self.pos + length]
+        self.pos += length
+        return bytes(raw).decode("utf-8", errors="replace")
+
+    def value(self, type_id: int) -> Any:
+        if type_id in _SCALARS:
+            return self.unpack(_SCALARS[type_id])
+        if type_id == _STRING:
+            return self.string()
+        if type_id == _ARRAY:
+            item_type, count = self.unpack("<I"), self.unpack("<Q")
+            if item_type in _SCALARS and item_type != 7:  # numbers: one numpy read
+                dtype = np.dtype(_SCALARS[item_type])
+                end = self.pos + count * dtype.itemsize
+                if end > len(self.buf):
+                    raise GGUFError(f"{self.path}: truncated GGUF header (ends at byte {len(self.buf)})")
+                items = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).tolist()
+                self.pos = end
+                return items
+            return [self.value(item_type) for _ in range(count)]
+        raise GGUFError(f"{self.path}: unknown GGUF metadata value type {type_id} at byte {self.pos}")
+
+
+def _tensor_num_bytes(path: Path, name: str, ggml_type: int, shape: tuple[int, ...]) -> int:
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        qtype = GGMLQuantizationType(ggml_type)
+    except ValueError:
+        raise GGUFError(f"{path}: tensor {name!r} has unknown ggml type id {ggml_type}") from None
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    num_elements = int(np.prod(shape)) if shape else 1
+    return num_elements // block_size * type_size
+
+
+@functools.lru_cache(maxsize=4)
+def _read_header_cached(path: Path, size: int, mtime_ns: int) -> GGUFHeader:
+    with open(path, "rb") as f:
+        if size == 0:
+            raise GGUFError(f"{path}: empty file, not a GGUF checkpoint")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return _parse_header(path, buf)
+
+
+def _parse_header(path: Path, buf) -> GGUFHeader:
+    if bytes(buf[:4]) != GGUF_MAGIC:
+        raise GGUFError(f"{path}: not a GGUF file (magic {bytes(buf[:4])!r}, expected {GGUF_MAGIC!r})")
+    cur = _Cursor(buf, path)
+    cur.pos = 4
+    version = cur.unpack("<I")
+    if version not in (2, 3):
+        raise GGUFError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
+    num_tensors, num_kv = cur.unpack("<Q"), cur.unpack("<Q")
+    metadata = {}
+    for _ in range(num_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.unpack("<I"))
+    infos = []
+    for _ in range(num_tensors):
+        name = cur.string()
+        num_dims = cur.unpack("<I")
+        dims = tuple(cur.unpack("<Q") for _ in range(num_dims))
+        infos.append((name, cur.unpack("<I"), tuple(reversed(dims)), cur.unpack("<Q")))
+    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors = {}
+    for name, ggml_type, shape, offset in infos:
+        num_bytes = _tensor_num_bytes(path, name, ggml_type, shape)
+        tensor = GGUFTensor(name, ggml_type, shape, data_start + offset, num_bytes)
+        if tensor.offset + num_bytes > len(buf):
+            raise GGUFError(
+                f"{path}: truncated GGUF file: tensor {name!r} needs bytes up to {tensor.offset + num_bytes}, "
+                f"the file has {len(buf)}"
+            )
+        tensors[name] = tensor
+    return GGUFHeader(path, metadata, tensors)
+
+
+def read_gguf_header(path: str | Path) -> GGUFHeader:
+    """Metadata and tensor infos of a GGUF file (cached per file version in this process)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return _read_header_cached(path, stat.st_size, stat.st_mtime_ns)
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _require(header: GGUFHeader, key: str) -> Any:
+    if key not in header.metadata:
+        raise GGUFError(f"{header.path}: GGUF metadata lacks {key!r}")
+    return header.metadata[key]
+
+
+def _ggml_type_name(ggml_type: int) -> str:
+    from gguf.constants import GGMLQuantizationType
+
+    return GGMLQuantizationType(ggml_type).name
+
+
+def check_supported(header: GGUFHeader) -> str:
+    """The HF architecture of a GGUF file whose architecture and tensor types this loader runs."""
+    arch = header.metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise GGUFError(
+            f"{header.path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    for tensor in header.tensors.values():
+        type_name = _ggml_type_name(tensor.ggml_type)
+        if type_name not in SUPPORTED_GGML_TYPES:
+            raise GGUFError(
+                f"{header.path}: tensor {tensor.name!r} uses GGUF quantization type {type_name}, which is not "
+                f"supported; supported: {', '.join(SUPPORTED_GGML_TYPES)}"
+            )
+    if "rope_freqs.weight" in header.tensors:
+        raise GGUFError(f"{header.path}: per-dimension RoPE frequency factors (rope_freqs.weight) are not supported")
+    return GGUF_ARCHITECTURES[arch]
+
+
+def _rope_parameters(header: GGUFHeader, arch: str) -> dict:
+    meta = header.metadata
+    params = {"rope_type": "default", "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0))}
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        params |= {"rope_type": "linear", "factor": float(_require(header, f"{arch}.rope.scaling.factor"))}
+    elif scaling != "none":
+        raise GGUFError(f"{header.path}: unsupported GGUF RoPE scaling {scaling!r}; supported: none, linear")
+    return params
+
+
+def _token_id(meta: dict, key: str) -> int | None:
+    value = meta.get(f"tokenizer.ggml.{key}")
+    return None if value is None else int(value)
+
+
+def gguf_hf_config(path: str | Path) -> dict:
+    """A config.json-style dict for a GGUF file, for the model classes' `from_hf`."""
+    header = read_gguf_header(path)
+    architecture = check_supported(header)
+    meta, arch = header.metadata, header.metadata["general.architecture"]
+    num_heads = int(_require(header, f"{arch}.attention.head_count"))
+    hidden = int(_require(header, f"{arch}.embedding_length"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
+    rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise GGUFError(f"{header.path}: partial RoPE ({rope_dims} of {head_dim} dimensions) is not supported")
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+    if not vocab:
+        vocab = header.tensors["token_embd.weight"].shape[0]
+    eos = [i for i in (_token_id(meta, "eos_token_id"), _token_id(meta, "eot_token_id")) if i is not None]
+    return {
+        "architectures": [architecture],
+        "model_type": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "num_hidden_layers": int(_require(header, f"{arch}.block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
+        "head_dim": head_dim,
+        "intermediate_size": int(_require(header, f"{arch}.feed_forward_length")),
+        "max_position_embeddings": int(_require(header, f"{arch}.context_length")),
+        "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_parameters": _rope_parameters(header, arch),
+        "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in header.tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in header.tensors,
+        "tie_word_embeddings": "output.weight" not in header.tensors,
+        "bos_token_id": _token_id(meta, "bos_token_id"),
+        "eos_token_id": list(dict.fromkeys(eos)) or None,
+        "pad_token_id": _token_id(meta, "padding_token_id"),
+        "dtype": "float32",  # weights are dequantized to float32 before the engine's dtype
+    }
+
+
+# --------------------------------------------------------------------------- weights
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; unknown names unchanged."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return gguf_name
+
+
+def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: per head, rows (pair, 2) -> (2, pair)."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def dequantize_tensor(buf: np.ndarray, tensor: GGUFTensor) -> np.ndarray:
+    """float32 array of `tensor.shape` from the file's bytes."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = buf[tensor.offset : tensor.offset + tensor.num_bytes]
+    rows = int(np.prod(tensor.shape[:-1])) if len(tensor.shape) > 1 else 1
+    values = dequantize(raw.reshape(rows, -1), GGMLQuantizationType(tensor.ggml_type))
+    return values.reshape(tensor.shape).astype(np.float32, copy=False)
+
+
+def iter_gguf_weights(path: str | Path, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF tensor name, float32 tensor on CPU) for every tensor of a GGUF file."""
+    header = read_gguf_header(path)
+    heads = {"q_proj": hf_config["num_attention_heads"], "k_proj": hf_config["num_key_value_heads"]}
+    buf = np.memmap(header.path, dtype=np.uint8, mode="r")
+    for tensor in header.tensors.values():
+        name = hf_tensor_name(tensor.name)
+        values = dequantize_tensor(buf, tensor)
+        proj = name.rsplit(".", 2)[-2]
+        if proj in heads and ".self_attn." in name:
+            values = _unpermute(values, heads[proj])
+        yield name, torch.from_numpy(np.require(values, requirements=["C", "W"]))  # F32 views are read-only
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def _tokenizer_cache_dir(path: Path) -> Path:
+    from .tiny import cache_root
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "gguf-tokenizers" / f"{path.stem}-{key}"
+
+
+def load_gguf_tokenizer(path: str | Path):
+    """The tokenizer and chat template of a GGUF file, through transformers' GGUF conversion.
+
+    The conversion takes seconds (it reads the vocabulary with the `gguf` package), so its
+    result is saved once per file version under the model cache and loaded from there;
+    concurrent first uses each convert into a temp dir and the first rename wins.
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(path).resolve()
+    cached = _tokenizer_cache_dir(path)
+    if not (cached / "tokenizer_config.json").is_file():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{cached.name}.tmp-", dir=cached.parent))
+        try:
+            AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(scratch))
+            os.rename(scratch, cached)
+        except OSError:
+            if not (cached / "tokenizer_config.json").is_file():
+                raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return AutoTokenizer.from_pretrained(str(cached))

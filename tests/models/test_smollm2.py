@@ -1,0 +1,117 @@
+"""The embedded SmolLM2-135M-Instruct GGUF through the project against transformers' own GGUF
+loader, both in float32: config, tokenizer, logits, and greedy chat answers.
+
+Each model is loaded once for the module (the 135M model costs seconds, not milliseconds).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rayserve_paged.core.sequence import SamplingParams
+from rayserve_paged.engine.llm import LLM
+from rayserve_paged.models.loader import get_model_config, load_model, load_tokenizer
+from rayserve_paged.models.tiny import resolve_model
+
+from .conftest import hf_logits
+from .paged import PagedRunner
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a primary color.",
+    "What is 2 + 2?",
+]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def gguf_file():
+    return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def hf(gguf_file):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32)
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def chat_ids(hf):
+    """Token ids of each question rendered by transformers' tokenizer and chat template."""
+    _, tokenizer = hf
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)[
+            "input_ids"
+        ]
+        for q in QUESTIONS
+    ]
+
+
+def test_resolves_to_the_packaged_file(gguf_file):
+    assert gguf_file.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and gguf_file.is_file()
+
+
+def test_config_equals_transformers(gguf_file, hf):
+    ours, ref = get_model_config(gguf_file), hf[0].config
+    assert ours.architecture == "LlamaForCausalLM"
+    assert (ours.num_layers, ours.num_heads, ours.num_kv_heads, ours.head_dim, ours.hidden_size) == (
+        ref.num_hidden_layers,
+        ref.num_attention_heads,
+        ref.num_key_value_heads,
+        ref.head_dim,
+        ref.hidden_size,
+    )
+    assert (ours.num_layers, ours.num_heads, ours.num_kv_heads, ours.head_dim) == (30, 9, 3, 64)
+    assert ours.vocab_size == ref.vocab_size == 49152
+    assert ours.max_model_len == ref.max_position_embeddings
+    assert ours.eos_token_ids == (ref.eos_token_id,) and ours.bos_token_id == ref.bos_token_id
+    assert ours.pad_token_id == ref.pad_token_id
+
+
+def test_tokenizer_and_chat_template_equal_transformers(hf, chat_ids):
+    _, ref = hf
+    ours = load_tokenizer("smollm2")
+    texts = ["Hello, world!", "  leading spaces and\ttabs\n", "naïve café 東京 🙂", "<|im_start|>user\nhi<|im_end|>"]
+    for text in texts:
+        assert ours(text).input_ids == ref(text).input_ids, text
+    assert ours.chat_template == ref.chat_template
+    assert (ours.eos_token, ours.bos_token) == (ref.eos_token, ref.bos_token) == ("<|im_end|>", "<|im_start|>")
+    for question, ids in zip(QUESTIONS, chat_ids):
+        text = ours.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+        assert ours(text, add_special_tokens=False).input_ids == ids
+
+
+def test_logits_close_to_transformers(gguf_file, hf, chat_ids):
+    """Every position of a packed prefill of two chat prompts; proves the q/k unpermute."""
+    config = get_model_config(gguf_file)
+    model = load_model(gguf_file, dtype=torch.float32)
+    runner = PagedRunner(model, config.num_layers, config.num_kv_heads, config.head_dim, num_blocks=64, block_size=16)
+    prompts = chat_ids[:2]
+    ours = runner.step(list(enumerate(prompts)), all_logits=True)  # [sum(len), vocab]
+    ref = torch.cat([hf_logits(hf[0], p) for p in prompts])
+    assert ours.shape == ref.shape
+    torch.testing.assert_close(ours, ref, atol=2e-3, rtol=0)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_greedy_chat_answers_equal_transformers(hf, chat_ids):
+    """LLM("smollm2").chat greedy == transformers' generate on the same ids, token for token."""
+    model, tokenizer = hf
+    llm = LLM("smollm2", device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_gb=0.02, num_cpu_threads=1)
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    outputs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    for out, ids in zip(outputs, chat_ids):
+        assert out.prompt_token_ids == ids
+        with torch.no_grad():
+            ref = model.generate(
+                torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=tokenizer.eos_token_id
+            )[0, len(ids) :].tolist()
+        assert out.outputs[0].token_ids == ref
+    assert outputs[0].outputs[0].text == "The capital of France is Paris."
