@@ -49,6 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
+from rayserve_paged.deployments.access import DEFAULT_OPEN_PATHS, api_key_from_env
 from rayserve_paged.deployments.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -1032,8 +1033,10 @@ def create_openai_app(
     *,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
+    open_paths: Iterable[str] = DEFAULT_OPEN_PATHS,
 ) -> FastAPI:
-    """The OpenAI-compatible FastAPI app over `client` (docs/API.md describes the API)."""
+    """The OpenAI-compatible FastAPI app over `client` (docs/API.md describes the API).
+    With `api_key`, every route but `open_paths` requires it."""
     serving = OpenAIServing(client, tokenizer, served_model_name)
     app = FastAPI(
         title="rayserve-paged",
@@ -1094,7 +1097,7 @@ def create_openai_app(
     app.add_middleware(_InternalErrorMiddleware)
     app.add_middleware(_AdmissionMiddleware, limit=admission)
     if api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset({"/health"}))
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
     return app
 
 
@@ -1135,12 +1138,17 @@ class OpenAIIngress:
         trust_remote_code: bool = False,
         max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
         max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
+        open_paths: Iterable[str] = DEFAULT_OPEN_PATHS,
     ) -> None:
         self._client = HandleEngineClient(llm_handle)
         self._tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
         self._served_model_name = served_model_name
-        self._api_key = api_key
-        self._limits = {"max_request_body_bytes": max_request_body_bytes, "max_pending_requests": max_pending_requests}
+        self._api_key = api_key or api_key_from_env()
+        self._limits = {
+            "max_request_body_bytes": max_request_body_bytes,
+            "max_pending_requests": max_pending_requests,
+            "open_paths": tuple(open_paths),
+        }
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_openai_app(

@@ -294,5 +294,9 @@ def test_limits_are_app_args_that_reach_the_deployments(monkeypatch):
     )
     assert llm_server_options(args)["max_queued_requests"] == 16
     bound = record_binds(monkeypatch, args)
-    assert bound["OpenAIIngress"]["kwargs"] == {"max_request_body_bytes": 4096, "max_pending_requests": 8}
+    assert bound["OpenAIIngress"]["kwargs"] == {
+        "max_request_body_bytes": 4096,
+        "max_pending_requests": 8,
+        "open_paths": ("/health", "/metrics"),
+    }
     assert bound["LLMServer"]["options"]["max_queued_requests"] == 16
