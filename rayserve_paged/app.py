@@ -215,7 +215,11 @@ def build_app(args: AppArgs | dict):
             raise ValueError(API_KEY_REFUSED)
         args = AppArgs(**args)
     engine = engine_config_of(args)
-    llm = serve.deployment(LLMServer, **llm_server_options(args)).bind(
+    try:
+        llm_deployment = serve.deployment(LLMServer, **llm_server_options(args))
+    except TypeError as e:  # an option serve.deployment does not know (its own values raise ValidationError)
+        raise ValueError(f"deployment_options: {e}") from e
+    llm = llm_deployment.bind(
         engine.model_dump(),
         scheduler_cpus=args.scheduler_cpus,
         worker_cpus=args.worker_cpus,
