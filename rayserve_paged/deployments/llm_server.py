@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import time
 import uuid
 
 import ray
@@ -22,6 +23,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
+from rayserve_paged.deployments.autoscaling import EnginePressure, PressureReport
+from rayserve_paged.deployments.fleet_metrics import SCHEDULER_NAMESPACE, fleet_metrics_text, scheduler_actor_name
 from rayserve_paged.engine.llm_engine import RequestError
 from rayserve_paged.engine.outputs import RequestOutput
 from rayserve_paged.engine.scheduler_actor import SchedulerActor
@@ -53,15 +56,22 @@ class LLMServer:
     ) -> None:
         config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
         self.config = config
+        self._app_name = _app_name()
         if scheduler_actor is None:
             pg = get_current_placement_group()
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0) if pg else None
             scheduler_actor = (
                 ray.remote(SchedulerActor)
-                .options(num_cpus=scheduler_cpus, max_concurrency=10_000, scheduling_strategy=strategy)
+                .options(
+                    num_cpus=scheduler_cpus,
+                    max_concurrency=10_000,
+                    scheduling_strategy=strategy,
+                    **_fleet_name(self._app_name),
+                )
                 .remote(config, worker_cpus=worker_cpus, telemetry={**(telemetry or {}), "replica": _replica_id()})
             )
         self.actor = scheduler_actor
+        self._pressure = PressureReport()
         self._info = ray.get(self.actor.model_info.remote())  # waits for the model to load
         self._queues: dict[str, asyncio.Queue] = {}
         self._pump: asyncio.Task | None = None
@@ -121,6 +131,19 @@ class LLMServer:
     async def metrics_text(self) -> str:
         return await self.actor.metrics_text.remote()
 
+    async def fleet_metrics_text(self) -> str:
+        """Prometheus text of every replica of this application, merged (GET /metrics);
+        outside Serve, this replica's alone."""
+        if self._app_name is None:
+            return await self.metrics_text()
+        return await fleet_metrics_text(self._app_name)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve calls this every few seconds when autoscaling is on; the KV-pressure policy
+        (deployments/autoscaling.py) decides the replica count from these figures."""
+        pressure = await self.actor.engine_pressure.remote()
+        return self._pressure.stats(EnginePressure.from_dict(pressure, time.monotonic()))
+
     async def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy (replaced)."""
         if self._failure is not None:
@@ -153,6 +176,23 @@ class LLMServer:
             self._failure = e
             for queue in self._queues.values():
                 queue.put_nowait(RuntimeError(f"the engine failed: {e!r}"))
+
+
+def _app_name() -> str | None:
+    """The Serve application of this replica; None outside a replica (tests, scripts)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().app_name
+    except Exception:
+        return None
+
+
+def _fleet_name(app_name: str | None) -> dict[str, str]:
+    """Actor options that make the scheduler actor findable by the fleet's /metrics."""
+    if app_name is None:
+        return {}
+    return {"name": scheduler_actor_name(app_name, _replica_id()), "namespace": SCHEDULER_NAMESPACE}
 
 
 def _replica_id() -> str:

@@ -138,7 +138,7 @@ class HandleEngineClient:
         return await self._handle.model_info.remote()
 
     async def metrics_text(self) -> str:
-        return await self._handle.metrics_text.remote()
+        return await self._handle.fleet_metrics_text.remote()  # every replica, merged
 
 
 # --------------------------------------------------------------------------- errors
@@ -1083,7 +1083,7 @@ def create_openai_app(
 
     @app.get("/metrics", response_model=None)
     async def metrics() -> Response:
-        """Prometheus text of the replica that answers (every series has a `replica` label)."""
+        """Prometheus text of every LLMServer replica, merged (each series has a `replica` label)."""
         return Response(await serving.client.metrics_text(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @app.get("/health", response_model=None)
