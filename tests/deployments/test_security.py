@@ -107,6 +107,20 @@ def test_the_key_is_read_from_the_environment(monkeypatch):
     assert api_key_from_env() == KEY
 
 
+def test_the_key_can_come_from_a_file_named_in_the_environment(tmp_path):
+    from rayserve_paged.deployments.access import API_KEY_ENV, API_KEY_FILE_ENV, api_key_from_env
+
+    path = tmp_path / "key"
+    path.write_text(KEY + "\n")
+    assert api_key_from_env({API_KEY_FILE_ENV: str(path)}) == KEY
+    assert api_key_from_env({API_KEY_FILE_ENV: str(path), API_KEY_ENV: WRONG_KEY}) == WRONG_KEY  # the key wins
+    with pytest.raises(RuntimeError, match=f"{API_KEY_FILE_ENV}: cannot read"):
+        api_key_from_env({API_KEY_FILE_ENV: str(tmp_path / "missing")})
+    path.write_text("\n")
+    with pytest.raises(RuntimeError, match="is empty"):  # a broken Secret never means "no key"
+        api_key_from_env({API_KEY_FILE_ENV: str(path)})
+
+
 async def test_the_key_is_compared_in_constant_time(keyed_app, monkeypatch):
     compared = []
 
