@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import httpx
@@ -94,16 +93,36 @@ def _done(response) -> bool:
         return True
 
 
+def _deploy_config(args: dict, num_replicas: int) -> None:
+    """Deploy "fleet" as `serve deploy` would: the replica count is a deployment-level
+    override, so changing it is a lightweight update (no replica is restarted)."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    app = {
+        "name": "fleet", "route_prefix": "/", "import_path": "rayserve_paged.app:build_app", "args": args,
+        "deployments": [{"name": "LLMServer", "num_replicas": num_replicas}],
+    }  # fmt: skip
+    _get_global_client().deploy_apps(ServeDeploySchema(applications=[app]))
+
+
 @pytest.fixture(scope="module")
 def two_replicas(ray_cluster, serve_port):
-    """The whole app (HTTP ingress included) with 2 LLMServer replicas and a 300 s drain."""
+    """The whole app (HTTP ingress included) with 2 LLMServer replicas and the default drain
+    (graceful_shutdown_timeout_s 300)."""
     from ray import serve
 
     serve.start(http_options={"host": "127.0.0.1", "port": serve_port})
-    args = TINY | {"model": "tiny-opt", "max_model_len": 1100, "num_replicas": 2, "graceful_shutdown_wait_loop_s": 0.5}
-    serve.run(build_app(AppArgs(**args)), name="fleet", route_prefix="/")
+    args = TINY | {"model": "tiny-opt", "max_model_len": 1100, "graceful_shutdown_wait_loop_s": 0.5}
+    _deploy_config(args, num_replicas=2)
+    _wait_for(lambda: _app_running(serve) and _replica_states(serve, "fleet") == {"RUNNING": 2}, 300, "2 replicas")
     yield args
     serve.delete("fleet")
+
+
+def _app_running(serve) -> bool:
+    app = serve.status().applications.get("fleet")
+    return app is not None and app.status == "RUNNING"
 
 
 def test_one_scrape_sees_every_replica(two_replicas, serve_port):
@@ -143,13 +162,9 @@ def test_scale_down_lets_the_removed_replica_finish_its_streams(two_replicas, se
                 break
             assert time.monotonic() < deadline, stats
             await asyncio.sleep(0.2)
-        shrink = threading.Thread(target=_redeploy, args=(two_replicas | {"num_replicas": 1},))
-        shrink.start()
-        removing = lambda: len(fleet_scheduler_names("fleet")) < 2 or _stopping()  # noqa: E731
-        await asyncio.to_thread(_wait_for, removing, 120, "a replica to stop")
-        results = await asyncio.gather(*tasks)
-        await asyncio.to_thread(shrink.join, 180)
-        return results
+        _deploy_config(two_replicas, num_replicas=1)
+        await asyncio.to_thread(_wait_for, _stopping, 120, "a replica to start draining")
+        return await asyncio.gather(*tasks)
 
     results = asyncio.run(run())
     assert results == [(1000, True)] * 6  # every stream ran to its last token, none was cut
@@ -161,9 +176,3 @@ def _stopping() -> bool:
     from ray import serve
 
     return _replica_states(serve, "fleet").get("STOPPING", 0) > 0
-
-
-def _redeploy(args: dict) -> None:
-    from ray import serve
-
-    serve.run(build_app(AppArgs(**args)), name="fleet", route_prefix="/")
