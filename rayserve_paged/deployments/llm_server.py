@@ -56,8 +56,9 @@ class LLMServer:
     ) -> None:
         config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
         self.config = config
-        self._app_name = _app_name()
+        self._app_name = None  # set when this replica's engine is findable by the fleet's /metrics
         if scheduler_actor is None:
+            self._app_name = _app_name()
             pg = get_current_placement_group()
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0) if pg else None
             scheduler_actor = (
@@ -133,7 +134,7 @@ class LLMServer:
 
     async def fleet_metrics_text(self) -> str:
         """Prometheus text of every replica of this application, merged (GET /metrics);
-        outside Serve, this replica's alone."""
+        outside Serve (or with an injected engine), this replica's alone."""
         if self._app_name is None:
             return await self.metrics_text()
         return await fleet_metrics_text(self._app_name)
