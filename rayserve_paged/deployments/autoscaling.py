@@ -23,7 +23,9 @@ The rule, with n running replicas and the per-replica means over the look-back w
     kv        = n + 1 (or n * usage / target when that is more)   under pressure
               = max(1, ceil(n * usage / target))                   when idle (usage then
                                                                    stays under target)
-              = n                                                  otherwise (hysteresis)
+              = the current target                                 otherwise (hysteresis:
+                                                                   a replica still starting
+                                                                   is not given up)
     desired   = max(kv, total ongoing requests / target_ongoing_requests)
 
 Request counts still bound it: many requests scale out even with a cold cache. Before any
@@ -106,18 +108,21 @@ class KVPressurePolicy:
         pressure = _mean_pressure(ctx.aggregated_metrics or {}, ctx.running_replicas)
         if pressure is None:  # no replica has reported yet: requests alone decide
             return by_requests, {}
-        by_kv = self.replicas_for(n, *pressure)
+        by_kv = self.replicas_for(n, ctx.target_num_replicas, *pressure)
         return max(by_kv, by_requests), {}
 
-    def replicas_for(self, n: int, kv_usage: float, num_queued: float, preemptions_per_s: float) -> int:
-        """The KV rule alone: replicas wanted by n replicas at this mean usage, with this many
-        requests waiting or swapped out in all, preempting this often in all."""
+    def replicas_for(
+        self, n: int, target: int, kv_usage: float, num_queued: float, preemptions_per_s: float
+    ) -> int:
+        """The KV rule alone: replicas wanted by n running replicas (the current target is
+        `target`, more while replicas start) at this mean usage, with this many requests
+        waiting or swapped out in all, preempting this often in all."""
         needed = math.ceil(n * kv_usage / self.target_kv_usage - 1e-9)
         if kv_usage > self.target_kv_usage or num_queued > 0 or preemptions_per_s > 0:
             return max(n + 1, needed)
         if kv_usage < self.scale_down_kv_usage:
             return max(1, min(n, needed))
-        return n
+        return max(n, target)
 
 
 def _mean_pressure(metrics: dict, replicas) -> tuple[float, float, float] | None:

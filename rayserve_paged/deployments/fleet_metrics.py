@@ -3,7 +3,7 @@
     Prometheus ──GET /metrics──> any replica (through the Serve proxy)
                                    │ list the app's scheduler actors (named, found in the GCS)
                                    ├─> scheduler actor of replica 1 ── metrics_text() ─┐
-                                   ├─> scheduler actor of replica 2 ── metrics_text() ─┼─> merge_prometheus
+                                   ├─> scheduler actor of replica 2 ── metrics_text() ─┼─> merge
                                    └─> ...                                             ┘
 
 Each replica's scheduler actor is a named actor (`scheduler_actor_name`) in the

@@ -22,8 +22,9 @@ REPLICAS = [ReplicaID(f"r{i}", DEPLOYMENT) for i in range(4)]
 CONFIG = AutoscalingConfig(min_replicas=1, max_replicas=4, target_ongoing_requests=64)
 
 
-def context(states: list[dict[str, float] | None], ongoing: float = 0.0) -> AutoscalingContext:
-    """One running replica per state; None = a replica that has not reported yet."""
+def context(states: list[dict | None], ongoing: float = 0.0, target: int | None = None) -> AutoscalingContext:
+    """One running replica per state; None = a replica that has not reported yet. `target`:
+    the current decision (more than the running replicas while some start)."""
     running = REPLICAS[: len(states)]
     metrics: dict[str, dict] = {}
     for replica, state in zip(running, states):
@@ -31,7 +32,7 @@ def context(states: list[dict[str, float] | None], ongoing: float = 0.0) -> Auto
             metrics.setdefault(key, {})[replica] = value
     return AutoscalingContext(
         deployment_id=DEPLOYMENT, deployment_name="LLMServer", app_name="llm",
-        current_num_replicas=len(running), target_num_replicas=len(running), running_replicas=running,
+        current_num_replicas=len(running), target_num_replicas=target or len(running), running_replicas=running,
         total_num_requests=ongoing, total_queued_requests=0.0, aggregated_metrics=metrics, raw_metrics={},
         capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4, policy_state={},
         last_scale_up_time=None, last_scale_down_time=None, current_time=0.0, config=CONFIG,
@@ -74,6 +75,14 @@ POLICY = KVPressurePolicy(target_kv_usage=0.8, scale_down_kv_usage=0.3)
 )
 def test_policy_on_recorded_states(states, ongoing, desired):
     assert POLICY(context(states, ongoing)) == (desired, {})
+
+
+def test_a_replica_still_starting_is_kept_while_usage_is_in_between():
+    """Scaled to 2, one replica still starting: the running one is comfortable, not idle, so
+    the target stays 2 (returning the running count would cancel the start-up)."""
+    assert POLICY(context([state(0.5)], ongoing=4, target=2)) == (2, {})
+    assert POLICY(context([state(0.9)], ongoing=4, target=2)) == (2, {})  # pressure: 2 wanted anyway
+    assert POLICY(context([state(0.1)], ongoing=1, target=2)) == (1, {})  # idle: give it up
 
 
 def test_before_any_report_only_requests_decide():
