@@ -1,11 +1,14 @@
 """The Serve application: `import_path: rayserve_paged.app:build_app`.
 
-    HTTP ──> OpenAIIngress ──handle──> LLMServer replica ──> SchedulerActor ──> Worker actors
-                                        (bundle 0)            (bundle 0)         (bundles 1..TP)
+    HTTP (Serve proxy) ──> LLMServer replica ──> SchedulerActor ──> Worker actors
+    DeploymentHandle   ──>  (FastAPI app,          (bundle 0)         (bundles 1..TP)
+                             bundle 0)
 
-`build_app(args)` validates AppArgs once (an invalid field fails here, named) and binds
-undecorated deployment classes; each LLMServer replica gets a placement group of its own,
-so an autoscaled replica always brings its own workers.
+`build_app(args)` validates AppArgs once (an invalid field fails here, named) and binds the
+undecorated LLMServer class, made a late-bound Serve ingress here (`serve.ingress()`): the
+OpenAI app runs in the replica that owns the engine, so HTTP reaches it in one hop, and the
+Python handle API is on the same deployment. Each replica gets a placement group of its
+own, so an autoscaled replica always brings its own workers.
 """
 
 from __future__ import annotations
@@ -80,15 +83,21 @@ class AppArgs(EngineConfig):
     placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK", description="How a replica's bundles are placed."
     )
-    ingress_cpus: float = Field(0.1, ge=0, description="CPUs of each OpenAIIngress replica.")
-    ingress_replicas: int = Field(1, ge=1, description="OpenAIIngress replicas.")
-    ingress_max_ongoing_requests: int = Field(1024, ge=1, description="Requests in flight per ingress replica.")
+    ingress_cpus: float = Field(
+        0.1, ge=0, description="Deprecated, ignored: the HTTP app runs in the LLMServer replicas."
+    )
+    ingress_replicas: int = Field(
+        1, ge=1, description="Deprecated, ignored: the HTTP app runs in the LLMServer replicas."
+    )
+    ingress_max_ongoing_requests: int = Field(
+        1024, ge=1, description="Deprecated, ignored: the HTTP app runs in the LLMServer replicas."
+    )
     max_pending_requests: int = Field(
         256,
         ge=1,
         description=(
-            "Completion requests in flight per ingress replica; more are answered 503 + Retry-After at once. "
-            "Keep it <= ingress_max_ongoing_requests, or Serve queues the excess before it gets here."
+            "Completion requests in flight per LLMServer replica; more are answered 503 + Retry-After at once. "
+            "Keep it <= max_ongoing_requests, or Serve queues the excess before it gets here."
         ),
     )
     max_request_body_bytes: int = Field(
@@ -208,37 +217,26 @@ def build_app(args: AppArgs | dict):
     from ray import serve
 
     from rayserve_paged.deployments.llm_server import LLMServer
-    from rayserve_paged.deployments.openai_ingress import OpenAIIngress
 
     if not isinstance(args, AppArgs):
         if "api_key" in args:  # before anything could echo it
             raise ValueError(API_KEY_REFUSED)
         args = AppArgs(**args)
     engine = engine_config_of(args)
+    http = {  # no API key here: the replicas read it from their environment (deployments/access.py)
+        "served_model_name": args.served_model_name or args.model,
+        "max_request_body_bytes": args.max_request_body_bytes,
+        "max_pending_requests": args.max_pending_requests,
+        "open_paths": tuple(args.unauthenticated_paths),
+    }
     try:
-        llm_deployment = serve.deployment(LLMServer, **llm_server_options(args))
+        llm = serve.deployment(serve.ingress()(LLMServer), **llm_server_options(args))
     except TypeError as e:  # an option serve.deployment does not know (its own values raise ValidationError)
         raise ValueError(f"deployment_options: {e}") from e
-    llm = llm_deployment.bind(
+    return llm.bind(
         engine.model_dump(),
         scheduler_cpus=args.scheduler_cpus,
         worker_cpus=args.worker_cpus,
         telemetry=args.telemetry.model_dump(),
-    )
-    ingress = serve.deployment(
-        OpenAIIngress,
-        name="OpenAIIngress",
-        num_replicas=args.ingress_replicas,
-        max_ongoing_requests=args.ingress_max_ongoing_requests,
-        ray_actor_options={"num_cpus": args.ingress_cpus},
-    )
-    return ingress.bind(
-        llm,
-        args.tokenizer or args.model,
-        args.served_model_name or args.model,
-        None,  # the key is read from RAYSERVE_PAGED_API_KEY in the replica's environment
-        args.trust_remote_code,
-        max_request_body_bytes=args.max_request_body_bytes,
-        max_pending_requests=args.max_pending_requests,
-        open_paths=tuple(args.unauthenticated_paths),
+        http=http,
     )

@@ -3,12 +3,15 @@ sequence groups) and runs its step loop while work exists.
 
     callers (asyncio)                      step thread
     add_request / abort  ── ops queue ──>  apply ops between steps ─> engine.step()
-    outputs() stream     <── per step ───  every advanced request's output, one batch
+    stop_sequences
+    outputs() stream     <── per step ───  every advanced request's delta, one batch
 
 The engine is not thread-safe, so only the step thread touches it; requests and aborts
 wait in a queue and are applied between steps, so they never block the loop. Outputs leave
 as one batch per step on a single stream (one object per step, not one per token per
-request); the owner dispatches them to its requests.
+request); each carries only what the step added (token ids and counts: no text, no
+history). The owner detokenizes, checks stop strings (sending back `stop_sequences`) and
+dispatches them to its requests.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from dataclasses import dataclass
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.engine.llm_engine import LLMEngine
-from rayserve_paged.engine.outputs import RequestOutput
 from rayserve_paged.telemetry import ReplicaTelemetry, TelemetryConfig
 
 logger = logging.getLogger(__name__)
@@ -74,8 +76,12 @@ class SchedulerActor:
     async def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id, None))
 
+    async def stop_sequences(self, request_id: str, stops: list[tuple[int, str]]) -> None:
+        """Choices a stop string ended (found by the owner's output processor)."""
+        self._submit(("stop", (request_id, stops), None))
+
     async def outputs(self):
-        """Streaming: one list of RequestOutputs per step in which any request advanced."""
+        """Streaming: one list of StepOutputs (deltas) per step in which any request advanced."""
         self._attach_loop()
         while True:
             batch = await self._batches.get()
@@ -160,6 +166,10 @@ class SchedulerActor:
                     done.set_exception(e)
                 else:
                     done.set_result(None)
+            elif kind == "stop":
+                finished = self.engine.stop_sequences(*payload)
+                if finished is not None:
+                    self.telemetry.record_outputs([finished])
             elif self.engine.abort_request(payload):
                 self.telemetry.record_aborted()
 

@@ -80,7 +80,8 @@ class Worker:
         backend = get_attention_backend(self.config.attention_backend, self.device)
         parallel = ParallelState(self.rank, self.world_size, group)
         model = load_model(self.model_path, self.dtype, self.device, backend, parallel=parallel)
-        sampler = Sampler(len(self.model_config.eos_token_ids)) if self.rank == 0 else None
+        eos = tuple(self.model_config.eos_token_ids)
+        sampler = Sampler(len(eos), eos) if self.rank == 0 else None
         self.runner = ModelRunner(model, self.config.block_size, self.device, sampler)
         logger.info(
             "rank %d loaded %s (%s, %s, attention %s)", self.rank, self.model_path, self.dtype, self.device, backend.name

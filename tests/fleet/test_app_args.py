@@ -16,7 +16,7 @@ AUTOSCALING = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 
 def _llm_server_config(**args):
     """The DeploymentConfig Serve built for LLMServer."""
     app = build_app(BASE | args)
-    return app._bound_deployment.init_args[0]._bound_deployment._deployment_config
+    return app._bound_deployment._deployment_config
 
 
 def test_kv_policy_is_serves_custom_policy_with_the_thresholds():

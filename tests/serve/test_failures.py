@@ -32,7 +32,7 @@ def _kill_midway_and_recover(serve, app: str, victim: str) -> dict:
     async def stream_until_failure():
         seen = 0
         async for out in handle.options(stream=True).generate_stream.remote("a long answer", long):
-            seen = len(out.outputs[0].token_ids)
+            seen += sum(len(o.token_ids) for o in out.outputs)  # deltas
             if seen == 5:
                 os.kill(pid, signal.SIGKILL)  # the process dies while the request is running
         return seen

@@ -146,7 +146,8 @@ def test_scale_down_lets_the_removed_replica_finish_its_streams(two_replicas, se
     async def stream(i: int) -> tuple[int, bool]:
         n, finished = 0, False
         async for out in handle.options(stream=True).generate_stream.remote(f"stream {i}", params):
-            n, finished = len(out.outputs[0].token_ids), out.finished
+            n += sum(len(o.token_ids) for o in out.outputs)  # deltas: the new tokens of each step
+            finished = out.finished
         return n, finished
 
     async def run() -> list[tuple[int, bool]]:
