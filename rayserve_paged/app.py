@@ -78,8 +78,12 @@ class AppArgs(EngineConfig):
     ray_actor_options: dict[str, Any] = Field(
         default_factory=lambda: {"num_cpus": 0.1}, description="Options of the LLMServer replica actor."
     )
-    scheduler_cpus: float = Field(0.1, ge=0, description="CPUs of the SchedulerActor (bundle 0).")
-    worker_cpus: float = Field(1.0, gt=0, description="CPUs of each tensor-parallel Worker actor.")
+    scheduler_cpus: float = Field(
+        0.1, ge=0, description="CPUs of the SchedulerActor (bundle 0 at TP > 1; added to rank 0's bundle at TP = 1)."
+    )
+    worker_cpus: float = Field(
+        1.0, gt=0, description="CPUs of each tensor-parallel rank (a Worker actor; at TP = 1 rank 0 in the SchedulerActor)."
+    )
     placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK", description="How a replica's bundles are placed."
     )
@@ -147,12 +151,12 @@ def uses_gpu(args: EngineConfig) -> bool:
 
 
 def placement_group_bundles(args: AppArgs) -> list[dict[str, float]]:
-    """Bundle 0: the replica and its SchedulerActor; then one bundle per TP rank."""
+    """Bundle 0: the replica (and its SchedulerActor at TP > 1); then one bundle per TP rank
+    (at TP = 1 the SchedulerActor hosting rank 0)."""
+    from rayserve_paged.engine.ray_executor import replica_bundles
+
     replica_cpus = float(args.ray_actor_options.get("num_cpus", 1.0))
-    worker = {"CPU": args.worker_cpus}
-    if uses_gpu(args):
-        worker["GPU"] = 1.0
-    return [{"CPU": replica_cpus + args.scheduler_cpus}] + [dict(worker) for _ in range(args.tensor_parallel_size)]
+    return replica_bundles(args, replica_cpus, args.scheduler_cpus, args.worker_cpus, uses_gpu(args))
 
 
 def engine_config_of(args: AppArgs) -> EngineConfig:

@@ -52,6 +52,13 @@ class EngineConfig(BaseModel):
     num_cpu_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads in a CPU worker (default: torch's own choice)."
     )
+    worker_transport: Literal["compiled_graph", "actor_calls"] = Field(
+        "compiled_graph",
+        description=(
+            "How the scheduler actor drives worker actors (tensor_parallel_size > 1): a Ray Compiled Graph "
+            "compiled once at start-up (shared-memory channels), or one actor call per rank per step."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_lengths(self) -> EngineConfig:

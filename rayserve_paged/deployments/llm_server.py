@@ -28,7 +28,6 @@ from pathlib import Path
 
 import ray
 from ray.util.placement_group import get_current_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
@@ -38,6 +37,7 @@ from rayserve_paged.deployments.fleet_metrics import SCHEDULER_NAMESPACE, fleet_
 from rayserve_paged.engine.frontend import EngineFrontend
 from rayserve_paged.engine.llm_engine import RequestError
 from rayserve_paged.engine.outputs import RequestOutput
+from rayserve_paged.engine.ray_executor import scheduler_actor_options
 from rayserve_paged.engine.scheduler_actor import SchedulerActor
 
 logger = logging.getLogger(__name__)
@@ -94,16 +94,10 @@ class LLMServer:
         self._app_name = None  # set when this replica's engine is findable by the fleet's /metrics
         if scheduler_actor is None:
             self._app_name = _app_name()
-            pg = get_current_placement_group()
-            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0) if pg else None
+            placement = scheduler_actor_options(config, scheduler_cpus, worker_cpus, get_current_placement_group())
             scheduler_actor = (
                 ray.remote(SchedulerActor)
-                .options(
-                    num_cpus=scheduler_cpus,
-                    max_concurrency=10_000,
-                    scheduling_strategy=strategy,
-                    **_fleet_name(self._app_name),
-                )
+                .options(max_concurrency=10_000, **placement, **_fleet_name(self._app_name))
                 .remote(config, worker_cpus=worker_cpus, telemetry={**(telemetry or {}), "replica": _replica_id()})
             )
         self.actor = scheduler_actor

@@ -6,6 +6,9 @@ sequence groups) and runs its step loop while work exists.
     stop_sequences
     outputs() stream     <── per step ───  every advanced request's delta, one batch
 
+At tensor_parallel_size 1 the worker (rank 0) lives in this process, so a step is a function
+call; at TP > 1 the executor drives worker actors (ray_executor.py).
+
 The engine is not thread-safe, so only the step thread touches it; requests and aborts
 wait in a queue and are applied between steps, so they never block the loop. Outputs leave
 as one batch per step on a single stream (one object per step, not one per token per
@@ -40,14 +43,22 @@ class StepTiming:
 
 class SchedulerActor:
     def __init__(
-        self, config: EngineConfig, worker_cpus: float = 1.0, executor: str = "ray", telemetry: dict | None = None
+        self, config: EngineConfig, worker_cpus: float = 1.0, executor: str = "auto", telemetry: dict | None = None
     ) -> None:
+        """`executor`: "auto" runs rank 0 in this process at TP = 1 and worker actors at
+        TP > 1; "ray" always uses worker actors; "in-process" never does."""
+        if executor == "auto":
+            from rayserve_paged.engine.ray_executor import rank0_in_scheduler
+
+            executor = "in-process" if rank0_in_scheduler(config) else "ray"
         if executor == "ray":
             from rayserve_paged.engine.ray_executor import RayExecutor
 
             factory = lambda c, p: RayExecutor(c, p, worker_cpus=worker_cpus)  # noqa: E731
-        else:
+        elif executor == "in-process":
             factory = None
+        else:
+            raise ValueError(f"executor: expected 'auto', 'ray' or 'in-process' (got {executor!r})")
         self.engine = LLMEngine(config, executor_factory=factory) if factory else LLMEngine(config)
         self._ops: deque = deque()
         self._wake = threading.Event()
@@ -117,6 +128,8 @@ class SchedulerActor:
             "cpu_blocks_used": usage.cpu_used,
             "steps": self.timing.steps,
             "step_s": self.timing.step_s,
+            "preemptions_recompute": self.engine.scheduler.counters.preemptions_recompute,
+            "preemptions_swap": self.engine.scheduler.counters.preemptions_swap,
         }
 
     def engine_pressure(self) -> dict:
