@@ -15,19 +15,55 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, model_validator
 
 from rayserve_paged.config import EngineConfig
+from rayserve_paged.deployments.access import API_KEY_ENV, API_KEY_REFUSED, DEFAULT_OPEN_PATHS
 from rayserve_paged.telemetry import TelemetryConfig
 
 
 class AppArgs(EngineConfig):
     """Engine options (EngineConfig's fields) plus how Serve runs the deployments."""
 
+    # an error never echoes what was given: Serve args may carry secrets (see api_key below)
+    model_config = ConfigDict(**EngineConfig.model_config, hide_input_in_errors=True)
+
     served_model_name: str | None = Field(None, description="Model name in the API; defaults to `model`.")
-    api_key: str | None = Field(None, description="Require `Authorization: Bearer <api_key>` (not on /health).")
+    unauthenticated_paths: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_OPEN_PATHS),
+        description=f"Routes that need no API key when {API_KEY_ENV} is set (as vLLM protects only /v1).",
+    )
     autoscaling_config: dict[str, Any] | None = Field(
         None, description="Serve autoscaling for LLMServer (min_replicas, max_replicas, target_ongoing_requests ...)."
+    )
+    autoscaling_policy: Literal["kv", "requests"] = Field(
+        "requests",
+        description="With autoscaling_config: `kv` scales on KV-cache pressure (and request counts), "
+        "`requests` on ongoing requests only (Serve's default policy).",
+    )
+    target_kv_usage: float = Field(
+        0.85, gt=0, le=1, description="kv policy: scale up while the mean GPU KV usage stays above this."
+    )
+    scale_down_kv_usage: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description="kv policy: scale down while the mean GPU KV usage stays below this and nothing waits "
+        "(default target_kv_usage / 2).",
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        300.0,
+        ge=0,
+        description="A replica being removed (downscale, update) stops taking requests and gets this long "
+        "to finish its streams before it is killed (Serve's default is 20 s).",
+    )
+    graceful_shutdown_wait_loop_s: float = Field(
+        2.0, gt=0, description="How often a stopping replica checks whether its requests are done."
+    )
+    deployment_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any other `serve.deployment` option for LLMServer (e.g. health_check_period_s, "
+        "logging_config, request_router_config), passed through and validated by Serve.",
     )
     num_replicas: int = Field(1, ge=1, description="Fixed LLMServer replicas when autoscaling_config is unset.")
     max_ongoing_requests: int = Field(256, ge=1, description="Requests in flight per LLMServer replica.")
@@ -75,6 +111,32 @@ class AppArgs(EngineConfig):
         default_factory=TelemetryConfig, description="Metrics export (Prometheus port, OTLP interval)."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_api_key(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "api_key" in data:
+            raise ValueError(API_KEY_REFUSED)
+        return data
+
+    @model_validator(mode="after")
+    def _check_fleet_options(self) -> AppArgs:
+        if self.scale_down_kv_usage is not None and self.scale_down_kv_usage >= self.target_kv_usage:
+            raise ValueError(
+                f"scale_down_kv_usage ({self.scale_down_kv_usage}) must be below target_kv_usage "
+                f"({self.target_kv_usage})"
+            )
+        if self.autoscaling_policy == "kv" and "policy" in (self.autoscaling_config or {}):
+            raise ValueError(
+                "autoscaling_config.policy: give either autoscaling_policy: kv or a policy of your own, not both"
+            )
+        named = sorted(set(self.deployment_options) & (LLM_SERVER_OPTIONS_NAMED | {"name"}))
+        if named:
+            raise ValueError(
+                f"deployment_options.{named[0]}: set by AppArgs; use the AppArgs field of that name "
+                "(or placement_group_strategy / worker_cpus / scheduler_cpus for placement)"
+            )
+        return self
+
 
 def uses_gpu(args: EngineConfig) -> bool:
     if args.device != "auto":
@@ -101,6 +163,37 @@ def engine_config_of(args: AppArgs) -> EngineConfig:
     return EngineConfig(**args.model_dump(include=set(EngineConfig.model_fields)))
 
 
+# serve.deployment options that AppArgs sets from fields of its own
+LLM_SERVER_OPTIONS_NAMED = frozenset(
+    {
+        "max_ongoing_requests",
+        "max_queued_requests",
+        "ray_actor_options",
+        "placement_group_bundles",
+        "placement_group_strategy",
+        "autoscaling_config",
+        "num_replicas",
+        "graceful_shutdown_timeout_s",
+        "graceful_shutdown_wait_loop_s",
+    }
+)
+
+
+def autoscaling_config_of(args: AppArgs) -> dict[str, Any] | None:
+    """Serve's autoscaling_config for LLMServer; with `kv`, the KV-pressure policy in it."""
+    if args.autoscaling_config is None:
+        return None
+    config = dict(args.autoscaling_config)
+    if args.autoscaling_policy == "kv":
+        from rayserve_paged.deployments.autoscaling import POLICY_PATH
+
+        kwargs: dict[str, Any] = {"target_kv_usage": args.target_kv_usage}
+        if args.scale_down_kv_usage is not None:
+            kwargs["scale_down_kv_usage"] = args.scale_down_kv_usage
+        config["policy"] = {"policy_function": POLICY_PATH, "policy_kwargs": kwargs}
+    return config
+
+
 def llm_server_options(args: AppArgs) -> dict[str, Any]:
     options: dict[str, Any] = {
         "name": "LLMServer",
@@ -111,11 +204,15 @@ def llm_server_options(args: AppArgs) -> dict[str, Any]:
         "placement_group_strategy": args.placement_group_strategy,
         "health_check_period_s": 5,
         "health_check_timeout_s": 30,
+        "graceful_shutdown_timeout_s": args.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": args.graceful_shutdown_wait_loop_s,
     }
-    if args.autoscaling_config is not None:
-        options["autoscaling_config"] = dict(args.autoscaling_config)
+    autoscaling = autoscaling_config_of(args)
+    if autoscaling is not None:
+        options["autoscaling_config"] = autoscaling
     else:
         options["num_replicas"] = args.num_replicas
+    options.update(args.deployment_options)  # Serve validates them (serve.deployment below)
     return options
 
 
@@ -126,15 +223,21 @@ def build_app(args: AppArgs | dict):
     from rayserve_paged.deployments.llm_server import LLMServer
 
     if not isinstance(args, AppArgs):
+        if "api_key" in args:  # before anything could echo it
+            raise ValueError(API_KEY_REFUSED)
         args = AppArgs(**args)
     engine = engine_config_of(args)
-    http = {
+    http = {  # no API key here: the replicas read it from their environment (deployments/access.py)
         "served_model_name": args.served_model_name or args.model,
-        "api_key": args.api_key,
         "max_request_body_bytes": args.max_request_body_bytes,
         "max_pending_requests": args.max_pending_requests,
+        "open_paths": tuple(args.unauthenticated_paths),
     }
-    return serve.deployment(serve.ingress()(LLMServer), **llm_server_options(args)).bind(
+    try:
+        llm = serve.deployment(serve.ingress()(LLMServer), **llm_server_options(args))
+    except TypeError as e:  # an option serve.deployment does not know (its own values raise ValidationError)
+        raise ValueError(f"deployment_options: {e}") from e
+    return llm.bind(
         engine.model_dump(),
         scheduler_cpus=args.scheduler_cpus,
         worker_cpus=args.worker_cpus,

@@ -1,6 +1,6 @@
 """The pure-Python heart: sequences, the paged block manager and the scheduler (stdlib only)."""
 
-from rayserve_paged.core.block_manager import AllocStatus, BlockCounters, BlockManager, BlockUsage
+from rayserve_paged.core.block_manager import AllocStatus, BlockCounters, BlockManager, BlockUsage, SlotUsage
 from rayserve_paged.core.outputs import ScheduledGroup, ScheduledSeq, SchedulerOutput
 from rayserve_paged.core.scheduler import PreemptionMode, Scheduler, SchedulerConfig, SchedulerCounters
 from rayserve_paged.core.sequence import (
@@ -28,4 +28,5 @@ __all__ = [
     "Sequence",
     "SequenceGroup",
     "SequenceStatus",
+    "SlotUsage",
 ]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,6 +30,9 @@ from ray.util.placement_group import get_current_placement_group
 
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
+from rayserve_paged.deployments.access import api_key_from_env
+from rayserve_paged.deployments.autoscaling import EnginePressure, PressureReport
+from rayserve_paged.deployments.fleet_metrics import SCHEDULER_NAMESPACE, fleet_metrics_text, scheduler_actor_name
 from rayserve_paged.engine.frontend import EngineFrontend
 from rayserve_paged.engine.llm_engine import RequestError
 from rayserve_paged.engine.outputs import RequestOutput
@@ -86,14 +90,17 @@ class LLMServer:
     ) -> None:
         config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
         self.config = config
+        self._app_name = None  # set when this replica's engine is findable by the fleet's /metrics
         if scheduler_actor is None:
+            self._app_name = _app_name()
             placement = scheduler_actor_options(config, scheduler_cpus, worker_cpus, get_current_placement_group())
             scheduler_actor = (
                 ray.remote(SchedulerActor)
-                .options(max_concurrency=10_000, **placement)
+                .options(max_concurrency=10_000, **placement, **_fleet_name(self._app_name))
                 .remote(config, worker_cpus=worker_cpus, telemetry={**(telemetry or {}), "replica": _replica_id()})
             )
         self.actor = scheduler_actor
+        self._pressure = PressureReport()
         self._http = dict(http or {})
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
         self._info = ray.get(self.actor.model_info.remote())  # waits for the model to load
@@ -107,8 +114,8 @@ class LLMServer:
 
         http = dict(self._http)
         served_model_name = http.pop("served_model_name", None) or self.config.model
-        api_key = http.pop("api_key", None)
-        return create_openai_app(self, self.tokenizer, served_model_name, api_key, **http)
+        # the key comes from this replica's environment, never from the app's arguments
+        return create_openai_app(self, self.tokenizer, served_model_name, api_key_from_env(), **http)
 
     # ------------------------------------------------------------------ handle API
 
@@ -158,7 +165,17 @@ class LLMServer:
         return await self.actor.stats.remote()
 
     async def metrics_text(self) -> str:
-        return await self.actor.metrics_text.remote()
+        """Prometheus text of every replica of this application, merged (GET /metrics);
+        outside Serve (or with an injected engine), this replica's alone."""
+        if self._app_name is None:
+            return await self.actor.metrics_text.remote()
+        return await fleet_metrics_text(self._app_name)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve calls this every few seconds when autoscaling is on; the KV-pressure policy
+        (deployments/autoscaling.py) decides the replica count from these figures."""
+        pressure = await self.actor.engine_pressure.remote()
+        return self._pressure.stats(EnginePressure.from_dict(pressure, time.monotonic()))
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy (replaced)."""
@@ -177,6 +194,23 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
 
 def _new_id() -> str:
     return f"req-{uuid.uuid4().hex}"
+
+
+def _app_name() -> str | None:
+    """The Serve application of this replica; None outside a replica (tests, scripts)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().app_name
+    except Exception:
+        return None
+
+
+def _fleet_name(app_name: str | None) -> dict[str, str]:
+    """Actor options that make the scheduler actor findable by the fleet's /metrics."""
+    if app_name is None:
+        return {}
+    return {"name": scheduler_actor_name(app_name, _replica_id()), "namespace": SCHEDULER_NAMESPACE}
 
 
 def _replica_id() -> str:

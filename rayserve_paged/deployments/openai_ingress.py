@@ -26,6 +26,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -36,6 +37,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from rayserve_paged.deployments.access import DEFAULT_OPEN_PATHS
 from rayserve_paged.deployments.errors import (
     OpenAIError,
     RequestBodyTooLarge,
@@ -208,8 +210,10 @@ def create_openai_app(
     *,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
+    open_paths: Iterable[str] = DEFAULT_OPEN_PATHS,
 ) -> FastAPI:
-    """The OpenAI-compatible FastAPI app over `client` (docs/API.md describes the API)."""
+    """The OpenAI-compatible FastAPI app over `client` (docs/API.md describes the API).
+    With `api_key`, every route but `open_paths` requires it."""
     serving = OpenAIServing(client, tokenizer, served_model_name)
     app = FastAPI(
         title="rayserve-paged",
@@ -264,7 +268,7 @@ def create_openai_app(
 
     @app.get("/metrics", response_model=None)
     async def metrics() -> Response:
-        """Prometheus text of the replica that answers (every series has a `replica` label)."""
+        """Prometheus text of every LLMServer replica, merged (each series has a `replica` label)."""
         return Response(await serving.client.metrics_text(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @app.get("/health", response_model=None)
@@ -278,5 +282,5 @@ def create_openai_app(
     app.add_middleware(_InternalErrorMiddleware)
     app.add_middleware(_AdmissionMiddleware, limit=admission)
     if api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset({"/health"}))
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
     return app

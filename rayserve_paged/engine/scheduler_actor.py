@@ -132,6 +132,17 @@ class SchedulerActor:
             "preemptions_swap": self.engine.scheduler.counters.preemptions_swap,
         }
 
+    def engine_pressure(self) -> dict:
+        """What the KV-pressure autoscaling policy needs, cumulative (single int reads of
+        the engine's state, safe while the step thread runs)."""
+        s = self.engine.scheduler
+        return {
+            "kv_usage": self.engine.block_manager.usage().gpu_usage,
+            "num_waiting": len(s.waiting),
+            "num_swapped": len(s.swapped),
+            "num_preemptions": s.counters.preemptions_recompute + s.counters.preemptions_swap,
+        }
+
     async def metrics_text(self) -> str:
         """Prometheus exposition text of this replica's engine and GPU metrics."""
         return self.telemetry.metrics_text()

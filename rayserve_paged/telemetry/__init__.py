@@ -16,6 +16,7 @@ from rayserve_paged.telemetry.export import (
     shutdown_meter_provider,
 )
 from rayserve_paged.telemetry.gpu import GpuMetrics, GpuProbe, GpuSnapshot, tensor_bytes
+from rayserve_paged.telemetry.merge import merge_prometheus
 from rayserve_paged.telemetry.replica import ReplicaTelemetry
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "ReplicaTelemetry",
     "TelemetryConfig",
     "finish_reason",
+    "merge_prometheus",
     "otlp_requested",
     "prometheus_server_port",
     "render_prometheus",

@@ -26,6 +26,7 @@ class EngineLike(Protocol):
     scheduler.counters.preemptions_recompute / preemptions_swap
     scheduler.waiting / running / swapped        (running may keep finished groups a step)
     block_manager.usage() -> BlockUsage          (gpu_used / gpu_cached / gpu_free / gpu_total, cpu_*)
+    block_manager.slot_usage(seqs) -> (gpu, cpu) SlotUsage  (token slots of the live sequences)
     block_manager.counters                       (copy_on_write_blocks, swapped_in_blocks,
                                                   swapped_out_blocks, prefix_cache_queries/hits)
     num_prompt_tokens, num_generation_tokens
@@ -92,6 +93,26 @@ class EngineMetrics:
             callbacks=[self._counter(lambda e: e.block_manager.counters.copy_on_write_blocks)],
             unit="{block}",
             description="KV blocks copied because a shared block was appended to (copy-on-write).",
+        )
+        meter.create_observable_up_down_counter(
+            names.KV_CACHE_TOKEN_SLOTS,
+            callbacks=[self._observe_token_slots],
+            unit="{token}",
+            description="Token slots of the blocks held by running and swapped sequences, by pool and state "
+            "(used: holding a token; allocated: every slot of those blocks; a shared block counts once).",
+        )
+        meter.create_observable_gauge(
+            names.KV_CACHE_FRAGMENTATION,
+            callbacks=[self._observe_fragmentation],
+            unit="1",
+            description="Share of the allocated token slots holding no token: 1 - used / allocated "
+            "(internal fragmentation, the unfilled tails of last blocks; 0 when nothing is allocated).",
+        )
+        meter.create_observable_up_down_counter(
+            names.KV_CACHE_SHARED_BLOCKS,
+            callbacks=[self._observe_shared_blocks],
+            unit="{block}",
+            description="KV blocks held by more than one sequence (forks, beams, prefix-cache hits), by pool.",
         )
         meter.create_observable_counter(
             names.PREFIX_CACHE_QUERIES,
@@ -209,6 +230,26 @@ class EngineMetrics:
             Observation(u.gpu_usage, {**self._attrs, names.POOL: "gpu"}),
             Observation(u.cpu_usage, {**self._attrs, names.POOL: "cpu"}),
         ]
+
+    def _slot_usage(self):
+        """(pool, SlotUsage) of the sequences of running and swapped groups, read now."""
+        s = self.engine.scheduler
+        seqs = [seq for group in (*list(s.running), *list(s.swapped)) for seq in list(group.seqs)]
+        gpu, cpu = self.engine.block_manager.slot_usage(seqs)
+        return (("gpu", gpu), ("cpu", cpu))
+
+    def _observe_token_slots(self, options: CallbackOptions) -> Iterable[Observation]:
+        out = []
+        for pool, u in self._slot_usage():
+            out.append(Observation(u.used_slots, {**self._attrs, names.POOL: pool, names.STATE: "used"}))
+            out.append(Observation(u.allocated_slots, {**self._attrs, names.POOL: pool, names.STATE: "allocated"}))
+        return out
+
+    def _observe_fragmentation(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(u.fragmentation, {**self._attrs, names.POOL: pool}) for pool, u in self._slot_usage()]
+
+    def _observe_shared_blocks(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(u.num_shared_blocks, {**self._attrs, names.POOL: pool}) for pool, u in self._slot_usage()]
 
     def _observe_requests(self, options: CallbackOptions) -> Iterable[Observation]:
         s = self.engine.scheduler

@@ -21,6 +21,9 @@ KV_CACHE_BLOCKS = "rayserve_paged.kv_cache.blocks"  # {pool, state}
 KV_CACHE_USAGE = "rayserve_paged.kv_cache.usage"  # {pool}: used / total
 KV_CACHE_SWAPPED_BLOCKS = "rayserve_paged.kv_cache.swapped_blocks"  # {direction}
 KV_CACHE_COPY_ON_WRITE_BLOCKS = "rayserve_paged.kv_cache.copy_on_write_blocks"
+KV_CACHE_TOKEN_SLOTS = "rayserve_paged.kv_cache.token_slots"  # {pool, state}: used / allocated
+KV_CACHE_FRAGMENTATION = "rayserve_paged.kv_cache.fragmentation"  # {pool}: 1 - used / allocated slots
+KV_CACHE_SHARED_BLOCKS = "rayserve_paged.kv_cache.shared_blocks"  # {pool}: held by > 1 sequence
 PREFIX_CACHE_QUERIES = "rayserve_paged.prefix_cache.queries"
 PREFIX_CACHE_HITS = "rayserve_paged.prefix_cache.hits"
 SCHEDULER_REQUESTS = "rayserve_paged.scheduler.requests"  # {state}
@@ -64,6 +67,9 @@ ENGINE_INSTRUMENTS = (
     KV_CACHE_USAGE,
     KV_CACHE_SWAPPED_BLOCKS,
     KV_CACHE_COPY_ON_WRITE_BLOCKS,
+    KV_CACHE_TOKEN_SLOTS,
+    KV_CACHE_FRAGMENTATION,
+    KV_CACHE_SHARED_BLOCKS,
     PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS,
     SCHEDULER_REQUESTS,

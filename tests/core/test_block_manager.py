@@ -238,3 +238,36 @@ def test_bad_configuration_is_refused_with_the_field_named(bad):
     args = dict(block_size=16, num_gpu_blocks=4, num_cpu_blocks=0) | bad
     with pytest.raises(ValueError, match=next(iter(bad))):
         BlockManager(**args)
+
+
+def test_slot_usage_counts_token_slots_and_shared_blocks_per_pool():
+    """The paper's Figure 2 quantity on a hand-computed state (16-token blocks):
+
+        a  20 tokens  [0: 16][1: 4 ]                 a forked into b, then b decodes once:
+        b  21 tokens  [0: 16][2: 5 ]                 block 1 is copied to 2 (copy-on-write)
+        c  33 tokens  [3: 16][4: 16][5: 1]
+    GPU: used 16 + 4 + 5 + 16 + 16 + 1 = 58 of 6 x 16 = 96 slots; block 0 is shared.
+    Then c swaps out: its 33 tokens in 3 CPU blocks, and the GPU keeps 25 of 48."""
+    bm = BlockManager(16, 12, 4, enable_prefix_caching=False)
+    a_group, c_group = make_group("a", 20), make_group("c", 33)
+    admit(bm, a_group)
+    (b,) = fork_group_direct(bm, a_group, 1)
+    assert decode(bm, b) == [(1, 2)]
+    admit(bm, c_group)
+    a, c = a_group.seqs[0], c_group.seqs[0]
+    assert (bm.get_block_table(a), bm.get_block_table(b), bm.get_block_table(c)) == ([0, 1], [0, 2], [3, 4, 5])
+    gpu, cpu = bm.slot_usage([a, b, c])
+    assert (gpu.used_slots, gpu.allocated_slots, gpu.num_allocated_blocks, gpu.num_shared_blocks) == (58, 96, 6, 1)
+    assert gpu.fragmentation == pytest.approx(1 - 58 / 96)
+    assert (cpu.used_slots, cpu.allocated_slots, cpu.num_shared_blocks, cpu.fragmentation) == (0, 0, 0, 0.0)
+
+    assert bm.swap_out(c_group) == [(3, 0), (4, 1), (5, 2)]
+    gpu, cpu = bm.slot_usage([a, b, c])
+    assert (gpu.used_slots, gpu.allocated_slots, gpu.num_shared_blocks) == (25, 48, 1)
+    assert (cpu.used_slots, cpu.allocated_slots, cpu.num_allocated_blocks, cpu.num_shared_blocks) == (33, 48, 3, 0)
+
+    # a sequence holding no blocks (finished, freed) counts for nothing; usage() agrees on blocks
+    bm.free(b)
+    gpu, _ = bm.slot_usage([a, b, c])
+    assert (gpu.used_slots, gpu.allocated_slots, gpu.num_shared_blocks) == (20, 32, 0)
+    assert gpu.num_allocated_blocks == bm.usage().gpu_used == 2

@@ -416,3 +416,25 @@ def test_deploy_doc_covers_the_files_and_commands():
         "trust_remote_code",
     ):
         assert needle in text, needle
+
+
+@each_rayservice
+def test_api_key_comes_from_a_secret_into_every_ray_pod(path):
+    """The key is never a Serve argument (Serve logs those): every pod that may run a replica
+    gets RAYSERVE_PAGED_API_KEY from a Kubernetes Secret, never as a literal value."""
+    from rayserve_paged.deployments.access import API_KEY_ENV
+
+    cluster = _cluster(path)
+    assert "api_key" not in _args(_serve_config(path))
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        env = {e["name"]: e for e in _container(group).get("env", [])}
+        assert API_KEY_ENV in env, group.get("groupName", "head")
+        assert "value" not in env[API_KEY_ENV]
+        ref = env[API_KEY_ENV]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == ("rayserve-paged-api-key", "key")
+
+
+@each_rayservice
+def test_gpu_configs_scale_on_kv_pressure_and_drain_on_scale_down(path):
+    args = _args(_serve_config(path))
+    assert args["autoscaling_policy"] == "kv" and args["graceful_shutdown_timeout_s"] >= 300

@@ -231,4 +231,5 @@ def test_limits_are_app_args_that_reach_the_deployments(monkeypatch):
     bound = record_binds(monkeypatch, args)
     http = bound["LLMServer"]["kwargs"]["http"]
     assert (http["max_request_body_bytes"], http["max_pending_requests"]) == (4096, 8)
+    assert http["open_paths"] == ("/health", "/metrics") and "api_key" not in http
     assert bound["LLMServer"]["options"]["max_queued_requests"] == 16

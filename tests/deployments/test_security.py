@@ -1,5 +1,6 @@
-"""Security defaults: the API key guards every route but /health, is compared in constant
-time and never reaches the logs; request bodies are not logged at INFO; model code from the
+"""Security defaults: the API key comes from the environment (an `api_key` argument is
+refused), guards every route but /health and /metrics, is compared in constant time and never
+reaches the logs; request bodies are not logged at INFO; model code from the
 hub is off unless asked for; the local config binds the loopback interface only."""
 
 from __future__ import annotations
@@ -46,13 +47,12 @@ def keyed_app(engine_client, engine):
         ("POST", "/v1/chat/completions"),
         ("GET", "/v1/models"),
         ("GET", f"/v1/models/{MODEL}"),
-        ("GET", "/metrics"),
         ("GET", "/openapi.json"),
         ("GET", "/docs"),
         ("GET", "/no/such/route"),
     ],
 )
-async def test_every_route_but_health_needs_the_key(keyed_app, method, path):
+async def test_every_route_but_health_and_metrics_needs_the_key(keyed_app, method, path):
     for key in (None, WRONG_KEY, KEY[:-1], KEY + "x"):
         async with _http(keyed_app, key) as http:
             error = assert_openai_error(await http.request(method, path, json=OK), 401)
@@ -71,6 +71,55 @@ async def test_health_is_open_and_the_key_comes_before_every_limit(engine_client
             # an oversize body without the key is a 401, not a 413: nothing is read first
             response = await http.post("/v1/completions", content=b"x" * 1000)
             assert assert_openai_error(response, 401)["code"] == "invalid_api_key"
+
+
+async def test_metrics_is_open_by_default_and_can_be_closed(keyed_app, engine_client, engine):
+    async with _http(keyed_app) as http:  # the Prometheus scrape needs no key (as vLLM's /metrics)
+        response = await http.get("/metrics")
+        assert response.status_code == 200 and "rayserve_paged_kv_cache_blocks" in response.text
+    closed = create_openai_app(engine_client, engine.tokenizer, MODEL, api_key=KEY, open_paths=("/health",))
+    async with _http(closed) as http:
+        assert assert_openai_error(await http.get("/metrics"), 401)["code"] == "invalid_api_key"
+        assert (await http.get("/health")).status_code == 200
+    async with _http(closed, KEY) as http:
+        assert (await http.get("/metrics")).status_code == 200
+
+
+def test_api_key_argument_is_refused_without_echoing_it():
+    from pydantic import ValidationError
+
+    from rayserve_paged.app import build_app
+
+    with pytest.raises(ValueError, match="RAYSERVE_PAGED_API_KEY") as refused:
+        build_app({"model": "tiny-opt", "api_key": KEY})
+    assert KEY not in str(refused.value) and "logs the arguments" in str(refused.value)
+    with pytest.raises(ValidationError, match="RAYSERVE_PAGED_API_KEY") as refused:
+        AppArgs(model="tiny-opt", api_key=KEY)
+    assert KEY not in str(refused.value)
+
+
+def test_the_key_is_read_from_the_environment(monkeypatch):
+    from rayserve_paged.deployments.access import API_KEY_ENV, api_key_from_env
+
+    assert API_KEY_ENV == "RAYSERVE_PAGED_API_KEY"
+    assert api_key_from_env({API_KEY_ENV: f" {KEY}\n"}) == KEY  # a Secret file's newline is not part of it
+    assert api_key_from_env({API_KEY_ENV: ""}) is None and api_key_from_env({}) is None
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    assert api_key_from_env() == KEY
+
+
+def test_the_key_can_come_from_a_file_named_in_the_environment(tmp_path):
+    from rayserve_paged.deployments.access import API_KEY_ENV, API_KEY_FILE_ENV, api_key_from_env
+
+    path = tmp_path / "key"
+    path.write_text(KEY + "\n")
+    assert api_key_from_env({API_KEY_FILE_ENV: str(path)}) == KEY
+    assert api_key_from_env({API_KEY_FILE_ENV: str(path), API_KEY_ENV: WRONG_KEY}) == WRONG_KEY  # the key wins
+    with pytest.raises(RuntimeError, match=f"{API_KEY_FILE_ENV}: cannot read"):
+        api_key_from_env({API_KEY_FILE_ENV: str(tmp_path / "missing")})
+    path.write_text("\n")
+    with pytest.raises(RuntimeError, match="is empty"):  # a broken Secret never means "no key"
+        api_key_from_env({API_KEY_FILE_ENV: str(path)})
 
 
 async def test_the_key_is_compared_in_constant_time(keyed_app, monkeypatch):

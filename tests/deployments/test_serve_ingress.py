@@ -28,10 +28,9 @@ pytestmark = pytest.mark.anyio
 async def replica(engine, monkeypatch):
     """An LLMServer replica object as Serve builds it: the class's __init__, then the app."""
     monkeypatch.setattr(llm_server, "ray", SimpleNamespace(get=lambda ref: ref))
+    monkeypatch.setenv("RAYSERVE_PAGED_API_KEY", "sk-serve")  # the key comes from the replica's environment
     actor = SchedulerActor(engine.config, executor="in-process")
-    server = LLMServer(
-        engine.config, scheduler_actor=_LocalActor(actor), http={"served_model_name": MODEL, "api_key": "sk-serve"}
-    )
+    server = LLMServer(engine.config, scheduler_actor=_LocalActor(actor), http={"served_model_name": MODEL})
     yield server, actor
     await server.frontend.close()
     actor.shutdown()

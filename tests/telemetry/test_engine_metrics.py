@@ -146,3 +146,28 @@ def test_record_finished_by_reason_and_the_edge_cases():
     assert r.point(names.REQUEST_E2E_LATENCY).sum == pytest.approx(3.0 + 1.0)
     tpot = r.point(names.REQUEST_TIME_PER_OUTPUT_TOKEN)
     assert (tpot.count, tpot.sum) == (1, pytest.approx(2.0 / 4))
+
+
+def test_token_slots_and_fragmentation_of_a_live_engine(tiny_opt):
+    """4 requests of 20 prompt tokens on 16-token blocks, after one step (all prefilled, one
+    token sampled each): 21 tokens in 2 blocks each, so 84 of 128 GPU slots hold a token."""
+    from .conftest import add_requests, start_engine
+
+    engine = start_engine(tiny_opt)
+    reader = InMemoryMetricReader()
+    provider = setup_meter_provider(TelemetryConfig(replica=REPLICA), [reader])
+    EngineMetrics(provider, engine, REPLICA)
+    add_requests(engine)
+    engine.step()
+    readings = Readings.collect(reader)
+    assert readings.value(names.KV_CACHE_TOKEN_SLOTS, pool="gpu", state="used") == 84
+    assert readings.value(names.KV_CACHE_TOKEN_SLOTS, pool="gpu", state="allocated") == 128
+    assert readings.value(names.KV_CACHE_FRAGMENTATION, pool="gpu") == pytest.approx(1 - 84 / 128)
+    assert readings.value(names.KV_CACHE_SHARED_BLOCKS, pool="gpu") == 0
+    assert readings.value(names.KV_CACHE_TOKEN_SLOTS, pool="cpu", state="allocated") == 0
+    assert readings.value(names.KV_CACHE_FRAGMENTATION, pool="cpu") == 0.0
+    while engine.has_unfinished_requests():
+        engine.step()
+    readings = Readings.collect(reader)
+    assert readings.value(names.KV_CACHE_TOKEN_SLOTS, pool="gpu", state="allocated") == 0
+    assert readings.value(names.KV_CACHE_FRAGMENTATION, pool="gpu") == 0.0

@@ -162,3 +162,35 @@ def test_disabled_telemetry_renders_nothing(swap_run):
     with pytest.raises(ValueError, match="setup_meter_provider"):
         render_prometheus(setup_meter_provider(TelemetryConfig(enabled=False)))
     off.shutdown()
+
+
+def test_merged_replicas_declare_each_family_once_and_keep_every_sample(swap_run, full_text):
+    """What GET /metrics serves for a fleet: two replicas' texts merged into one exposition."""
+    from rayserve_paged.telemetry import merge_prometheus
+
+    other = ReplicaTelemetry(swap_run.engine, TelemetryConfig(replica="replica-b"))
+    try:
+        other.update_gpu([_full_snapshot(rank=0, gpu_index=4)])
+        texts = [full_text, other.metrics_text()]
+    finally:
+        other.shutdown()
+    merged = merge_prometheus(texts)
+    type_lines = [line for line in merged.splitlines() if line.startswith("# TYPE ")]
+    assert len(type_lines) == len(set(type_lines))  # one header per family (concatenation has two)
+    fams = families(merged)
+    parts = [families(t) for t in texts]
+    assert fams.keys() == parts[0].keys() | parts[1].keys()
+    for name, family in fams.items():
+        got = sorted(_keyed(family.samples))
+        assert got == sorted({k for p in parts if name in p for k in _keyed(p[name].samples)}), name
+        assert len(got) == len(set(got))
+        assert family.type == next(p[name].type for p in parts if name in p)
+    replicas = {s.labels.get("replica") for s in fams["rayserve_paged_kv_cache_blocks"].samples}
+    assert replicas == {REPLICA, "replica-b"}
+    ranks = {(s.labels["replica"], s.labels["gpu_index"]) for s in fams["hw_gpu_memory_usage_bytes"].samples}
+    assert ranks == {(REPLICA, "3"), (REPLICA, "5"), ("replica-b", "4")}
+    assert families(merge_prometheus([full_text])).keys() == parts[0].keys()
+
+
+def _keyed(samples) -> list[tuple]:
+    return [(s.name, tuple(sorted(s.labels.items())), s.value) for s in samples]

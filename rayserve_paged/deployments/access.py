@@ -1,0 +1,55 @@
+"""Who may call the HTTP API: the API key comes from the replica's environment, never from
+the Serve config.
+
+Serve logs an application's arguments in clear ("Importing application 'llm' with arguments
+{...}" in the controller log, and `serve run` prints them), so a key given as an argument
+ends up in every log. As vLLM reads VLLM_API_KEY, the replica reads:
+
+    RAYSERVE_PAGED_API_KEY        the key itself: set it in the environment of the Ray nodes
+                                  (`ray start`, the shell of a local `serve run`, or a
+                                  Kubernetes Secret into the pods' env, as deploy/ does)
+    RAYSERVE_PAGED_API_KEY_FILE   a file holding the key: safe to put in the Serve config's
+                                  `runtime_env.env_vars` (a mounted Secret, a file only the
+                                  Ray user can read)
+
+Do not put the key itself in `runtime_env.env_vars`: Ray's runtime-env agent logs every
+runtime env it creates in full ("Creating runtime env: {...}" in runtime_env_agent.log).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+API_KEY_ENV = "RAYSERVE_PAGED_API_KEY"
+API_KEY_FILE_ENV = "RAYSERVE_PAGED_API_KEY_FILE"
+
+# what needs no key when one is set: probes and the Prometheus scrape (vLLM protects /v1 only)
+DEFAULT_OPEN_PATHS = ("/health", "/metrics")
+
+API_KEY_REFUSED = (
+    "api_key: not accepted as an application argument, because Ray Serve logs the arguments in "
+    f"clear (controller log, serve run output). Set the environment variable {API_KEY_ENV} on the "
+    f"Ray nodes (or a Kubernetes Secret into the pods' env), or {API_KEY_FILE_ENV}=<a file holding "
+    "the key> in runtime_env.env_vars (docs/DEPLOY.md, 'API key')"
+)
+
+
+def api_key_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The API key the replica enforces, or None (no key: every route is open).
+
+    RAYSERVE_PAGED_API_KEY wins over RAYSERVE_PAGED_API_KEY_FILE. Surrounding whitespace is
+    dropped (a Secret file often ends with a newline); an empty key is none. A key file that
+    cannot be read is an error (naming the variable, not the contents), never "no key"."""
+    environ = os.environ if environ is None else environ
+    key = environ.get(API_KEY_ENV, "").strip()
+    if not key and environ.get(API_KEY_FILE_ENV):
+        path = Path(environ[API_KEY_FILE_ENV])
+        try:
+            key = path.read_text().strip()
+        except OSError as e:
+            raise RuntimeError(f"{API_KEY_FILE_ENV}: cannot read the API key file {path}: {e.strerror}") from None
+        if not key:
+            raise RuntimeError(f"{API_KEY_FILE_ENV}: the API key file {path} is empty")
+    return key or None
