@@ -1,6 +1,6 @@
 """Triton kernels on a GPU: tests, decode and prefill timing, end-to-end greedy parity.
 
-    python benchmarks/gpu_check.py OUT_DIR [--quick] [--skip-tests] [--skip-e2e]
+    python benchmarks/gpu_check.py OUT_DIR [--quick] [--skip-tests] [--skip-e2e] [--cpu-backend B]
 
 With CUDA (sized for one H200, under 8 minutes; --quick does less of each):
   tests    pytest tests/ops/test_triton.py compiled on the GPU (RAYSERVE_PAGED_TRITON_TEST_DEVICE=cuda)
@@ -11,7 +11,11 @@ With CUDA (sized for one H200, under 8 minutes; --quick does less of each):
            both variants and the rule's pick; bytes it must read, GB/s, share of the copy
            bandwidth; torch SDPA on the same K/V laid out contiguously (time ratio paged / dense)
   prefill  paged prefill attention with and without cached context: time, TFLOP/s, vs SDPA
-  e2e      a random-weight OPT-1.3B-shaped checkpoint (hidden 2048, 24 layers, ffn 8192,
+  runner   the same model through load_model + ModelRunner (no engine: no pydantic, no ray):
+           greedy tokens equal to HF in float32; a swap out / swap in round trip halfway
+           (tokens unchanged) in fp32 / fp16 / bf16; KV sizing from gpu_memory_utilization;
+           no kernel compile after warm-up; fp16 / bf16 decode tokens/s
+  e2e      (needs pydantic) a random-weight OPT-1.3B-shaped checkpoint (hidden 2048, 24 layers, ffn 8192,
            32 heads; the tiny 512-token vocabulary) in float16: the engine's greedy tokens with
            attention_backend="triton" against HF generate in float16 (match rate), and engine
            tokens/s with the triton and the torch backends
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -49,6 +54,11 @@ if str(REPO_ROOT) not in sys.path:
 # TESTS_TIMEOUT_S, and no new copy / decode / prefill point starts after BENCH_BUDGET_S.
 TESTS_TIMEOUT_S = {"quick": 150, "full": 240}
 BENCH_BUDGET_S = {"quick": 90.0, "full": 150.0}
+# The plan, step by step (seconds on one H200; full run). Each step's time is recorded next
+# to its budget; the total leaves a 15-minute GPU slot room for a rerun.
+STEP_BUDGET_S = {
+    "tests": 240, "copy_bandwidth": 10, "decode": 110, "prefill": 40, "runner": 60, "e2e": 20,
+}  # 470 s: under 8 minutes
 DECODE_BATCHES = (1, 16, 64, 256)
 DECODE_CONTEXTS = (512, 2048, 8192)
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -72,6 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer tests, shapes, repeats and layers")
     parser.add_argument("--skip-tests", action="store_true", help="do not run tests/ops/test_triton.py")
     parser.add_argument("--skip-e2e", action="store_true", help="do not run the end-to-end comparison")
+    parser.add_argument(
+        "--cpu-backend", choices=("triton", "torch"), default="triton",
+        help="without CUDA: the runner check's attention backend (triton = the interpreted kernels)",
+    )
     return parser.parse_args(argv)
 
 
@@ -107,28 +121,36 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("copy_bandwidth", "decode", "prefill", "e2e_opt_1.3b_shaped"):
             report["skipped"][name] = "no CUDA device: GPU parts skipped"
     if args.skip_e2e:
-        report["skipped"]["e2e"] = "--skip-e2e"
-    elif has_cuda:
-        run_section(report, "e2e", lambda: e2e_gpu(torch, args.quick))
+        report["skipped"]["e2e"] = report["skipped"]["runner"] = "--skip-e2e"
     else:
-        run_section(report, "e2e", lambda: e2e_cpu(torch))
+        run_section(report, "runner", lambda: runner_check(torch, has_cuda, args.quick, args.cpu_backend))
+        if importlib.util.find_spec("pydantic") is None:
+            report["skipped"]["e2e"] = "the engine (LLM) needs pydantic for EngineConfig, which is not installed"
+        elif has_cuda:
+            run_section(report, "e2e", lambda: e2e_gpu(torch, args.quick))
+        else:
+            run_section(report, "e2e", lambda: e2e_cpu(torch))
     path = args.out_dir / "gpu_check.json"
     path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     print(format_table(report))
     print(f"full figures: {path}")
     tests_failed = report.get("tests", {}).get("returncode", 0) != 0
-    return 1 if tests_failed or report["errors"] else 0
+    runner_failed = bool(report.get("runner", {}).get("failures"))
+    return 1 if tests_failed or runner_failed or report["errors"] else 0
 
 
 def run_section(report: dict, name: str, fn) -> None:
-    print(f"[gpu_check] {name} ...", flush=True)
+    budget = STEP_BUDGET_S.get(name)
+    print(f"[gpu_check] {name} (budget {budget} s) ...", flush=True)
     started = time.monotonic()
     try:
         report[name] = fn()
     except Exception as error:  # one broken section must not hide the others' figures
         report["errors"][name] = f"{type(error).__name__}: {error}"
         traceback.print_exc()
-    print(f"[gpu_check] {name} done in {time.monotonic() - started:.1f}s", flush=True)
+    seconds = round(time.monotonic() - started, 1)
+    report.setdefault("step_seconds", {})[name] = {"seconds": seconds, "budget": budget}
+    print(f"[gpu_check] {name} done in {seconds}s (budget {budget} s)", flush=True)
 
 
 def environment(torch) -> dict:
@@ -404,6 +426,221 @@ def _free_memory(torch) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------- model runner end to end
+#
+# Only torch, triton, transformers and safetensors: the model, the ModelRunner, the kernels,
+# the swapper and the KV sizing, driven by a minimal greedy loop (no scheduler, no engine
+# configuration, so neither pydantic nor ray is imported).
+
+
+def runner_check(torch, has_cuda: bool, quick: bool, cpu_backend: str = "triton") -> dict:
+    """Greedy tokens of the model runner against HF generate in float32 (triton backend on
+    the GPU; torch and the interpreted kernels on CPU), the same run with every block swapped
+    out to pinned host memory and back into other blocks halfway, the KV cache sized from
+    gpu_memory_utilization, no kernel compile after warm-up, and fp16 / bf16 decode
+    throughput of the runner."""
+    from transformers import AutoModelForCausalLM
+
+    from rayserve_paged.models.loader import get_model_config, load_model
+    from rayserve_paged.models.sampler import Sampler
+    from rayserve_paged.models.tiny import make_tiny_model
+    from rayserve_paged.ops import triton_backend
+    from rayserve_paged.ops.backends import get_attention_backend
+    from rayserve_paged.ops.cache_ops import BlockSwapper
+    from rayserve_paged.worker.model_runner import ModelRunner
+
+    device = "cuda" if has_cuda else "cpu"
+    backend_name = "triton" if has_cuda or (cpu_backend == "triton" and triton_backend.is_interpreted()) else "torch"
+    shape = (OPT_1_3B | ({"num_hidden_layers": 4} if quick else {})) if has_cuda else {}
+    block_size, max_new = 16, (16 if quick or not has_cuda else 32)
+    result: dict = {"device": device, "backend": backend_name, "failures": []}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-runner-") as path:
+        make_tiny_model("opt", path, **shape)
+        mc = get_model_config(path)
+        backend = get_attention_backend(backend_name, device)
+        tokenizer_ids = _prompt_ids(path)
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+        eos_ids = set(mc.eos_token_ids)
+        expected = [hf_greedy(hf_model, torch, ids, max_new, eos_ids) for ids in tokenizer_ids]
+        del hf_model
+        _free_memory(torch)
+        for dtype in ("float32", "float16", "bfloat16") if has_cuda else ("float32",):
+            model = load_model(path, dtype, device, backend)
+            eos = tuple(mc.eos_token_ids)
+            runner = ModelRunner(model, block_size, torch.device(device), Sampler(len(eos), eos))
+            blocks_per_seq = -(-(max(map(len, tokenizer_ids)) + max_new) // block_size)
+            num_blocks = 2 * blocks_per_seq * len(tokenizer_ids) + 1
+            if has_cuda and dtype == "float32":
+                result["kv_sizing"] = kv_sizing(torch, runner, mc, backend, block_size, dtype)
+            caches = _caches(torch, mc, num_blocks, block_size, getattr(torch, dtype), device)
+            host = _caches(torch, mc, num_blocks, block_size, getattr(torch, dtype), "cpu", pin=has_cuda)
+            compiled_before = None
+            qkv_stride = (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim  # queries: slices of one QKV projection
+            if has_cuda:
+                started = time.monotonic()
+                result.setdefault("warm_up", {})[dtype] = {
+                    "variants": backend.warm_up(*caches[0], mc.num_heads, qkv_stride),
+                    "seconds": round(time.monotonic() - started, 2),
+                }
+                compiled_before = compiled_variants()
+            ours = [_cut_at_eos(tokens, eos_ids) for tokens in
+                    runner_greedy(runner, caches, tokenizer_ids, max_new, block_size, blocks_per_seq)]
+            swapper = BlockSwapper(caches, host)
+            swapped = [_cut_at_eos(tokens, eos_ids) for tokens in
+                       runner_greedy(runner, caches, tokenizer_ids, max_new, block_size, blocks_per_seq, swapper)]
+            if dtype == "float32":
+                exact = sum(a == b for a, b in zip(ours, expected))
+                result["hf_parity_float32"] = {"prompts": len(expected), "exact": exact}
+                if ours != expected:
+                    result["failures"].append("float32 greedy tokens differ from HF")
+            result.setdefault("swap_roundtrip_equal", {})[dtype] = swapped == ours
+            if swapped != ours:
+                result["failures"].append(f"{dtype}: tokens after a swap-out / swap-in differ")
+            if has_cuda:
+                result.setdefault("decode_tokens_per_s", {})[dtype] = runner_throughput(
+                    torch, runner, caches, mc, block_size, quick
+                )
+                compiled_after = compiled_variants()
+                result.setdefault("compiles_after_warm_up", {})[dtype] = (
+                    None if compiled_before is None or compiled_after is None else compiled_after - compiled_before
+                )
+                if compiled_before is not None and compiled_after is not None and compiled_after != compiled_before:
+                    extra = compiled_after - compiled_before
+                    result["failures"].append(f"{dtype}: {extra} kernel compiles after warm-up")
+            del model, runner, caches, host
+            _free_memory(torch)
+    result["model"] = "random-weight OPT-1.3B-shaped" if has_cuda else "tiny OPT (CPU)"
+    result["cuda_graphs"] = "not implemented yet (needs the static-shape decode path); eager only"
+    return result
+
+
+def _cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
+    """The tokens up to and including the first EOS, as HF generate returns them."""
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+def _prompt_ids(path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
+
+
+def _caches(torch, mc, num_blocks, block_size, dtype, device, pin=False):
+    shape = (num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin),
+         torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin))
+        for _ in range(mc.num_layers)
+    ]
+
+
+def runner_greedy(runner, caches, prompts, max_new, block_size, blocks_per_seq, swapper=None) -> list[list[int]]:
+    """Greedy decoding of every prompt in one batch through ModelRunner.execute. Sequence i
+    owns blocks [1 + i * blocks_per_seq, ...); with a swapper, halfway through every
+    sequence's blocks go out to the host pool and come back into the other half of the pool."""
+    from rayserve_paged.core.outputs import ScheduledGroup, ScheduledSeq, SchedulerOutput
+    from rayserve_paged.core.sequence import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(len(prompts))]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    ids = [f"greedy-{i}-{id(outputs)}" for i in range(len(prompts))]
+    for step in range(max_new):
+        if swapper is not None and step == max_new // 2:
+            offset = len(prompts) * blocks_per_seq
+            swapper.swap_out([(block, block) for table in tables for block in table])
+            swapper.swap_in([(block, block + offset) for table in tables for block in table])
+            tables = [[block + offset for block in table] for table in tables]
+        groups = []
+        for i, prompt in enumerate(prompts):
+            if step == 0:
+                seq = ScheduledSeq(i, list(prompt), 0, tables[i], 0, 0)
+            else:
+                seq = ScheduledSeq(i, [outputs[i][-1]], len(prompt) + step - 1, tables[i], step, 0)
+            groups.append(ScheduledGroup(ids[i], [seq], params if step == 0 else None, len(prompt), step == 0))
+        finished = ids if step == max_new - 1 else []
+        samples = runner.execute(SchedulerOutput(groups=groups), caches).samples
+        for i, sample in enumerate(samples):
+            outputs[i].append(sample.token_ids[0])
+        if finished:
+            runner.execute(SchedulerOutput(groups=[], finished_request_ids=finished), caches)
+    if swapper is not None:
+        swapper.finish()
+    return outputs
+
+
+def runner_throughput(torch, runner, caches, mc, block_size, quick: bool) -> dict:
+    """Decode tokens per second of the runner for a batch of random prompts (eager)."""
+    import random
+
+    rng = random.Random(0)
+    batch, prompt_len, steps = (16, 128, 16) if quick else (64, 256, 32)
+    prompts = [[rng.randrange(7, 512) for _ in range(prompt_len)] for _ in range(batch)]
+    blocks_per_seq = -(-(prompt_len + steps) // block_size)
+    if 1 + batch * blocks_per_seq > caches[0][0].shape[0]:
+        bigger = _caches(torch, mc, 1 + batch * blocks_per_seq, block_size, caches[0][0].dtype, "cuda")
+    else:
+        bigger = caches
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    runner_greedy(runner, bigger, prompts, steps, block_size, blocks_per_seq)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    return {"batch": batch, "prompt_len": prompt_len, "new_tokens": steps, "seconds": round(seconds, 3),
+            "tokens_per_s": round(batch * steps / seconds, 1)}
+
+
+def kv_sizing(torch, runner, mc, backend, block_size, dtype) -> dict:
+    """Blocks the KV cache gets from gpu_memory_utilization=0.9 after a 2048-token profile step."""
+    from rayserve_paged.worker.kv_sizing import kv_cache_budget_bytes
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    free_before, total = torch.cuda.mem_get_info()
+    caches = _caches(torch, mc, 2048 // block_size, block_size, getattr(torch, dtype), "cuda")
+    runner_greedy(runner, caches, [[7] * 2047], 1, block_size, 2048 // block_size)
+    torch.cuda.synchronize()
+    workspace = backend.decode_workspace_bytes(256, mc.num_heads, mc.num_kv_heads, mc.head_dim, 2048, "cuda")
+    budget = kv_cache_budget_bytes(
+        total, free_before, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), 0.9, workspace
+    )
+    element_size = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    block_bytes = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * element_size
+    num_blocks = max(budget // block_bytes, 0)
+    del caches
+    torch.cuda.empty_cache()
+    allocated = _caches(torch, mc, num_blocks, block_size, getattr(torch, dtype), "cuda")  # must fit
+    used = torch.cuda.mem_get_info()
+    del allocated
+    torch.cuda.empty_cache()
+    return {"gpu_memory_utilization": 0.9, "budget_gib": budget / 2**30, "num_blocks": num_blocks,
+            "decode_workspace_mib": workspace / 2**20, "free_after_allocation_gib": used[0] / 2**30}
+
+
+def compiled_variants() -> int | None:
+    """How many compiled variants the attention kernels hold (triton's in-memory caches);
+    None when this triton keeps them where this cannot count them."""
+    from rayserve_paged.ops import triton_kernels
+
+    total = 0
+    for name in ("paged_decode_kernel", "paged_decode_partition_kernel", "paged_decode_reduce_kernel",
+                 "paged_prefill_kernel", "reshape_and_cache_kernel"):
+        kernel = getattr(triton_kernels, name)
+        caches = getattr(kernel, "device_caches", None)
+        if caches is None:
+            return None
+        for entry in caches.values():
+            first = entry[0] if isinstance(entry, tuple) else entry
+            if not isinstance(first, dict):
+                return None
+            total += len(first)
+    return total
 
 
 # ---------------------------------------------------------------------------- end to end

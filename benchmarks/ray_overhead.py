@@ -1,11 +1,13 @@
 """Per-step control overhead of the Ray executor against the in-process executor.
 
-The same requests run through LLMEngine twice: with the worker in the engine's process, and
-with the worker as a Ray actor (the Serve path). For each, the time a step spends outside
-the worker's execute() (scheduling, processing outputs, and for Ray the broadcast of the
-SchedulerOutput and the return of the samples) is its control overhead.
+The same requests run through LLMEngine in each mode: in this process (the baseline), in a
+Ray actor with rank 0 in that actor's process (the TP=1 Serve path: the SchedulerActor hosts
+rank 0), and with worker actors driven by plain actor calls or by the compiled step graph, at
+TP=1 and TP=2 (gloo on CPU). For each, the time a step spends outside rank 0's execute()
+(scheduling, processing outputs, and for worker actors sending the SchedulerOutput and
+returning the samples) is its control overhead.
 
-    rayserve-paged bench ray-overhead --out DIR [--tp 1] [--quick]
+    rayserve-paged bench ray-overhead --out DIR [--quick] [--max-tp 1|2]
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def _run(engine, requests) -> dict:
 
 
 def _worker_timing(executor) -> tuple[int, float]:
+    """Rank 0's (steps, seconds inside execute)."""
     if hasattr(executor, "worker"):
         return executor.worker.timing()
     import ray
@@ -48,15 +51,7 @@ def _worker_timing(executor) -> tuple[int, float]:
     return ray.get(executor.workers[0].timing.remote())
 
 
-def measure(executor_name: str, config, requests) -> dict:
-    from rayserve_paged.engine.llm_engine import LLMEngine
-
-    if executor_name == "ray":
-        from rayserve_paged.engine.ray_executor import RayExecutor
-
-        engine = LLMEngine(config, executor_factory=lambda c, p: RayExecutor(c, p, worker_cpus=1.0))
-    else:
-        engine = LLMEngine(config)
+def _measure_engine(engine, requests) -> dict:
     _run(engine, requests[:4])  # warm-up
     steps0, exec0 = _worker_timing(engine.executor)
     result = _run(engine, requests)
@@ -68,6 +63,51 @@ def measure(executor_name: str, config, requests) -> dict:
     return result
 
 
+class EngineHost:
+    """An engine in a Ray actor of its own, as the SchedulerActor holds it: `in-process` is
+    the TP=1 Serve path (rank 0 in the scheduler's process); `ray` drives worker actors."""
+
+    def __init__(self, config, executor: str, worker_cpus: float) -> None:
+        from rayserve_paged.engine.llm_engine import LLMEngine
+
+        if executor == "ray":
+            from rayserve_paged.engine.ray_executor import RayExecutor
+
+            self.engine = LLMEngine(config, executor_factory=lambda c, p: RayExecutor(c, p, worker_cpus=worker_cpus))
+        else:
+            self.engine = LLMEngine(config)
+
+    def measure(self, requests) -> dict:
+        return _measure_engine(self.engine, requests)
+
+
+# name -> (tensor_parallel_size, executor, worker_transport); "driver" runs in this process
+MODES = {
+    "in_process": (1, "driver", "actor_calls"),
+    "tp1_in_scheduler": (1, "in-process", "actor_calls"),
+    "tp1_actor_calls": (1, "ray", "actor_calls"),
+    "tp1_compiled_graph": (1, "ray", "compiled_graph"),
+    "tp2_actor_calls": (2, "ray", "actor_calls"),
+    "tp2_compiled_graph": (2, "ray", "compiled_graph"),
+}
+
+
+def measure(mode: str, config, requests, worker_cpus: float) -> dict:
+    tp, executor, transport = MODES[mode]
+    config = config.model_copy(update={"tensor_parallel_size": tp, "worker_transport": transport})
+    if executor == "driver":
+        from rayserve_paged.engine.llm_engine import LLMEngine
+
+        return _measure_engine(LLMEngine(config), requests)
+    import ray
+
+    host = ray.remote(EngineHost).options(num_cpus=0.1).remote(config, executor, worker_cpus)
+    try:
+        return ray.get(host.measure.remote(requests))
+    finally:
+        ray.kill(host)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rayserve-paged bench ray-overhead", description=__doc__)
     parser.add_argument("--out", required=True)
@@ -75,6 +115,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model", default="tiny-opt")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--max-tp", type=int, default=2, choices=(1, 2), help="largest tensor-parallel size to run")
+    parser.add_argument("--worker-cpus", type=float, default=0.5, help="CPUs of each worker actor")
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -89,24 +131,27 @@ def main(argv: list[str]) -> int:
     config = EngineConfig(
         model=args.model, device="cpu", max_model_len=512, kv_cache_memory_gb=0.1, swap_space_gb=0.01, num_cpu_threads=1
     )
-    results = {"in_process": measure("in_process", config, requests)}
+    results = {"in_process": measure("in_process", config, requests, args.worker_cpus)}
     ray.init(address="local", num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
     try:
-        results["ray"] = measure("ray", config, requests)
+        for mode in MODES:
+            if mode != "in_process" and MODES[mode][0] <= args.max_tp:
+                results[mode] = measure(mode, config, requests, args.worker_cpus)
     finally:
         ray.shutdown()
-    results["extra_overhead_ms_per_step"] = (
-        results["ray"]["overhead_ms_per_step"] - results["in_process"]["overhead_ms_per_step"]
-    )
-    results["config"] = {"model": args.model, "num_requests": num, "seed": args.seed, "torch_threads": 1}
-    print(f"{'executor':12} {'steps':>6} {'median step ms':>15} {'worker ms/step':>15} {'overhead ms/step':>17}")
-    for name in ("in_process", "ray"):
-        r = results[name]
-        print(
-            f"{name:12} {r['steps']:6d} {r['median_step_ms']:15.2f} {r['worker_ms_per_step']:15.2f} "
-            f"{r['overhead_ms_per_step']:17.2f}"
-        )
-    print(f"Ray executor adds {results['extra_overhead_ms_per_step']:.2f} ms of control overhead per step")
+    base = results["in_process"]["overhead_ms_per_step"]
+    for r in results.values():
+        r["extra_overhead_ms_per_step"] = r["overhead_ms_per_step"] - base
+    results["config"] = {
+        "model": args.model, "num_requests": num, "seed": args.seed, "torch_threads": 1, "worker_cpus": args.worker_cpus
+    }  # fmt: skip
+    print(f"{'executor':20} {'steps':>6} {'median step ms':>15} {'worker ms/step':>15} {'overhead ms/step':>17} "
+          f"{'over in-process':>16}")  # fmt: skip
+    for name in MODES:
+        if name in results:
+            r = results[name]
+            print(f"{name:20} {r['steps']:6d} {r['median_step_ms']:15.2f} {r['worker_ms_per_step']:15.2f} "
+                  f"{r['overhead_ms_per_step']:17.2f} {r['extra_overhead_ms_per_step']:16.2f}")  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ray_overhead.json").write_text(json.dumps(results, indent=2))

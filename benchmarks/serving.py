@@ -30,8 +30,12 @@ load, and stops both: SIGTERM to `serve run`, then SIGTERM and, after a grace pe
 to the head's process group (only the Ray processes this run started: `ray stop` would stop
 every Ray cluster on the machine). `--launch small-opt` first writes the small random-weight
 OPT of the throughput benchmark (6 layers, hidden 512, ffn 2048) to a temporary directory and
-a Serve config for it: one LLMServer replica, no autoscaling, worker 1.0 CPU, scheduler,
-replica and ingress 0.1 CPU each, `num_cpu_threads` = --threads.
+a Serve config for it: one LLMServer replica (which also serves HTTP), no autoscaling,
+worker 1.0 CPU, scheduler and replica 0.1 CPU each, `num_cpu_threads` = --threads.
+`--launch ceiling` does the same with a one-layer OPT of hidden size 16 (a step costs almost
+nothing: the serving path is what is measured), 256 requests of 16 prompt and exactly 256
+output tokens, at 16 and 64 in flight and all at once, compared in-process; it also writes
+serving_concurrency.png (output tokens/s against requests in flight).
 
 --compare-in-process (with --launch) runs the same requests all at once through
 `LLM.generate` in this process, with the config's engine options (a config without
@@ -74,6 +78,16 @@ DEFAULT_THREADS = 1
 DEFAULT_TIMEOUT_S = 600.0
 LAUNCH_NUM_CPUS = 2
 SMALL_OPT = "small-opt"  # --launch small-opt: the throughput benchmark's OPT, generated
+CEILING = "ceiling"  # --launch ceiling: a one-layer OPT of hidden 16 whose step costs almost nothing
+CEILING_MODEL = {
+    "num_hidden_layers": 1,
+    "hidden_size": 16,
+    "word_embed_proj_dim": 16,
+    "num_attention_heads": 2,
+    "ffn_dim": 64,
+    "max_position_embeddings": 512,
+}
+CEILING_CONCURRENCY = (16, 64)  # and all at once: 256 streams
 TARGET_RATIO = 0.8  # HTTP output tokens/s over the in-process engine's, same requests
 FIRST_TOKEN_ID = 7  # the tiny tokenizer's ids 0..6 are special tokens
 TOKEN_ID_LIMIT = 512  # exclusive: the tiny tokenizer's vocabulary
@@ -96,6 +110,8 @@ class Workload:
 
 FULL = Workload(num_requests=32, min_prompt_len=16, max_prompt_len=128, min_output_len=16, max_output_len=96)
 QUICK = Workload(num_requests=6, min_prompt_len=4, max_prompt_len=16, min_output_len=2, max_output_len=8)
+CEILING_WORKLOAD = Workload(num_requests=256, min_prompt_len=16, max_prompt_len=16, min_output_len=256,
+                            max_output_len=256)
 WARMUP = Workload(num_requests=2, min_prompt_len=8, max_prompt_len=8, min_output_len=4, max_output_len=4)
 
 
@@ -498,7 +514,7 @@ def small_opt_config(model_dir: str, workload: Workload, threads: int, seed: int
             "import_path": "rayserve_paged.app:build_app",
             "args": {
                 "model": model_dir,
-                "served_model_name": SMALL_OPT,
+                "served_model_name": os.path.basename(model_dir),
                 "device": "cpu",
                 "dtype": "float32",
                 "block_size": 16,
@@ -513,19 +529,19 @@ def small_opt_config(model_dir: str, workload: Workload, threads: int, seed: int
                 "ray_actor_options": {"num_cpus": 0.1},
                 "scheduler_cpus": 0.1,
                 "worker_cpus": 1.0,
-                "ingress_cpus": 0.1,
             },
         }],
     }  # fmt: skip
 
 
-def make_small_opt(out_dir: str) -> tuple[str, dict]:
-    """The throughput benchmark's OPT (random weights, seed 0) in out_dir; (path, its shape)."""
+def make_small_opt(out_dir: str, name: str = SMALL_OPT) -> tuple[str, dict]:
+    """The throughput benchmark's OPT (or, for `ceiling`, the one-layer OPT of hidden 16; random
+    weights, seed 0) in out_dir; (path, its shape)."""
     from benchmarks.throughput import FULL as THROUGHPUT_FULL
     from rayserve_paged.models.tiny import make_tiny_model
 
-    overrides = THROUGHPUT_FULL.model
-    return str(make_tiny_model("opt", os.path.join(out_dir, SMALL_OPT), **overrides)), dict(overrides)
+    overrides = CEILING_MODEL if name == CEILING else THROUGHPUT_FULL.model
+    return str(make_tiny_model("opt", os.path.join(out_dir, name), **overrides)), dict(overrides)
 
 
 def with_http_port(config: dict, port: int) -> dict:
@@ -805,6 +821,37 @@ def plot(runs: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def plot_concurrency(result: dict, path: str) -> None:
+    """Streamed output tokens/s against requests in flight (all at once = every request),
+    with the in-process engine's figure on the same requests as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = sorted(
+        (r["max_concurrency"] or r["num_requests"], r["output_throughput"])
+        for r in result["runs"]
+        if r["mode"] in ("concurrency", "all-at-once")
+    )
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    ax.plot(*zip(*points), "-o", label="HTTP, streamed (client-side)")
+    if result["in_process"] is not None:
+        ax.axhline(result["in_process"]["in_process_output_throughput"], color="gray", linestyle="--",
+                   label="in-process LLM.generate, all at once")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([c for c, _ in points], [str(c) for c, _ in points])
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("output tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"serving path: tokens/s against concurrency ({result['config']['model']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # ---------------------------------------------------------------------------- the run
 
 
@@ -821,8 +868,8 @@ def _launch_config(launch: str, tmp: str, workload: Workload, threads: int, seed
     """(Serve config, the generated model's shape or None) for --launch."""
     import yaml
 
-    if launch == SMALL_OPT:
-        model_dir, shape = make_small_opt(tmp)
+    if launch in (SMALL_OPT, CEILING):
+        model_dir, shape = make_small_opt(tmp, launch)
         return small_opt_config(model_dir, workload, threads, seed), shape
     return yaml.safe_load(Path(launch).read_text()), None
 
@@ -902,7 +949,9 @@ def _parser() -> argparse.ArgumentParser:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
     target.add_argument("--launch", metavar="CONFIG.yaml",
-                        help=f"start Ray + `serve run CONFIG.yaml` here first ('{SMALL_OPT}': a generated model and config)")
+                        help=f"start Ray + `serve run CONFIG.yaml` here first ('{SMALL_OPT}' / '{CEILING}': a generated "
+                             f"model and config; '{CEILING}' defaults to 256 streams of 256 tokens at 16, 64, 256 "
+                             "in flight, compared in-process)")
     parser.add_argument("--out", required=True, help="directory for serving.json and serving.png")
     parser.add_argument("--rate", type=_positive_rate, action="append",
                         help="Poisson request rate in req/s (repeat; 'inf' = all at once)")
@@ -932,7 +981,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--compare-in-process needs --launch (the engine options come from its config)")
     if args.threads < 1 or args.timeout <= 0:
         parser.error("--threads and --timeout must be positive")
-    workload = QUICK if args.quick else FULL
+    if args.launch == CEILING and not args.rate and not args.max_concurrency:
+        args.max_concurrency = list(CEILING_CONCURRENCY)  # all at once (256) is added with the comparison
+        args.compare_in_process = True
+    workload = QUICK if args.quick else CEILING_WORKLOAD if args.launch == CEILING else FULL
     if args.num_requests is not None:
         if args.num_requests < 1:
             parser.error("--num-requests must be >= 1")
@@ -943,8 +995,12 @@ def main(argv: list[str] | None = None) -> int:
     with open(json_path, "w") as f:
         json.dump(result, f, indent=2)
     plot(result["runs"], png_path)
+    written = [json_path, png_path]
+    if any(r["mode"] == "concurrency" for r in result["runs"]):
+        written.append(os.path.join(args.out, "serving_concurrency.png"))
+        plot_concurrency(result, written[-1])
     print(format_report(result))
-    print(f"\nwrote {json_path} and {png_path}")
+    print(f"\nwrote {', '.join(written)}")
     return 0
 
 

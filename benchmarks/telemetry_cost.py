@@ -35,7 +35,7 @@ def _run(engine, requests, telemetry, scrape_every: int) -> float:
             telemetry.record_outputs(outputs)
             if steps % scrape_every == 0:
                 telemetry.metrics_text()
-        tokens += sum(len(c.token_ids) for o in outputs if o.finished for c in o.outputs)
+        tokens += sum(len(c.token_ids) for o in outputs for c in o.outputs)  # per-step deltas
     return tokens / (time.process_time() - start)
 
 

@@ -22,9 +22,13 @@ async def main() -> None:
     out = await llm.generate.remote("The paged KV cache stores", params)
     print("generate:", repr(out.outputs[0].text), out.outputs[0].finish_reason)
 
-    # streaming: cumulative outputs, one per engine step
-    async for partial in llm.options(stream=True).generate_stream.remote("Once upon a time", params):
-        print("stream:", len(partial.outputs[0].token_ids), "tokens so far")
+    # streaming: deltas, one per engine step (what is new since the previous one); join them
+    text = ""
+    async for delta in llm.options(stream=True).generate_stream.remote("Once upon a time", params):
+        for choice in delta.outputs:
+            text += choice.text
+            print("stream: +", choice.token_ids, repr(choice.text), choice.finish_reason or "")
+    print("stream, joined:", repr(text))
 
     # many concurrent calls share the engine's batches
     outs = await asyncio.gather(*[llm.generate.remote(f"request {i}", params) for i in range(8)])

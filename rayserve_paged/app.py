@@ -1,11 +1,14 @@
 """The Serve application: `import_path: rayserve_paged.app:build_app`.
 
-    HTTP ──> OpenAIIngress ──handle──> LLMServer replica ──> SchedulerActor ──> Worker actors
-                                        (bundle 0)            (bundle 0)         (bundles 1..TP)
+    HTTP (Serve proxy) ──> LLMServer replica ──> SchedulerActor ──> Worker actors
+    DeploymentHandle   ──>  (FastAPI app,          (bundle 0)         (bundles 1..TP)
+                             bundle 0)
 
-`build_app(args)` validates AppArgs once (an invalid field fails here, named) and binds
-undecorated deployment classes; each LLMServer replica gets a placement group of its own,
-so an autoscaled replica always brings its own workers.
+`build_app(args)` validates AppArgs once (an invalid field fails here, named) and binds the
+undecorated LLMServer class, made a late-bound Serve ingress here (`serve.ingress()`): the
+OpenAI app runs in the replica that owns the engine, so HTTP reaches it in one hop, and the
+Python handle API is on the same deployment. Each replica gets a placement group of its
+own, so an autoscaled replica always brings its own workers.
 """
 
 from __future__ import annotations
@@ -39,20 +42,30 @@ class AppArgs(EngineConfig):
     ray_actor_options: dict[str, Any] = Field(
         default_factory=lambda: {"num_cpus": 0.1}, description="Options of the LLMServer replica actor."
     )
-    scheduler_cpus: float = Field(0.1, ge=0, description="CPUs of the SchedulerActor (bundle 0).")
-    worker_cpus: float = Field(1.0, gt=0, description="CPUs of each tensor-parallel Worker actor.")
+    scheduler_cpus: float = Field(
+        0.1, ge=0, description="CPUs of the SchedulerActor (bundle 0 at TP > 1; added to rank 0's bundle at TP = 1)."
+    )
+    worker_cpus: float = Field(
+        1.0, gt=0, description="CPUs of each tensor-parallel rank (a Worker actor; at TP = 1 rank 0 in the SchedulerActor)."
+    )
     placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK", description="How a replica's bundles are placed."
     )
-    ingress_cpus: float = Field(0.1, ge=0, description="CPUs of each OpenAIIngress replica.")
-    ingress_replicas: int = Field(1, ge=1, description="OpenAIIngress replicas.")
-    ingress_max_ongoing_requests: int = Field(1024, ge=1, description="Requests in flight per ingress replica.")
+    ingress_cpus: float = Field(
+        0.1, ge=0, description="Deprecated, ignored: the HTTP app runs in the LLMServer replicas."
+    )
+    ingress_replicas: int = Field(
+        1, ge=1, description="Deprecated, ignored: the HTTP app runs in the LLMServer replicas."
+    )
+    ingress_max_ongoing_requests: int = Field(
+        1024, ge=1, description="Deprecated, ignored: the HTTP app runs in the LLMServer replicas."
+    )
     max_pending_requests: int = Field(
         256,
         ge=1,
         description=(
-            "Completion requests in flight per ingress replica; more are answered 503 + Retry-After at once. "
-            "Keep it <= ingress_max_ongoing_requests, or Serve queues the excess before it gets here."
+            "Completion requests in flight per LLMServer replica; more are answered 503 + Retry-After at once. "
+            "Keep it <= max_ongoing_requests, or Serve queues the excess before it gets here."
         ),
     )
     max_request_body_bytes: int = Field(
@@ -76,12 +89,12 @@ def uses_gpu(args: EngineConfig) -> bool:
 
 
 def placement_group_bundles(args: AppArgs) -> list[dict[str, float]]:
-    """Bundle 0: the replica and its SchedulerActor; then one bundle per TP rank."""
+    """Bundle 0: the replica (and its SchedulerActor at TP > 1); then one bundle per TP rank
+    (at TP = 1 the SchedulerActor hosting rank 0)."""
+    from rayserve_paged.engine.ray_executor import replica_bundles
+
     replica_cpus = float(args.ray_actor_options.get("num_cpus", 1.0))
-    worker = {"CPU": args.worker_cpus}
-    if uses_gpu(args):
-        worker["GPU"] = 1.0
-    return [{"CPU": replica_cpus + args.scheduler_cpus}] + [dict(worker) for _ in range(args.tensor_parallel_size)]
+    return replica_bundles(args, replica_cpus, args.scheduler_cpus, args.worker_cpus, uses_gpu(args))
 
 
 def engine_config_of(args: AppArgs) -> EngineConfig:
@@ -111,30 +124,20 @@ def build_app(args: AppArgs | dict):
     from ray import serve
 
     from rayserve_paged.deployments.llm_server import LLMServer
-    from rayserve_paged.deployments.openai_ingress import OpenAIIngress
 
     if not isinstance(args, AppArgs):
         args = AppArgs(**args)
     engine = engine_config_of(args)
-    llm = serve.deployment(LLMServer, **llm_server_options(args)).bind(
+    http = {
+        "served_model_name": args.served_model_name or args.model,
+        "api_key": args.api_key,
+        "max_request_body_bytes": args.max_request_body_bytes,
+        "max_pending_requests": args.max_pending_requests,
+    }
+    return serve.deployment(serve.ingress()(LLMServer), **llm_server_options(args)).bind(
         engine.model_dump(),
         scheduler_cpus=args.scheduler_cpus,
         worker_cpus=args.worker_cpus,
         telemetry=args.telemetry.model_dump(),
-    )
-    ingress = serve.deployment(
-        OpenAIIngress,
-        name="OpenAIIngress",
-        num_replicas=args.ingress_replicas,
-        max_ongoing_requests=args.ingress_max_ongoing_requests,
-        ray_actor_options={"num_cpus": args.ingress_cpus},
-    )
-    return ingress.bind(
-        llm,
-        args.tokenizer or args.model,
-        args.served_model_name or args.model,
-        args.api_key,
-        args.trust_remote_code,
-        max_request_body_bytes=args.max_request_body_bytes,
-        max_pending_requests=args.max_pending_requests,
+        http=http,
     )

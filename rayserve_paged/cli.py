@@ -10,6 +10,7 @@ import sys
 # name -> module in the top-level `benchmarks` package; each has main(argv) -> int
 BENCHMARKS = {
     "memory": "benchmarks.memory",
+    "mixed": "benchmarks.mixed_load",
     "scheduler": "benchmarks.scheduler_step",
     "sharing": "benchmarks.sharing",
     "throughput": "benchmarks.throughput",

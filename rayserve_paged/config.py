@@ -40,7 +40,15 @@ class EngineConfig(BaseModel):
     watermark: float = Field(0.01, ge=0, lt=1, description="Share of KV blocks kept free at admission.")
     max_num_seqs: int = Field(256, ge=1, description="Most sequences in one step.")
     max_num_batched_tokens: int | None = Field(
-        None, ge=1, description="Most tokens in one step; defaults to max(max_model_len, 2048)."
+        None,
+        ge=1,
+        description="Most tokens in one step (decodes and prefill chunks); defaults to 2048 with chunked "
+        "prefill, else max(max_model_len, 2048).",
+    )
+    enable_chunked_prefill: bool = Field(
+        True,
+        description="Split long prompts into chunks that share each step's token budget with the running "
+        "decodes (decodes first, then prompt chunks in arrival order).",
     )
     max_model_len: int | None = Field(None, ge=1, description="Longest sequence; defaults to the model's.")
     attention_backend: Literal["auto", "torch", "triton", "flash"] = Field(
@@ -55,21 +63,31 @@ class EngineConfig(BaseModel):
         description="torch intra-op threads in a CPU worker (default: OMP_NUM_THREADS, which Ray sets to the "
         "worker actor's num_cpus, else the CPUs the process may run on).",
     )
+    worker_transport: Literal["compiled_graph", "actor_calls"] = Field(
+        "compiled_graph",
+        description=(
+            "How the scheduler actor drives worker actors (tensor_parallel_size > 1): a Ray Compiled Graph "
+            "compiled once at start-up (shared-memory channels), or one actor call per rank per step."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_lengths(self) -> EngineConfig:
         if (
-            self.max_model_len is not None
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
             and self.max_num_batched_tokens is not None
             and self.max_num_batched_tokens < self.max_model_len
         ):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len})"
+                f"({self.max_model_len}) when enable_chunked_prefill is off"
             )
         return self
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
+        if self.enable_chunked_prefill:
+            return max(2048, self.max_num_seqs)
         return max(max_model_len, 2048, self.max_num_seqs)

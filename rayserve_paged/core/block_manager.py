@@ -234,12 +234,13 @@ class BlockManager:
             parent, parent_key = block, key
         return hits
 
-    def _register_full_blocks(self, seq: Sequence, table: list[int]) -> None:
-        """Give every full block of `seq` (computed by the end of this step) a cache identity."""
+    def _register_full_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
+        """Give every full block among the first `num_tokens` of `seq` (computed by the end
+        of this step) a cache identity."""
         if not self.enable_prefix_caching:
             return
         start = self._num_registered.get(seq.seq_id, 0)
-        end = len(seq.token_ids) // self.block_size
+        end = num_tokens // self.block_size
         if start >= end:
             return
         bs = self.block_size
@@ -263,51 +264,71 @@ class BlockManager:
 
     # ------------------------------------------------------------------ admission
 
-    def _plan(self, group: SequenceGroup) -> tuple[list[Sequence], list[PhysicalBlock], int, int]:
-        """(waiting seqs, prefix hits of the first, blocks shared by all, blocks needed)."""
+    def _plan(self, group: SequenceGroup) -> tuple[list[Sequence], list[list[PhysicalBlock]], int, int]:
+        """(waiting seqs, each one's prefix hits, prompt blocks shared by all, blocks needed).
+
+        A recomputed group's sequences share their prompt's full blocks again (the first
+        computes what is not cached); each also takes its own cached blocks past the prompt.
+        """
         seqs = group.get_seqs(SequenceStatus.WAITING)
         first = seqs[0]
-        hits = self._match_prefix(first.token_ids)
-        # Sequences of one group share their prompt's full blocks (the first computes them).
+        hits = [self._match_prefix(first.token_ids)]
         num_shared = first.num_prompt_tokens // self.block_size if len(seqs) > 1 else 0
         total = self._num_blocks_for(len(first))
         for seq in seqs[1:]:
+            own_hits = self._match_prefix(seq.token_ids)[num_shared:]
+            hits.append(own_hits)
             total += self._num_blocks_for(len(seq)) - num_shared
         return seqs, hits, num_shared, total
 
-    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+    def can_allocate(self, group: SequenceGroup, use_watermark: bool = True) -> AllocStatus:
+        """NEVER only when the group needs more blocks than the pool has. The watermark
+        (kept free against thrashing between groups) does not apply to a group that will
+        run alone: `use_watermark=False`."""
         seqs, hits, _, total = self._plan(group)
-        if self.gpu.num_blocks - total < self.watermark_blocks:
+        if total > self.gpu.num_blocks:
             return AllocStatus.NEVER
         # Hits already in use cost nothing; hits in the free queue and new blocks cost one each.
-        need = total - sum(1 for b in hits if b.ref_count > 0)
-        if self.gpu.num_free_blocks - need >= self.watermark_blocks:
+        need = total - len({b.block_id for seq_hits in hits for b in seq_hits if b.ref_count > 0})
+        reserve = self.watermark_blocks if use_watermark else 0
+        if self.gpu.num_free_blocks - need >= reserve:
             return AllocStatus.OK
         return AllocStatus.LATER
 
     def allocate(self, group: SequenceGroup) -> None:
-        """Give the group's waiting sequences block tables; sets their computed-token counts."""
+        """Give the group's waiting sequences block tables; sets their computed-token counts
+        (the prefix-cache hits). Blocks cover every token: a chunked prefill needs no more."""
         seqs, hits, num_shared, _ = self._plan(group)
+        for seq_hits in hits:  # every hit is taken before any allocation may evict one
+            for block in seq_hits:
+                self.gpu.reuse(block)
         first = seqs[0]
-        for block in hits:
-            self.gpu.reuse(block)
-        table = [b.block_id for b in hits]
-        table += [self.gpu.allocate().block_id for _ in range(self._num_blocks_for(len(first)) - len(hits))]
-        self._start_table(first, table, num_computed=len(hits) * self.block_size)
+        table = [b.block_id for b in hits[0]]
+        table += [self.gpu.allocate().block_id for _ in range(self._num_blocks_for(len(first)) - len(table))]
+        self._start_table(first, table, num_computed=len(hits[0]) * self.block_size)
         self.counters.prefix_cache_queries += len(first)
-        self.counters.prefix_cache_hits += len(hits) * self.block_size
-        for seq in seqs[1:]:
+        self.counters.prefix_cache_hits += len(hits[0]) * self.block_size
+        for seq, own_hits in zip(seqs[1:], hits[1:]):
             shared = table[:num_shared]
             for bid in shared:
                 self.gpu.incref(self.gpu.blocks[bid])
-            own = [self.gpu.allocate().block_id for _ in range(self._num_blocks_for(len(seq)) - num_shared)]
-            self._start_table(seq, shared + own, num_computed=num_shared * self.block_size)
+            own = [b.block_id for b in own_hits]
+            own += [self.gpu.allocate().block_id for _ in range(self._num_blocks_for(len(seq)) - num_shared - len(own))]
+            self._start_table(seq, shared + own, num_computed=(num_shared + len(own_hits)) * self.block_size)
 
     def _start_table(self, seq: Sequence, table: list[int], num_computed: int) -> None:
         self.gpu_tables[seq.seq_id] = table
         self._num_registered[seq.seq_id] = 0
         seq.num_computed_tokens = num_computed
-        self._register_full_blocks(seq, table)
+        self._register_full_blocks(seq, table, num_computed)
+
+    def mark_computed(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """The block table of a prefilling sequence whose first `num_tokens` are computed by
+        the end of this step (its blocks were allocated at admission); their full blocks
+        become prefix-cache entries."""
+        table = self.gpu_tables[seq.seq_id]
+        self._register_full_blocks(seq, table, num_tokens)
+        return table
 
     # ------------------------------------------------------------------ decode
 
@@ -352,7 +373,7 @@ class BlockManager:
                 blocks_to_copy.append((last.block_id, copy.block_id))
                 self.counters.copy_on_write_blocks += 1
         if num_tokens % bs == 0:
-            self._register_full_blocks(seq, table)
+            self._register_full_blocks(seq, table, num_tokens)
         return table
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -391,20 +412,60 @@ class BlockManager:
         """Move the group's blocks to the CPU pool; returns (gpu id, cpu id) pairs to copy."""
         return self._move(group, SequenceStatus.RUNNING, self.gpu, self.cpu, self.gpu_tables, self.cpu_tables)
 
-    def can_swap_in(self, group: SequenceGroup) -> bool:
+    def _resident_blocks(self, seqs: list[Sequence]) -> dict[int, PhysicalBlock]:
+        """CPU block id -> the GPU block that still holds the same computed full block of a
+        prefix (shared with other groups, or cached): swap-in takes it instead of a copy."""
+        resident: dict[int, PhysicalBlock] = {}
+        for seq in seqs:
+            hits = self._match_prefix(seq.token_ids)[: seq.num_computed_tokens // self.block_size]
+            for cpu_bid, block in zip(self.cpu_tables[seq.seq_id], hits):
+                resident.setdefault(cpu_bid, block)
+        return resident
+
+    def can_swap_in(self, group: SequenceGroup, use_watermark: bool = True) -> bool:
+        """With the watermark, each sequence may also need a block for the token it computes
+        in the same step. A group that will run alone (`use_watermark=False`) only needs its
+        blocks to fit; the scheduler then makes room for its growth."""
         seqs = group.get_seqs(SequenceStatus.SWAPPED)
-        num_blocks = len(self._distinct_blocks([self.cpu_tables[s.seq_id] for s in seqs]))
-        # Each sequence may also need a block for the token it computes in the same step.
-        return self.gpu.num_free_blocks - num_blocks - len(seqs) >= self.watermark_blocks
+        cpu_bids = self._distinct_blocks([self.cpu_tables[s.seq_id] for s in seqs])
+        resident = self._resident_blocks(seqs)
+        in_use = {b.block_id for b in resident.values() if b.ref_count > 0}
+        need = len(cpu_bids) - sum(1 for bid in cpu_bids if bid in resident and resident[bid].block_id in in_use)
+        if use_watermark:
+            return self.gpu.num_free_blocks - need - len(seqs) >= self.watermark_blocks
+        return self.gpu.num_free_blocks - need >= 0
 
     def swap_in(self, group: SequenceGroup) -> BlockMapping:
-        """Bring the group's blocks back; returns (cpu id, gpu id) pairs to copy."""
-        mapping = self._move(group, SequenceStatus.SWAPPED, self.cpu, self.gpu, self.cpu_tables, self.gpu_tables)
-        for seq in group.get_seqs(SequenceStatus.SWAPPED):
-            # Fresh GPU blocks: they get their identities again (the group runs this step).
+        """Bring the group's blocks back; returns (cpu id, gpu id) pairs to copy. Blocks of a
+        prefix still on the GPU are taken as they are, not copied."""
+        seqs = group.get_seqs(SequenceStatus.SWAPPED)
+        resident = self._resident_blocks(seqs)
+        mapping: dict[int, int] = {}
+        for cpu_bid, block in resident.items():  # before any allocation may evict one
+            self.gpu.reuse(block)
+            mapping[cpu_bid] = block.block_id
+        first_use_taken = set(resident)  # their first reference was taken above
+        copies = []
+        for seq in seqs:
+            table = []
+            for bid in self.cpu_tables.pop(seq.seq_id):
+                gpu_bid = mapping.get(bid)
+                if gpu_bid is None:
+                    gpu_bid = mapping[bid] = self.gpu.allocate().block_id
+                    copies.append((bid, gpu_bid))
+                elif bid in first_use_taken:
+                    first_use_taken.discard(bid)
+                else:
+                    self.gpu.incref(self.gpu.blocks[gpu_bid])
+                table.append(gpu_bid)
+                self.cpu.decref(self.cpu.blocks[bid])
+            self.gpu_tables[seq.seq_id] = table
+        self.counters.swapped_in_blocks += len(copies)
+        for seq in seqs:
+            # Fresh GPU blocks get their identities again (the group runs this step).
             self._num_registered[seq.seq_id] = 0
-            self._register_full_blocks(seq, self.gpu_tables[seq.seq_id])
-        return mapping
+            self._register_full_blocks(seq, self.gpu_tables[seq.seq_id], seq.num_computed_tokens)
+        return copies
 
     def _move(self, group, status, src: DeviceAllocator, dst: DeviceAllocator, src_tables, dst_tables) -> BlockMapping:
         mapping: dict[int, int] = {}

@@ -56,6 +56,9 @@ class ScheduledGroup:
     sampling_params: SamplingParams | None
     num_prompt_tokens: int
     is_first_step: bool  # no token sampled yet: the sampler draws best_of samples
+    # False for a chunk of a prefill that ends before the group's last token: computed,
+    # nothing sampled (the group samples in the step that computes its last chunk).
+    do_sample: bool = True
 
 
 @compact_pickle
@@ -74,7 +77,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.groups or self.blocks_to_swap_out)
+        """Nothing for the workers to do (not even to forget finished requests)."""
+        return not (self.groups or self.blocks_to_swap_out or self.finished_request_ids)
 
     @property
     def num_seqs(self) -> int:

@@ -1,15 +1,23 @@
-"""FCFS, iteration-level scheduling with all-or-nothing preemption of request groups.
+"""FCFS, iteration-level scheduling with chunked prefill and all-or-nothing preemption of
+request groups.
 
-Each step:
+Each step has one token budget (`max_num_batched_tokens`):
   1. decode   reserve one slot per running sequence, oldest group first; when blocks run
               out, preempt the most recently arrived running group (swap or recompute),
-              repeating as needed — possibly the group itself.
-  2. swap in  bring swapped groups back in FCFS order, unless this step preempted.
-  3. admit    waiting groups in FCFS order under the budgets and the watermark, unless
-              anything is swapped or this step preempted.
+              repeating as needed. The oldest group never preempts itself: alone, it may
+              use the whole pool, and when even that is too small its newest sequences end
+              (finish_reason "length", stop_reason KV_CACHE_LIMIT) so the rest go on.
+  2. prefill  running groups with prompt tokens left get the next chunk, FCFS.
+  3. swap in  bring swapped groups back in FCFS order, unless this step preempted.
+  4. admit    waiting groups in FCFS order (their first chunk) under the budgets and the
+              watermark, unless anything is swapped or this step preempted.
 
 Queues are ordered by arrival: `running` oldest first (the tail is the next victim),
 `swapped` and `waiting` oldest first (the head is the next to come back).
+
+Liveness: while any request is unfinished, every step schedules at least one group (the
+oldest running one, else the head of `swapped`, else the head of `waiting`, which then
+runs alone and fits: start-up guarantees the pool holds one sequence of max_model_len).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from dataclasses import dataclass
 
 from rayserve_paged.core.block_manager import AllocStatus, BlockManager
 from rayserve_paged.core.outputs import ScheduledGroup, ScheduledSeq, SchedulerOutput
-from rayserve_paged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from rayserve_paged.core.sequence import KV_CACHE_LIMIT, Sequence, SequenceGroup, SequenceStatus
 
 
 class PreemptionMode(enum.Enum):
@@ -36,16 +44,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     preemption_mode: PreemptionMode = PreemptionMode.AUTO
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         self.preemption_mode = PreemptionMode(self.preemption_mode)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
-        if self.max_num_batched_tokens < self.max_model_len:
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}): a prompt is prefilled in one step"
+                f"({self.max_model_len}) without chunked prefill: a prompt is prefilled in one step"
             )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
@@ -133,27 +142,37 @@ class Scheduler:
         if self._has_finished_running:
             self.running = [g for g in self.running if not g.is_finished()]
             self._has_finished_running = False
+        bm = self.block_manager
+        budget = self.config.max_num_batched_tokens
         num_seqs = 0
         num_tokens = 0
 
         # -- decode: one slot per running sequence, oldest group first; preempt from the tail
         running = self.running
+        prefilling: list[SequenceGroup] = []  # running groups with a prefill chunk to come
         # Each sequence needs at most one new block per step: with that many free, no
         # group can run short and the per-group checks are skipped.
-        room = self.block_manager.num_free_gpu_blocks() >= sum(len(g.seqs) for g in running)
+        room = bm.num_free_gpu_blocks() >= sum(len(g.seqs) for g in running)
         i = 0
         while i < len(running):
             group = running[i]
-            while not room and not self.block_manager.can_append_slots(group):
-                victim = running.pop()
-                self._preempt(victim, out)
-                if victim is group:
-                    break
+            if not room and not bm.can_append_slots(group):
+                if not self._make_room(group, out):
+                    continue  # the group was preempted (it was the tail) or ended
+            if group.is_prefilling:
+                prefilling.append(group)
+                num_seqs += len(group.get_seqs(SequenceStatus.RUNNING))
             else:
-                num_tokens += self._schedule_group(group, out, reserve=True)
+                num_tokens += self._schedule_decode(group, out)
                 num_seqs += len(out.groups[-1].seqs)
-                i += 1
+            i += 1
         preempted = bool(out.preempted)
+
+        # -- prefill: the next chunk of each partly prefilled group, FCFS
+        for group in prefilling:
+            if num_tokens >= budget:
+                break
+            num_tokens += self._schedule_prefill(group, out, budget - num_tokens)
 
         # -- swap in: FCFS, unless this step preempted (its blocks are still leaving)
         while self.swapped and not preempted:
@@ -161,54 +180,69 @@ class Scheduler:
             seqs = group.get_seqs(SequenceStatus.SWAPPED)
             if num_seqs + len(seqs) > self.config.max_num_seqs:
                 break
-            if num_tokens + len(seqs) > self.config.max_num_batched_tokens:
+            if num_tokens + len(seqs) > budget:
                 break
-            if not self.block_manager.can_swap_in(group):
+            alone = not running
+            if not bm.can_swap_in(group, use_watermark=not alone):
                 break
             self.swapped.popleft()
-            out.blocks_to_swap_in.extend(self.block_manager.swap_in(group))
+            out.blocks_to_swap_in.extend(bm.swap_in(group))
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
-            num_tokens += self._schedule_group(group, out, reserve=True)
-            num_seqs += len(seqs)
+            if alone and not group.is_prefilling and not bm.can_append_slots(group):
+                self._end_newest_seqs(group, out)
+                if group.is_finished():
+                    continue
             _insert_by_arrival(running, group)
+            num_seqs += len(group.get_seqs(SequenceStatus.RUNNING))
+            if group.is_prefilling:
+                num_tokens += self._schedule_prefill(group, out, budget - num_tokens)
+            else:
+                num_tokens += self._schedule_decode(group, out)
 
         # -- admit: FCFS, only while nothing is swapped out
+        chunking = self.config.enable_chunked_prefill
         while self.waiting and not self.swapped and not preempted:
             group = self.waiting[0]
             seqs = group.get_seqs(SequenceStatus.WAITING)
             if max(len(s) for s in seqs) > self.config.max_model_len:
-                self._ignore(self.waiting.popleft(), out)
+                self._end_group(self.waiting.popleft(), out)
                 continue
-            status = self.block_manager.can_allocate(group)
+            status = bm.can_allocate(group, use_watermark=bool(running))
             if status is AllocStatus.NEVER:
-                self._ignore(self.waiting.popleft(), out)
+                if len(seqs) > 1:  # a recomputed group wider than the pool: it narrows
+                    self._end_newest_seqs(group, out)
+                    continue
+                self._end_group(self.waiting.popleft(), out)
                 continue
             if status is AllocStatus.LATER:
                 break
             if num_seqs + group.max_num_running_seqs() > self.config.max_num_seqs:
                 break
-            # Budget by uncomputed tokens without prefix hits (an upper bound); the first
-            # group of an empty batch always goes, so a recomputed wide group cannot starve.
-            new_tokens = sum(len(s) for s in seqs)
-            if out.groups and num_tokens + new_tokens > self.config.max_num_batched_tokens:
+            if chunking:
+                if num_tokens >= budget:
+                    break
+            # Without chunking, budget by uncomputed tokens without prefix hits (an upper
+            # bound); the first group of an empty batch always goes, so a recomputed wide
+            # group cannot starve.
+            elif out.groups and num_tokens + sum(len(s) for s in seqs) > budget:
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(group)
+            bm.allocate(group)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
-            num_tokens += self._schedule_group(group, out, reserve=False)
+            _insert_by_arrival(running, group)
+            num_tokens += self._schedule_prefill(group, out, budget - num_tokens)
             num_seqs += group.max_num_running_seqs()
             out.num_prefill_groups += 1
-            _insert_by_arrival(running, group)
 
         out.num_batched_tokens = num_tokens
         return out
 
-    def _schedule_group(self, group: SequenceGroup, out: SchedulerOutput, reserve: bool) -> int:
-        """Emit the group's work for this step; returns the number of tokens it computes.
-        `reserve`: first give each sequence slots for its uncomputed tokens (admission has
-        already allocated them). Runs for every running group every step: kept lean."""
+    def _schedule_decode(self, group: SequenceGroup, out: SchedulerOutput) -> int:
+        """Emit the group's decode (one token per running sequence, each given a slot first);
+        returns the number of tokens it computes. Runs for every running group every step:
+        kept lean."""
         bm = self.block_manager
         copies = out.blocks_to_copy
         needs_history = group.sampling_params.needs_history
@@ -221,7 +255,7 @@ class Scheduler:
             token_ids = seq.token_ids
             start = seq.num_computed_tokens
             end = len(token_ids)
-            table = bm.append_slots(seq, copies) if reserve else bm.gpu_tables[seq.seq_id]
+            table = bm.append_slots(seq, copies)
             scheduled.append(
                 ScheduledSeq(
                     seq.seq_id,
@@ -235,6 +269,67 @@ class Scheduler:
             )
             num_tokens += end - start
             seq.num_computed_tokens = end
+        # (inlined _emit: this runs for every running group every step)
+        request_id = group.request_id
+        params = None
+        if request_id not in self._params_sent:
+            self._params_sent.add(request_id)
+            params = group.sampling_params
+        first = group.seqs[0]
+        is_first_step = len(group.seqs) == 1 and len(first.token_ids) == first.num_prompt_tokens
+        out.groups.append(ScheduledGroup(request_id, scheduled, params, first.num_prompt_tokens, is_first_step))
+        return num_tokens
+
+    def _schedule_prefill(self, group: SequenceGroup, out: SchedulerOutput, budget: int) -> int:
+        """Emit the group's next prefill chunk within `budget` tokens (everything left when it
+        fits, or when chunking is off); returns the number of tokens it computes.
+
+        A partial chunk leaves every sequence's last token for the step that samples, so the
+        group samples all its sequences in one step. In a recomputed group the other
+        sequences start past the prompt blocks they share with the first, so they wait until
+        the first has computed those:
+
+            first   [ shared prompt blocks ......... | own tokens ...... ]
+            others                                   [ own tokens ........... ]
+        """
+        bm = self.block_manager
+        seqs = [(i, s) for i, s in enumerate(group.seqs) if s.status is SequenceStatus.RUNNING]
+        num_left = sum(len(s.token_ids) - s.num_computed_tokens for _, s in seqs)
+        whole = num_left <= budget or not self.config.enable_chunked_prefill
+        first = seqs[0][1]
+        shared_end = first.num_prompt_tokens // bm.block_size * bm.block_size if len(seqs) > 1 else 0
+        needs_history = whole and group.sampling_params.needs_history
+        scheduled = []
+        num_tokens = 0
+        for index, seq in seqs:
+            start = seq.num_computed_tokens
+            end = len(seq.token_ids)
+            if not whole:
+                if seq is not first and first.num_computed_tokens < shared_end:
+                    break
+                end = min(end - 1, start + budget - num_tokens)
+                if end <= start:
+                    continue
+            table = bm.mark_computed(seq, end)
+            scheduled.append(
+                ScheduledSeq(
+                    seq.seq_id,
+                    seq.token_ids[start:end],
+                    start,
+                    table.copy(),
+                    end - seq.num_prompt_tokens,
+                    index,
+                    seq.token_ids.copy() if needs_history else None,
+                )
+            )
+            num_tokens += end - start
+            seq.num_computed_tokens = end
+        group.is_prefilling = not whole
+        if scheduled:
+            self._emit(group, scheduled, out, do_sample=whole)
+        return num_tokens
+
+    def _emit(self, group: SequenceGroup, scheduled: list[ScheduledSeq], out: SchedulerOutput, do_sample: bool) -> None:
         first = group.seqs[0]
         params = None
         if group.request_id not in self._params_sent:
@@ -247,11 +342,52 @@ class Scheduler:
                 params,
                 first.num_prompt_tokens,
                 len(group.seqs) == 1 and len(first.token_ids) == first.num_prompt_tokens,
+                do_sample,
             )
         )
-        return num_tokens
 
     # ------------------------------------------------------------------ preemption
+
+    def _make_room(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
+        """Free blocks until the running group can append its slots: preempt the newest
+        running groups; the oldest group, left alone, narrows instead. Returns False when
+        the group was preempted, or ended for want of even one sequence's blocks."""
+        running = self.running
+        while not self.block_manager.can_append_slots(group):
+            if running[0] is group and len(running) == 1:
+                self._end_newest_seqs(group, out)
+                return not group.is_finished()
+            victim = running.pop()
+            self._preempt(victim, out)
+            if victim is group:
+                return False
+        return True
+
+    def _end_newest_seqs(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """The group alone cannot grow (or, recomputed, cannot fit) in the whole pool: end its
+        newest unfinished sequences with finish_reason "length" (stop_reason KV_CACHE_LIMIT)
+        until the rest fit. At least one sequence of max_model_len always fits a pool that
+        start-up accepted; if even one does not, the group ends."""
+        bm = self.block_manager
+        for seq in reversed(group.seqs):
+            status = seq.status
+            if status.is_finished:
+                continue
+            if status is SequenceStatus.WAITING:
+                fits = bm.can_allocate(group, use_watermark=False) is not AllocStatus.NEVER
+            else:
+                fits = bm.can_append_slots(group)
+            if fits:
+                return
+            seq.status = SequenceStatus.FINISHED_LENGTH
+            seq.stop_reason = KV_CACHE_LIMIT
+            bm.free(seq)
+        # nothing left that fits: the request ends here
+        if group in self.running:
+            self.running.remove(group)
+        if self.waiting and self.waiting[0] is group:
+            self.waiting.popleft()
+        self._end_group(group, out)
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         out.preempted.append(group.request_id)
@@ -269,13 +405,19 @@ class Scheduler:
         for seq in seqs:
             self.block_manager.free(seq)
             seq.reset_for_recompute()
+        group.is_prefilling = False
         self.waiting.appendleft(group)
         self.counters.preemptions_recompute += 1
 
-    def _ignore(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+    def _end_group(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """The request can never run (longer than max_model_len, or more than the whole
+        pool): it ends and is reported in `out.ignored`."""
         for seq in group.seqs:
-            seq.status = SequenceStatus.FINISHED_IGNORED
+            if not seq.status.is_finished:
+                seq.status = SequenceStatus.FINISHED_IGNORED
+            self.block_manager.free(seq)
         self.groups.pop(group.request_id, None)
+        self._release_params(group.request_id)
         out.ignored.append(group.request_id)
 
 

@@ -43,6 +43,11 @@ FINISH_REASONS = {
 }
 
 
+# stop_reason of a sequence ended with finish_reason "length" because its group could not
+# grow even with every other request preempted: the KV pool, not max_tokens, was the limit.
+KV_CACHE_LIMIT = "kv_cache_limit"
+
+
 class SamplingParamsError(ValueError):
     """Invalid sampling parameters; the message names the field."""
 
@@ -75,6 +80,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
 
     def __post_init__(self) -> None:
         if self.best_of is None:
@@ -117,6 +124,12 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if not all(_is_int(t) and t >= 0 and _is_finite(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()):
+            raise bad("logit_bias", "must map token ids >= 0 to biases in [-100, 100]")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if not _is_finite(self.length_penalty) or not -10 <= self.length_penalty <= 10:
             raise bad("length_penalty", "must be in [-10, 10]")
         if self.early_stopping not in (True, False, "never"):
@@ -128,6 +141,9 @@ class SamplingParams:
                 raise bad("temperature", "beam search is deterministic: set temperature 0")
             if self.top_p < 1 or self.top_k != -1 or self.min_p > 0:
                 raise bad("top_p", "beam search cannot be combined with top_p/top_k/min_p")
+            for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+                if getattr(self, name) != (1.0 if name == "repetition_penalty" else 0.0):
+                    raise bad(name, "beam search cannot be combined with presence/frequency/repetition penalties")
         elif self.is_greedy and self.best_of > 1:
             raise bad("best_of", "greedy sampling (temperature 0) with best_of > 1 gives copies")
 
@@ -168,11 +184,7 @@ class Sequence:
         "status",
         "cumulative_logprob",
         "output_logprobs",
-        "output_text",
         "stop_reason",
-        "read_offset",
-        "prefix_offset",
-        "tokens_text",
     )
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int]) -> None:
@@ -183,12 +195,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.cumulative_logprob = 0.0
         self.output_logprobs: list = []
-        self.output_text = ""
         self.stop_reason: int | str | None = None
-        # Incremental detokenization state (owned by the engine).
-        self.read_offset = 0
-        self.prefix_offset = 0
-        self.tokens_text: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -222,11 +229,7 @@ class Sequence:
         child.status = self.status
         child.cumulative_logprob = self.cumulative_logprob
         child.output_logprobs = list(self.output_logprobs)
-        child.output_text = self.output_text
         child.stop_reason = self.stop_reason
-        child.read_offset = self.read_offset
-        child.prefix_offset = self.prefix_offset
-        child.tokens_text = None if self.tokens_text is None else list(self.tokens_text)
         return child
 
     def reset_for_recompute(self) -> None:
@@ -244,7 +247,7 @@ class Sequence:
 class SequenceGroup:
     """A request: sequences that share one prompt, scheduled all-or-nothing."""
 
-    __slots__ = ("request_id", "seqs", "sampling_params", "arrival_time", "arrival_index", "metrics")
+    __slots__ = ("request_id", "seqs", "sampling_params", "arrival_time", "arrival_index", "metrics", "is_prefilling")
 
     def __init__(
         self,
@@ -261,6 +264,8 @@ class SequenceGroup:
         # FCFS order: a strictly increasing admission number (ties of arrival_time are common).
         self.arrival_index = arrival_index
         self.metrics: dict[str, float] = {}
+        # Admitted, with prompt (or recomputed) tokens still to prefill in later chunks.
+        self.is_prefilling = False
 
     @property
     def prompt_token_ids(self) -> list[int]:

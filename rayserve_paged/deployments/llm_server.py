@@ -1,32 +1,44 @@
 """LLMServer: the Serve deployment of one engine (one replica = one SchedulerActor and its
-tensor-parallel workers, all in the replica's placement group).
+tensor-parallel workers, all in the replica's placement group), and the HTTP app on it.
+
+    HTTP (Serve proxy) ──> LLMServer replica: FastAPI app (openai_ingress.create_openai_app)
+    DeploymentHandle   ──>   │ tokenize in a thread pool; EngineFrontend: detokenize, stop
+                             ▼ strings, one buffer per request
+                           SchedulerActor (step loop; one batch of deltas per step)
+
+A token crosses one process boundary between the step loop and the HTTP response.
 
 Python handle API:
     await handle.generate.remote(prompt_or_token_ids, sampling_params)        -> RequestOutput
     async for out in handle.options(stream=True).generate_stream.remote(...)   -> RequestOutputs
 
-Streamed outputs are cumulative (the full text and token ids so far), one per engine step in
-which the request advanced; the last has finished=True.
+`generate` returns the cumulative result. `generate_stream` yields DELTAS: each output
+carries only the text, token ids and logprobs that are new since the previous one (one
+per engine step in which the request advanced, or several steps' worth for a slow reader);
+the last has finished=True and the finish reasons. Join the pieces for the whole text.
 """
-
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import ray
 from ray.util.placement_group import get_current_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
+from rayserve_paged.engine.frontend import EngineFrontend
 from rayserve_paged.engine.llm_engine import RequestError
 from rayserve_paged.engine.outputs import RequestOutput
+from rayserve_paged.engine.ray_executor import scheduler_actor_options
 from rayserve_paged.engine.scheduler_actor import SchedulerActor
 
 logger = logging.getLogger(__name__)
+
+TOKENIZER_THREADS = 2  # prompt tokenization and chat templates, off the event loop
 
 
 def as_sampling_params(params: SamplingParams | dict | None) -> SamplingParams:
@@ -42,6 +54,26 @@ def as_sampling_params(params: SamplingParams | dict | None) -> SamplingParams:
     raise RequestError("sampling_params: expected SamplingParams or a dict of its fields")
 
 
+class ActorCore:
+    """EngineCore over the SchedulerActor's handle."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    async def add_request(self, request_id, prompt, prompt_token_ids, params) -> None:
+        await self.actor.add_request.remote(request_id, prompt, prompt_token_ids, params)
+
+    async def abort(self, request_id: str) -> None:
+        await self.actor.abort.remote(request_id)
+
+    async def stop_sequences(self, request_id: str, stops: list[tuple[int, str]]) -> None:
+        await self.actor.stop_sequences.remote(request_id, stops)
+
+    async def outputs(self):
+        async for ref in self.actor.outputs.options(num_returns="streaming").remote():
+            yield await ref
+
+
 class LLMServer:
     def __init__(
         self,
@@ -50,69 +82,77 @@ class LLMServer:
         worker_cpus: float = 1.0,
         scheduler_actor=None,
         telemetry: dict | None = None,
+        http: dict | None = None,
+        tokenizer=None,
     ) -> None:
         config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
         self.config = config
         if scheduler_actor is None:
-            pg = get_current_placement_group()
-            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0) if pg else None
+            placement = scheduler_actor_options(config, scheduler_cpus, worker_cpus, get_current_placement_group())
             scheduler_actor = (
                 ray.remote(SchedulerActor)
-                .options(num_cpus=scheduler_cpus, max_concurrency=10_000, scheduling_strategy=strategy)
+                .options(max_concurrency=10_000, **placement)
                 .remote(config, worker_cpus=worker_cpus, telemetry={**(telemetry or {}), "replica": _replica_id()})
             )
         self.actor = scheduler_actor
+        self._http = dict(http or {})
+        self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
         self._info = ray.get(self.actor.model_info.remote())  # waits for the model to load
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._pump: asyncio.Task | None = None
-        self._failure: BaseException | None = None
+        self.frontend = EngineFrontend(ActorCore(self.actor), self.tokenizer)
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize")
+
+    def __serve_build_asgi_app__(self):
+        """Serve's late-bound ingress (`serve.ingress()(LLMServer)` in build_app): the
+        OpenAI app over this replica's own front end."""
+        from rayserve_paged.deployments.openai_ingress import create_openai_app
+
+        http = dict(self._http)
+        served_model_name = http.pop("served_model_name", None) or self.config.model
+        api_key = http.pop("api_key", None)
+        return create_openai_app(self, self.tokenizer, served_model_name, api_key, **http)
 
     # ------------------------------------------------------------------ handle API
 
     async def generate(
-        self, prompt: str | list[int], sampling_params: SamplingParams | dict | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | dict | None = None,
+        request_id: str | None = None,
     ) -> RequestOutput:
-        last = None
-        async for last in self.generate_stream(prompt, sampling_params, request_id):
-            pass
-        return last
+        """The whole result, once finished."""
+        params = as_sampling_params(sampling_params)
+        text, token_ids = await self._prompt(prompt)
+        return await self.frontend.generate(token_ids, params, request_id or _new_id(), text)
 
     async def generate_stream(
-        self, prompt: str | list[int], sampling_params: SamplingParams | dict | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | dict | None = None,
+        request_id: str | None = None,
     ):
+        """Deltas (see the module docstring); closing the stream aborts the request."""
         params = as_sampling_params(sampling_params)
-        text, token_ids = _split_prompt(prompt)
-        request_id = request_id or f"req-{uuid.uuid4().hex}"
-        self._start_pump()
-        if self._failure is not None:
-            raise RuntimeError(f"the engine is unavailable: {self._failure!r}")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        finished = False
-        try:
-            await self.actor.add_request.remote(request_id, text, token_ids, params)
-            while not finished:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    raise out
-                if out.error is not None:
-                    raise RequestError(f"prompt: {out.error}")
-                finished = out.finished
-                yield out
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:  # the caller went away (or failed): free the request's blocks now
-                self._detached(self._send_abort(request_id))
+        text, token_ids = await self._prompt(prompt)
+        async for out in self.frontend.generate_stream(token_ids, params, request_id or _new_id(), text):
+            yield out
 
-    async def _send_abort(self, request_id: str) -> None:
-        await self.actor.abort.remote(request_id)
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, computed in the replica's tokenizer thread pool."""
+        encode = lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)  # noqa: E731
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, encode)
+
+    async def _prompt(self, prompt) -> tuple[str | None, list[int]]:
+        text, token_ids = _split_prompt(prompt)
+        if token_ids is None:
+            token_ids = await self.tokenize(text)
+        return text, token_ids
 
     async def abort(self, request_id: str) -> None:
-        await self.actor.abort.remote(request_id)
+        await self.frontend.abort(request_id)
 
     async def model_info(self) -> dict:
-        if self._failure is not None:  # /health answers 503 once the engine is gone
-            raise RuntimeError(f"the engine failed: {self._failure!r}")
+        if self.frontend.failure is not None:  # /health answers 503 once the engine is gone
+            raise RuntimeError(f"the engine failed: {self.frontend.failure!r}")
         return dict(self._info)
 
     async def stats(self) -> dict:
@@ -123,36 +163,28 @@ class LLMServer:
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy (replaced)."""
-        if self._failure is not None:
-            raise RuntimeError(f"the engine failed: {self._failure!r}")
+        if self.frontend.failure is not None:
+            raise RuntimeError(f"the engine failed: {self.frontend.failure!r}")
         await asyncio.wait_for(self.actor.check_health.remote(), timeout=20)
 
-    # ------------------------------------------------------------------ output pump
 
-    @staticmethod
-    def _detached(coro) -> asyncio.Task:
-        """Run `coro` outside the calling request's context. Serve cancels the Ray calls a
-        request made when the request is cancelled (a client disconnect); the shared output
-        stream and the abort of a cancelled request must outlive it."""
-        return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    """The tokenizer of a local directory or hub id (only its tokenizer files are fetched);
+    "tiny-opt" / "tiny-llama" resolve, as in the engine, to the cached tiny checkpoint,
+    written on this node if missing."""
+    from transformers import AutoTokenizer
 
-    def _start_pump(self) -> None:
-        if self._pump is None or self._pump.done():
-            self._pump = self._detached(self._pump_outputs())
+    path = str(name_or_path)
+    if not Path(path).expanduser().is_dir():
+        from rayserve_paged.models.tiny import TINY_MODELS, resolve_model  # imports torch
 
-    async def _pump_outputs(self) -> None:
-        """One stream from the scheduler actor carries every request's output, per step."""
-        try:
-            async for ref in self.actor.outputs.options(num_returns="streaming").remote():
-                for out in await ref:
-                    queue = self._queues.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
-        except Exception as e:  # the actor or a worker died: fail everyone waiting, at once
-            logger.error("engine output stream failed: %r", e)
-            self._failure = e
-            for queue in self._queues.values():
-                queue.put_nowait(RuntimeError(f"the engine failed: {e!r}"))
+        if path in TINY_MODELS:
+            path = str(resolve_model(path))
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def _new_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
 
 
 def _replica_id() -> str:

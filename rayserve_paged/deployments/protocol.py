@@ -1,8 +1,11 @@
 """The OpenAI HTTP API subset this server speaks, as pydantic models.
 
-Request bodies forbid unknown fields, so a misspelt or unsupported option is a 400 that
-names it instead of being silently ignored, and they are strict: a JSON value of the wrong
-type is a 400 (`"max_tokens": true` or `"n": "2"` is not coerced). Text that reaches the
+Request bodies are tolerant where clients differ and strict where values matter, as vLLM's
+server is: an unknown field is ignored (and logged by the server: `unknown_fields`), an
+explicit `null` means "not set" for every optional field, and chat messages accept what
+agent frameworks send (the `tool` role, `tool_calls`, `tool_call_id`, `name`, `content:
+null`). Values are strict: a JSON value of the wrong type is a 400 (`"max_tokens": true`
+or `"n": "2"` is not coerced). Text that reaches the
 tokenizer must be valid Unicode (JSON can escape a lone UTF-16 surrogate). Sampling ranges (temperature >= 0, top_p in
 (0, 1], ...) are checked once, by `SamplingParams`; `to_sampling_params` renames the
 internal field in its message to the request's field, so every 400 names what the client
@@ -14,9 +17,10 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
 
@@ -29,7 +33,34 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs
 # finite, non-zero float for any context length (2**20 ** 10 = 2**200)
 MAX_LENGTH_PENALTY = 10.0
 
-_REQUEST = ConfigDict(extra="forbid", strict=True)
+_REQUEST = ConfigDict(extra="allow", strict=True)
+MAX_LOGIT_BIAS = 300  # most token ids in one logit_bias
+
+
+class _RequestModel(BaseModel):
+    """A request body part: unknown fields are kept aside (`model_extra`, logged, unused);
+    a key whose value is null is dropped before validation, so null = the default."""
+
+    model_config = _REQUEST
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data):
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+    def unknown_fields(self, prefix: str = "") -> list[str]:
+        """Names of the fields this server does not know, here and in nested parts."""
+        names = [prefix + name for name in self.model_extra or {}]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            items = value if isinstance(value, list) else [value]
+            for i, item in enumerate(items):
+                if isinstance(item, _RequestModel):
+                    where = f"{prefix}{name}[{i}]." if isinstance(value, list) else f"{prefix}{name}."
+                    names += item.unknown_fields(where)
+        return names
 
 
 def _documented(**schema) -> dict:
@@ -64,16 +95,23 @@ def param_of(message: str) -> str | None:
 # --------------------------------------------------------------------------- requests
 
 
-class StreamOptions(BaseModel):
-    model_config = _REQUEST
-
+class StreamOptions(_RequestModel):
     include_usage: bool = Field(False, description="Send a last chunk with usage counts (and no choices).")
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class ResponseFormat(_RequestModel):
+    type: str = Field(description="Only 'text' is supported (no JSON mode or schemas).")
 
-    model_config = _REQUEST
+    @field_validator("type")
+    @classmethod
+    def _only_text(cls, kind: str) -> str:
+        if kind != "text":
+            raise ValueError(f"only 'text' is supported (got {kind!r}); structured output is not implemented")
+        return kind
+
+
+class _SamplingFields(_RequestModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = Field(None, description="The served model name (GET /v1/models); omitted = the served model.")
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices returned per prompt.")
@@ -142,8 +180,28 @@ class _SamplingFields(BaseModel):
         False, description="Beam search: stop when best_of hypotheses are done (true), heuristically (false), or never."
     )
     user: str | None = Field(None, description="End-user id (accepted, not used).")
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description=f"Token id (as a string) -> bias in [-100, 100] added to its logit; at most {MAX_LOGIT_BIAS}.",
+    )
+    min_tokens: int = Field(0, ge=0, description="Generate at least this many tokens before EOS or stop tokens.")
+    response_format: ResponseFormat | None = Field(None, description="{'type': 'text'} only.")
     stream: bool = Field(False, description="Answer with server-sent events, one chunk per step.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options; only with stream: true.")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias):
+        if bias is None:
+            return bias
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} token ids (got {len(bias)})")
+        for key, value in bias.items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids (got {key!r})")
+            if not -100 <= value <= 100:
+                raise ValueError(f"biases must be in [-100, 100] (got {value} for {key})")
+        return bias
 
     @field_validator("stop")
     @classmethod
@@ -191,9 +249,7 @@ _PROMPT_SCHEMAS = [
 ]
 
 
-class ContentPart(BaseModel):
-    model_config = _REQUEST
-
+class ContentPart(_RequestModel):
     type: Literal["text"] = Field(description="Only text parts are supported.")
     text: str = Field(description="The text.")
 
@@ -203,24 +259,44 @@ class ContentPart(BaseModel):
         return _check_unicode(text)
 
 
-class ChatMessage(BaseModel):
-    model_config = _REQUEST
-
-    role: Literal["system", "developer", "user", "assistant"] = Field(
-        description="Who speaks; developer is treated as system."
+class ChatMessage(_RequestModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="Who speaks; developer is treated as system; tool carries a tool's result."
     )
-    content: str | list[ContentPart] = Field(description="The message text, or a list of text parts.")
-    name: str | None = Field(None, description="Participant name (accepted, not used).")
+    content: str | list[ContentPart] | None = Field(
+        None, description="The message text, or a list of text parts; may be null for an assistant's tool calls."
+    )
+    name: str | None = Field(None, description="Participant name (passed to the chat template).")
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="An assistant's tool calls (passed to the chat template as sent)."
+    )
+    tool_call_id: str | None = Field(None, description="The call a tool message answers (passed to the template).")
 
     @field_validator("content")
     @classmethod
     def _check_content(cls, content):
         return _check_unicode(content) if isinstance(content, str) else content
 
+    @model_validator(mode="after")
+    def _content_unless_tool_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (only an assistant message with tool_calls may leave it out)")
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (HF's dict shape)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -241,6 +317,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = Field(False, description="Return the logprob of each generated token.")
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs: also this many most likely tokens per position."
+    )
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="Tool definitions, passed to the chat template (tool calls in the output are not parsed)."
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="'none' leaves the tools out of the prompt; anything else passes them to the template."
     )
 
     @property
@@ -338,6 +420,8 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_l
         "ignore_eos": request.ignore_eos,
         "logprobs": logprobs,
         "skip_special_tokens": request.skip_special_tokens,
+        "logit_bias": {int(k): v for k, v in (request.logit_bias or {}).items()},
+        "min_tokens": request.min_tokens,
     }
     try:
         return SamplingParams(**options)
@@ -397,17 +481,23 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="Prompt tokens whose K/V came from the prefix cache.")
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = Field(description="Prompt tokens (each prompt counted once, whatever n).")
     completion_tokens: int = Field(description="Tokens in the returned choices.")
     total_tokens: int = Field(description="prompt_tokens + completion_tokens.")
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
 
@@ -528,3 +618,43 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# --------------------------------------------------------------------------- /tokenize, /detokenize
+
+
+class TokenizeRequest(_RequestModel):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the chat template."""
+
+    model: str | None = Field(None, description="The served model name; omitted = the served model.")
+    prompt: str | None = Field(None, description="Text to tokenize (give this or messages).")
+    messages: list[ChatMessage] | None = Field(
+        None, min_length=1, description="A conversation, rendered by the chat template."
+    )
+    add_special_tokens: bool = Field(True, description="With prompt: add the tokenizer's special tokens (BOS).")
+    add_generation_prompt: bool = Field(True, description="With messages: end with the assistant's turn opening.")
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt and messages")
+        if self.prompt is not None:
+            _check_unicode(self.prompt)
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_RequestModel):
+    """POST /detokenize (vLLM's)."""
+
+    model: str | None = Field(None, description="The served model name; omitted = the served model.")
+    tokens: list[int] = Field(description="Token ids to turn into text.")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -8,6 +8,7 @@ from collections.abc import Sequence as Seq
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.engine.llm_engine import LLMEngine
+from rayserve_paged.engine.output_processor import OutputProcessor
 from rayserve_paged.engine.outputs import RequestOutput
 
 PromptLike = str | list[int] | dict
@@ -18,6 +19,7 @@ class LLM:
 
     def __init__(self, model: str = "tiny-opt", **engine_options) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.processor = OutputProcessor(self.engine.tokenizer)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -44,7 +46,12 @@ class LLM:
         for (text, token_ids), p in zip(items, params):
             request_id = f"offline-{next(self._ids)}"
             order[request_id] = len(order)
+            if token_ids is None:
+                if not isinstance(text, str):
+                    raise ValueError("prompt: give a string or prompt_token_ids")
+                token_ids = self.engine.encode(text)
             self.engine.add_request(request_id, text, p, prompt_token_ids=token_ids)
+            self.processor.add_request(request_id, text, token_ids, p)
         return self._run(order, use_tqdm)
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
@@ -56,14 +63,22 @@ class LLM:
             bar = tqdm(total=len(order), desc="Generating", unit="req", dynamic_ncols=True)
         try:
             while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished and output.request_id in order:
+                for step_output in self.engine.step():
+                    output, stop = self.processor.process(step_output)
+                    if stop is not None:  # a stop string ended choices: free them now
+                        self.engine.stop_sequences(stop.request_id, stop.stops)
+                    if output is not None and output.finished and output.request_id in order:
                         if output.error is not None:
                             raise RuntimeError(f"request {output.request_id}: {output.error}")
                         results[order[output.request_id]] = output
                         if bar is not None:
                             bar.update(1)
         finally:
+            # after a failure the other requests of this call end too: no state left behind,
+            # in the output processor or in the engine
+            for request_id in order:
+                self.processor.abort_request(request_id)
+                self.engine.abort_request(request_id)
             if bar is not None:
                 bar.close()
         return results

@@ -1,8 +1,14 @@
 """The engine: add_request / abort_request / step.
 
 A step is schedule -> execute (the workers) -> process (append tokens, fork for best_of and
-beam search, stop checks, free finished sequences). Everything a step decides about KV
-memory comes from the scheduler; the engine only reports sequences' progress to it.
+beam search, stop-token / EOS / length checks, free finished sequences). Everything a step
+decides about KV memory comes from the scheduler; the engine only reports sequences'
+progress to it.
+
+A step returns deltas (engine/outputs.py): per advanced request, the token ids this step
+added and counts, never text or history. Detokenization and stop strings run where the
+outputs are read (engine/output_processor.py); a stop string found there comes back as
+`stop_sequences`.
 """
 
 from __future__ import annotations
@@ -19,15 +25,15 @@ from rayserve_paged.core.outputs import SchedulerOutput
 from rayserve_paged.core.scheduler import Scheduler, SchedulerConfig
 from rayserve_paged.core.sequence import (
     FINISH_REASONS,
+    KV_CACHE_LIMIT,
     SamplingParams,
     SamplingParamsError,
     Sequence,
     SequenceGroup,
     SequenceStatus,
 )
-from rayserve_paged.engine.detokenizer import Detokenizer
 from rayserve_paged.engine.executor import Executor, InProcessExecutor
-from rayserve_paged.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from rayserve_paged.engine.outputs import RequestMetrics, SequenceDelta, StepOutput
 from rayserve_paged.models.loader import get_model_config
 from rayserve_paged.models.sampler import SamplerOutput, SeqSample
 from rayserve_paged.models.tiny import resolve_model
@@ -59,7 +65,6 @@ class LLMEngine:
         self.model_config = get_model_config(self.model_path)
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
-        self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.executor = executor_factory(config, self.model_path)
         sizes = self.executor.initialize()
@@ -78,14 +83,16 @@ class LLMEngine:
                 max_num_batched_tokens=config.resolved_max_num_batched_tokens(self.max_model_len),
                 max_model_len=self.max_model_len,
                 preemption_mode=config.preemption_mode,
+                enable_chunked_prefill=config.enable_chunked_prefill,
             ),
             self.block_manager,
         )
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._beams: dict[str, _BeamState] = {}
-        self._prompts: dict[str, str | None] = {}
+        self._num_sent: dict[int, int] = {}  # seq id -> output tokens already emitted
         self._metrics: dict[str, RequestMetrics] = {}
+        self._num_cached: dict[str, int] = {}  # request id -> prefix-cache hit, until its first output
         self.num_prompt_tokens = 0  # computed prompt tokens (after prefix-cache hits)
         self.num_generation_tokens = 0
         logger.info(
@@ -148,7 +155,6 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = SequenceGroup(request_id, [seq], sampling_params, arrival, next(self._arrivals))
         self.scheduler.add_group(group)
-        self._prompts[request_id] = prompt
         self._metrics[request_id] = RequestMetrics(arrival_time=arrival)
         if sampling_params.use_beam_search:
             self._beams[request_id] = _BeamState()
@@ -168,6 +174,9 @@ class LLMEngine:
             raise RequestError(
                 f"prompt: {len(token_ids)} tokens leave no room to generate within max_model_len {self.max_model_len}"
             )
+        bad_bias = next((t for t in params.logit_bias if t >= vocab), None)
+        if bad_bias is not None:
+            raise SamplingParamsError(f"logit_bias: token id {bad_bias} is outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise SamplingParamsError(f"logprobs: at most {self.config.max_logprobs} (got {params.logprobs})")
         if params.best_of > self.config.max_num_seqs:
@@ -177,8 +186,31 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         group = self.scheduler.abort(request_id)
-        self._forget(request_id)
+        if group is not None:
+            self._forget(group)
         return group is not None
+
+    def stop_sequences(self, request_id: str, stops: list[tuple[int, str]]) -> StepOutput | None:
+        """Finish the choices a stop string ended (choice index, the stop string) and free
+        their blocks; the request's finished output when no choice is left running."""
+        group = self.scheduler.groups.get(request_id)
+        if group is None or group.sampling_params.use_beam_search:
+            return None
+        params = group.sampling_params
+        stops = [(index, stop) for index, stop in stops if index < len(group.seqs)]
+        for index, stop in stops:
+            if not group.seqs[index].status.is_finished:
+                self._finish(group.seqs[index], SequenceStatus.FINISHED_STOPPED, stop)
+        if not group.is_finished():
+            self.scheduler.free_finished(group)
+            return None
+        self.scheduler.abort(request_id)  # out of every queue (it may be waiting or swapped)
+        stopped = [_delta(i, group.seqs[i], params, group.seqs[i].num_output_tokens) for i, _ in stops]
+        out = StepOutput(request_id, stopped, finished=True, metrics=self._metrics.get(request_id))
+        if out.metrics is not None:
+            out.metrics.finished_time = time.monotonic()
+        self._forget(group)
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_groups()
@@ -188,8 +220,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self) -> list[RequestOutput]:
-        """One iteration; returns an output for every request that advanced or ended."""
+    def step(self) -> list[StepOutput]:
+        """One iteration; returns a delta for every request that advanced or ended."""
         out = self.scheduler.schedule()
         now = time.monotonic()
         results = [self._ignored_output(rid) for rid in out.ignored]
@@ -203,17 +235,22 @@ class LLMEngine:
             raise
         return results + self._process(out, sampled, now)
 
-    def _process(self, out: SchedulerOutput, sampled: SamplerOutput, now: float) -> list[RequestOutput]:
+    def _process(self, out: SchedulerOutput, sampled: SamplerOutput, now: float) -> list[StepOutput]:
         samples = iter(sampled.samples)
         results = []
         for sg in out.groups:
             group = self.scheduler.groups[sg.request_id]
-            group_samples = [next(samples) for _ in sg.seqs]
             metrics = self._metrics[sg.request_id]
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-            if sg.is_first_step:
+                # the prefix cache's hit, reported with the first output (after the last chunk)
+                self._num_cached[sg.request_id] = sg.seqs[0].start_pos
+            is_prompt = len(group.seqs) == 1 and group.seqs[0].num_output_tokens == 0
+            if is_prompt:
                 self.num_prompt_tokens += sum(len(s.token_ids) for s in sg.seqs)
+            if not sg.do_sample:  # a prefill chunk: nothing sampled, nothing to report
+                continue
+            group_samples = [next(samples) for _ in sg.seqs]
             if group.sampling_params.use_beam_search:
                 self._process_beam(group, group_samples)
             else:
@@ -222,9 +259,11 @@ class LLMEngine:
             if metrics.first_token_time is None:
                 metrics.first_token_time = time.monotonic()
             self.scheduler.free_finished(group)
-            results.append(self._request_output(group))
+            result = self._step_output(group, self._num_cached.pop(sg.request_id, 0))
+            if result is not None:
+                results.append(result)
             if group.is_finished():
-                self._forget(group.request_id)
+                self._forget(group)
         for rid in out.preempted:
             if rid in self._metrics:
                 self._metrics[rid].num_preemptions += 1
@@ -254,30 +293,16 @@ class LLMEngine:
                 self._check_stop(target, params)
 
     def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
+        """Stop tokens, EOS and lengths; stop strings are the output processor's."""
         token = seq.token_ids[-1]
-        before = len(seq.output_text)
-        new_text = self.detokenizer.decode_next(seq, token, params.skip_special_tokens)
         if token in params.stop_token_ids:
             self._finish(seq, SequenceStatus.FINISHED_STOPPED, token)
         elif not params.ignore_eos and token in self.eos_token_ids:
             self._finish(seq, SequenceStatus.FINISHED_STOPPED, None)
-        elif new_text and params.stop and self._hit_stop_string(seq, params, before):
-            pass
         elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             self._finish(seq, SequenceStatus.FINISHED_LENGTH, None)
         elif len(seq) >= self.max_model_len:
             self._finish(seq, SequenceStatus.FINISHED_LENGTH, None)
-
-    def _hit_stop_string(self, seq: Sequence, params: SamplingParams, before: int) -> bool:
-        text = seq.output_text
-        for stop in params.stop:
-            at = text.find(stop, max(0, before - len(stop) + 1))
-            if at != -1:
-                end = at + len(stop) if params.include_stop_str_in_output else at
-                seq.output_text = text[:end]
-                self._finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
-                return True
-        return False
 
     @staticmethod
     def _finish(seq: Sequence, status: SequenceStatus, reason: int | str | None) -> None:
@@ -300,6 +325,7 @@ class LLMEngine:
         params = group.sampling_params
         width = params.best_of
         state = self._beams[group.request_id]
+        self._keep_cut_beams(group, state)
         by_id = {s.seq_id: s for s in group.seqs}
         candidates = []  # (score, parent, token, logprob)
         for sample in samples:
@@ -320,7 +346,6 @@ class LLMEngine:
                     hyp = self._new_child(group, parent, with_blocks=False)
                     hyp.append_token(token, logprob)
                     hyp.status = end
-                    hyp.output_text = self.detokenizer.decode(hyp.output_token_ids, params.skip_special_tokens)
                     state.finished.append((score / generated**params.length_penalty, hyp))
             state.finished.sort(key=lambda f: f[0], reverse=True)
             del state.finished[width:]
@@ -343,6 +368,20 @@ class LLMEngine:
                     self._finish(seq, SequenceStatus.FINISHED_ABORTED, None)  # discarded beams
             return
         self._advance_beams(group, survivors)
+
+    def _keep_cut_beams(self, group: SequenceGroup, state: _BeamState) -> None:
+        """Beams the scheduler ended because the KV pool could not hold the whole beam
+        (finish_reason "length", stop_reason KV_CACHE_LIMIT) are finished hypotheses, as
+        beams that reach max_tokens are."""
+        params = group.sampling_params
+        cut = [s for s in group.seqs if s.status is SequenceStatus.FINISHED_LENGTH and s.stop_reason == KV_CACHE_LIMIT]
+        for seq in cut:
+            score = seq.cumulative_logprob / max(seq.num_output_tokens, 1) ** params.length_penalty
+            state.finished.append((score, seq))
+        if cut:
+            state.finished.sort(key=lambda f: f[0], reverse=True)
+            del state.finished[params.best_of :]
+            group.seqs[:] = [s for s in group.seqs if s not in cut]
 
     def _beam_ends(self, parent: Sequence, token: int, generated: int, params: SamplingParams):
         if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
@@ -377,57 +416,68 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ outputs
 
-    def _request_output(self, group: SequenceGroup) -> RequestOutput:
+    def _step_output(self, group: SequenceGroup, num_cached: int) -> StepOutput | None:
+        """What this step added to the group's sequences (None: nothing to say). A beam
+        search speaks once, finished: its n best hypotheses, whole."""
         params = group.sampling_params
         finished = group.is_finished()
-        if params.use_beam_search:
-            state = self._beams[group.request_id]
-            chosen = [hyp for _, hyp in state.finished[: params.n]] if finished else group.seqs[: params.n]
-        elif finished and params.best_of > params.n:
-            chosen = sorted(group.seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
-        else:
-            chosen = group.seqs[: params.n]
-        outputs = [_completion(i, seq, params) for i, seq in enumerate(chosen)]
         metrics = self._metrics.get(group.request_id)
         if finished and metrics is not None:
             metrics.finished_time = time.monotonic()
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=self._prompts.get(group.request_id),
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=outputs,
+        if params.use_beam_search:
+            if not finished:
+                return None
+            hyps = [hyp for _, hyp in self._beams[group.request_id].finished[: params.n]]
+            deltas = [_delta(i, hyp, params, 0) for i, hyp in enumerate(hyps)]
+        else:
+            deltas = []
+            for index, seq in enumerate(group.seqs):
+                num_sent = self._num_sent.get(seq.seq_id, 0)
+                if num_sent >= 0 and (seq.num_output_tokens > num_sent or seq.status.is_finished):
+                    deltas.append(_delta(index, seq, params, num_sent))
+                    # a finished sequence is reported once: -1 marks it done
+                    self._num_sent[seq.seq_id] = -1 if seq.status.is_finished else seq.num_output_tokens
+        return StepOutput(
+            group.request_id,
+            deltas,
             finished=finished,
-            metrics=metrics,
+            num_cached_tokens=num_cached,
+            metrics=metrics if finished else None,
         )
 
-    def _ignored_output(self, request_id: str) -> RequestOutput:
-        prompt = self._prompts.get(request_id)
-        metrics = self._metrics.get(request_id)
-        self._forget(request_id)
-        return RequestOutput(
-            request_id=request_id,
-            prompt=prompt,
-            prompt_token_ids=[],
-            outputs=[],
+    def _ignored_output(self, request_id: str) -> StepOutput:
+        metrics = self._metrics.pop(request_id, None)
+        self._beams.pop(request_id, None)
+        self._num_cached.pop(request_id, None)
+        return StepOutput(
+            request_id,
+            [],
             finished=True,
             metrics=metrics,
-            error="the request can never fit in the KV cache (prompt too long for this server)",
+            error=(
+                f"the request can never fit in the KV cache of {self.block_manager.gpu.num_blocks} blocks x "
+                f"{self.block_manager.block_size} tokens (prompt longer than max_model_len {self.max_model_len}, "
+                "or more than the whole pool): raise kv_cache_memory_gb / num_gpu_blocks_override"
+            ),
         )
 
-    def _forget(self, request_id: str) -> None:
-        self._beams.pop(request_id, None)
-        self._prompts.pop(request_id, None)
-        self._metrics.pop(request_id, None)
+    def _forget(self, group: SequenceGroup) -> None:
+        self._beams.pop(group.request_id, None)
+        self._num_cached.pop(group.request_id, None)
+        self._metrics.pop(group.request_id, None)
+        for seq in group.seqs:
+            self._num_sent.pop(seq.seq_id, None)
 
 
-def _completion(index: int, seq: Sequence, params: SamplingParams) -> CompletionOutput:
+def _delta(index: int, seq: Sequence, params: SamplingParams, num_sent: int) -> SequenceDelta:
+    start = seq.num_prompt_tokens + num_sent
     finish = FINISH_REASONS.get(seq.status) if seq.status.is_finished else None
-    return CompletionOutput(
+    return SequenceDelta(
         index=index,
-        text=seq.output_text,
-        token_ids=seq.output_token_ids,
+        token_ids=seq.token_ids[start:],
+        top_logprobs=seq.output_logprobs[num_sent:] if params.logprobs is not None else None,
         cumulative_logprob=seq.cumulative_logprob,
-        logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
+        num_output_tokens=seq.num_output_tokens,
         finish_reason=finish,
-        stop_reason=seq.stop_reason,
+        stop_reason=seq.stop_reason if finish is not None else None,
     )

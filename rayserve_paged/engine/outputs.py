@@ -1,4 +1,17 @@
-"""What the engine returns per request, shaped like vLLM's RequestOutput."""
+"""What the engine emits per step (deltas) and what callers get back per request.
+
+    engine.step() ──> [StepOutput]          per advanced request: only what this step added
+                       │  (token ids, their top logprobs, counts, finish reasons; no text)
+                       ▼
+    OutputProcessor (engine/output_processor.py, in the caller's process)
+                       │  detokenizes, checks stop strings, keeps each request's state
+                       ▼
+    RequestOutput      a delta (the new text and token ids, for streams) or, built only
+                       where asked, the cumulative result (LLM.generate, handle `generate`,
+                       non-streaming HTTP)
+
+Nothing that grows with a request's history crosses a process boundary per step.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +19,45 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class SequenceDelta:
+    """One sequence's new tokens in one step. `index` is the sequence's stable place in its
+    request (choice index; for best_of > n the n kept are chosen from all best_of)."""
+
+    index: int
+    token_ids: list[int]
+    top_logprobs: list[dict[int, float]] | None  # per new token: sampled token and top-k, when asked
+    cumulative_logprob: float
+    num_output_tokens: int  # the sequence's output tokens so far (this step's included)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """One request's progress in one step. Beam search reorders its beams until the end, so
+    a beam-search request emits once, finished, with its n hypotheses whole."""
+
+    request_id: str
+    outputs: list[SequenceDelta]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (first output only)
+    metrics: RequestMetrics | None = None  # with the finished output only
+    error: str | None = None  # set when the request could not be served (e.g. ignored)
+
+
+@dataclass(slots=True)
 class CompletionOutput:
+    """One choice: a delta (new text and tokens) in a stream, cumulative otherwise."""
+
     index: int
     text: str
     token_ids: list[int]
@@ -19,14 +70,9 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-
-@dataclass(slots=True)
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_preemptions: int = 0
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass(slots=True)

@@ -1,12 +1,18 @@
-"""The Ray executor: one Worker actor per tensor-parallel rank in a placement group.
+"""The Ray executor: one Worker actor per tensor-parallel rank in a placement group, and
+where a replica's actors sit in that group.
 
-    placement group (STRICT_PACK)
-      bundle 0          the Serve replica and the SchedulerActor
-      bundle 1 .. TP    Worker actor rank 0 .. TP-1 (a GPU each on GPU clusters)
+    placement group (STRICT_PACK)          TP = 1                       TP > 1
+      bundle 0                             the Serve replica            the replica + SchedulerActor
+      bundle 1 .. TP                       SchedulerActor with rank 0   Worker actor rank 0 .. TP-1
+                                           in its process (no actor     (a GPU each on GPU clusters)
+                                           call per step), its GPU
 
-Each step's SchedulerOutput is put in the object store once and every rank reads the same
-object; rank 0 returns the sampled tokens. The ranks meet in torch.distributed (NCCL on GPU,
-gloo on CPU) at a free port of rank 0's node.
+At TP > 1 the SchedulerActor drives the ranks through a Ray Compiled Graph compiled once at
+start-up: each step's SchedulerOutput is written once into a shared-memory channel that every
+rank reads, and rank 0's samples come back the same way (`worker_transport:
+compiled_graph`, the default); `actor_calls` keeps one `.remote()` call per rank per step
+(the object store carries the step). The ranks meet in torch.distributed (NCCL on GPU, gloo
+on CPU) at a free port of rank 0's node.
 """
 
 from __future__ import annotations
@@ -61,6 +67,37 @@ def worker_bundle(config: EngineConfig, worker_cpus: float) -> dict:
     return bundle
 
 
+def rank0_in_scheduler(config: EngineConfig) -> bool:
+    """TP = 1: the only rank runs inside the SchedulerActor's process (the step costs a
+    function call, not an actor call each way)."""
+    return config.tensor_parallel_size == 1
+
+
+def replica_bundles(
+    config: EngineConfig, replica_cpus: float, scheduler_cpus: float, worker_cpus: float, gpu: bool
+) -> list[dict[str, float]]:
+    """A replica's placement-group bundles: 0 for the replica (and the SchedulerActor at
+    TP > 1), then one per rank (at TP = 1 the SchedulerActor, which hosts rank 0)."""
+    rank = {"CPU": worker_cpus, **({"GPU": 1.0} if gpu else {})}
+    if rank0_in_scheduler(config):
+        return [{"CPU": replica_cpus}, rank | {"CPU": worker_cpus + scheduler_cpus}]
+    return [{"CPU": replica_cpus + scheduler_cpus}] + [dict(rank) for _ in range(config.tensor_parallel_size)]
+
+
+def scheduler_actor_options(
+    config: EngineConfig, scheduler_cpus: float, worker_cpus: float, pg: PlacementGroup | None
+) -> dict:
+    """Ray options of a replica's SchedulerActor, matching `replica_bundles`. Hosting rank 0,
+    it takes rank 0's bundle whole, so it sees exactly that bundle's GPU."""
+    if not rank0_in_scheduler(config):
+        bundle, resources = 0, {"num_cpus": scheduler_cpus}
+    else:
+        bundle, resources = 1, {"num_cpus": scheduler_cpus + worker_cpus, "num_gpus": 1 if is_gpu(config) else 0}
+    if pg is None:
+        return resources
+    return resources | {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)}
+
+
 class RayExecutor(Executor):
     def __init__(
         self,
@@ -82,6 +119,7 @@ class RayExecutor(Executor):
             first_worker_bundle = 0
         num_gpus = 1 if is_gpu(config) else 0
         actor_class = ray.remote(WorkerActor)
+        self._graph = None
         self.workers = [
             actor_class.options(
                 num_cpus=worker_cpus,
@@ -101,9 +139,13 @@ class RayExecutor(Executor):
         num_gpu = min(s.num_gpu_blocks for s in sizes)
         num_cpu = min(s.num_cpu_blocks for s in sizes)
         ray.get([w.init_cache.remote(num_gpu, num_cpu) for w in self.workers])
+        if self.config.worker_transport == "compiled_graph":
+            self._graph = _compile_step_graph(self.workers)
         return CacheSizes(num_gpu, num_cpu, sizes[0].block_bytes)
 
     def execute(self, out: SchedulerOutput) -> SamplerOutput:
+        if self._graph is not None:
+            return ray.get(self._graph.execute(out), timeout=STEP_TIMEOUT_S)[0]
         if len(self.workers) == 1:
             return ray.get(self.workers[0].execute.remote(out))
         ref = ray.put(out)  # serialised once, read by every rank
@@ -117,9 +159,30 @@ class RayExecutor(Executor):
         ray.get([w.ping.remote() for w in self.workers], timeout=timeout_s)
 
     def shutdown(self) -> None:
+        if self._graph is not None:
+            try:
+                self._graph.teardown()
+            except Exception as e:  # a rank already gone: the actors are killed below anyway
+                logger.warning("tearing down the step graph failed: %r", e)
+            self._graph = None
         for w in self.workers:
             ray.kill(w)
         self.workers = []
         if self._own_pg is not None:
             ray.util.remove_placement_group(self._own_pg)
             self._own_pg = None
+
+
+# A step never takes this long; a rank that hangs this long fails the step loop (and every
+# waiting request) instead of stalling it silently.
+STEP_TIMEOUT_S = 600.0
+
+
+def _compile_step_graph(workers: list):
+    """The step as a compiled graph: one input (the SchedulerOutput) read by every rank,
+    one output per rank (rank 0's samples; None from the others)."""
+    from ray.dag import InputNode, MultiOutputNode
+
+    with InputNode() as step:
+        graph = MultiOutputNode([w.execute.bind(step) for w in workers])
+    return graph.experimental_compile()

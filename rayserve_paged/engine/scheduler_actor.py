@@ -3,12 +3,18 @@ sequence groups) and runs its step loop while work exists.
 
     callers (asyncio)                      step thread
     add_request / abort  ── ops queue ──>  apply ops between steps ─> engine.step()
-    outputs() stream     <── per step ───  every advanced request's output, one batch
+    stop_sequences
+    outputs() stream     <── per step ───  every advanced request's delta, one batch
+
+At tensor_parallel_size 1 the worker (rank 0) lives in this process, so a step is a function
+call; at TP > 1 the executor drives worker actors (ray_executor.py).
 
 The engine is not thread-safe, so only the step thread touches it; requests and aborts
 wait in a queue and are applied between steps, so they never block the loop. Outputs leave
 as one batch per step on a single stream (one object per step, not one per token per
-request); the owner dispatches them to its requests.
+request); each carries only what the step added (token ids and counts: no text, no
+history). The owner detokenizes, checks stop strings (sending back `stop_sequences`) and
+dispatches them to its requests.
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ from dataclasses import dataclass
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.engine.llm_engine import LLMEngine
-from rayserve_paged.engine.outputs import RequestOutput
 from rayserve_paged.telemetry import ReplicaTelemetry, TelemetryConfig
 
 logger = logging.getLogger(__name__)
@@ -38,14 +43,22 @@ class StepTiming:
 
 class SchedulerActor:
     def __init__(
-        self, config: EngineConfig, worker_cpus: float = 1.0, executor: str = "ray", telemetry: dict | None = None
+        self, config: EngineConfig, worker_cpus: float = 1.0, executor: str = "auto", telemetry: dict | None = None
     ) -> None:
+        """`executor`: "auto" runs rank 0 in this process at TP = 1 and worker actors at
+        TP > 1; "ray" always uses worker actors; "in-process" never does."""
+        if executor == "auto":
+            from rayserve_paged.engine.ray_executor import rank0_in_scheduler
+
+            executor = "in-process" if rank0_in_scheduler(config) else "ray"
         if executor == "ray":
             from rayserve_paged.engine.ray_executor import RayExecutor
 
             factory = lambda c, p: RayExecutor(c, p, worker_cpus=worker_cpus)  # noqa: E731
-        else:
+        elif executor == "in-process":
             factory = None
+        else:
+            raise ValueError(f"executor: expected 'auto', 'ray' or 'in-process' (got {executor!r})")
         self.engine = LLMEngine(config, executor_factory=factory) if factory else LLMEngine(config)
         self._ops: deque = deque()
         self._wake = threading.Event()
@@ -74,8 +87,12 @@ class SchedulerActor:
     async def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id, None))
 
+    async def stop_sequences(self, request_id: str, stops: list[tuple[int, str]]) -> None:
+        """Choices a stop string ended (found by the owner's output processor)."""
+        self._submit(("stop", (request_id, stops), None))
+
     async def outputs(self):
-        """Streaming: one list of RequestOutputs per step in which any request advanced."""
+        """Streaming: one list of StepOutputs (deltas) per step in which any request advanced."""
         self._attach_loop()
         while True:
             batch = await self._batches.get()
@@ -111,6 +128,8 @@ class SchedulerActor:
             "cpu_blocks_used": usage.cpu_used,
             "steps": self.timing.steps,
             "step_s": self.timing.step_s,
+            "preemptions_recompute": self.engine.scheduler.counters.preemptions_recompute,
+            "preemptions_swap": self.engine.scheduler.counters.preemptions_swap,
         }
 
     async def metrics_text(self) -> str:
@@ -149,6 +168,10 @@ class SchedulerActor:
                     done.set_exception(e)
                 else:
                     done.set_result(None)
+            elif kind == "stop":
+                finished = self.engine.stop_sequences(*payload)
+                if finished is not None:
+                    self.telemetry.record_outputs([finished])
             elif self.engine.abort_request(payload):
                 self.telemetry.record_aborted()
 

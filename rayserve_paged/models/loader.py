@@ -255,7 +255,7 @@ def load_model(
     """The model for a local HF checkpoint dir, with this rank's shards, in eval mode.
 
     dtype: torch dtype, a name, or None / "auto" for the checkpoint's. attn_backend: a backend
-    object or a name for `ops.paged_attention.get_attention_backend`. With tp_size > 1,
+    object or a name for `ops.backends.get_attention_backend`. With tp_size > 1,
     torch.distributed must be initialized; `group` defaults to the default process group.
     `parallel`, when given, replaces (tp_rank, tp_size, group) with a ready ParallelState.
     """
@@ -265,7 +265,7 @@ def load_model(
     dtype = resolve_dtype(dtype, hf)
     device = torch.device(device)
     if isinstance(attn_backend, str):
-        from rayserve_paged.ops.paged_attention import get_attention_backend
+        from rayserve_paged.ops.backends import get_attention_backend
 
         attn_backend = get_attention_backend(attn_backend, device)
     parallel = parallel or ParallelState(tp_rank, tp_size, group)

@@ -53,10 +53,11 @@ def _mix_seed(seed: int, sample_index: int, output_index: int) -> int:
 
 
 class Sampler:
-    def __init__(self, num_eos_tokens: int = 1) -> None:
+    def __init__(self, num_eos_tokens: int = 1, eos_token_ids: tuple[int, ...] = ()) -> None:
         # Beam search keeps (1 + #eos) * width candidates (at least 2 * width) per step, so
         # width of them survive even when the best all end in an EOS.
         self.beam_factor = max(2, 1 + num_eos_tokens)
+        self.eos_token_ids = tuple(eos_token_ids)  # masked before a request's min_tokens
 
     @torch.inference_mode()
     def __call__(
@@ -71,6 +72,7 @@ class Sampler:
         row_params = [p for g, p in zip(groups, group_params) for _ in g.seqs]  # per logits row
         row = 0
         penalised = self._apply_penalties(logits, groups, group_params)
+        penalised = self._apply_logit_controls(penalised, groups, group_params)
         for group, params in zip(groups, group_params):
             for seq in group.seqs:
                 if params.use_beam_search:
@@ -115,6 +117,31 @@ class Sampler:
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
 
+    def _apply_logit_controls(self, logits: torch.Tensor, groups: list[ScheduledGroup], group_params) -> torch.Tensor:
+        """logit_bias added to its tokens; EOS and stop tokens masked while a sequence has
+        fewer than min_tokens output tokens. Only rows that ask are touched."""
+        rows = []
+        row = 0
+        for group, params in zip(groups, group_params):
+            for seq in group.seqs:
+                is_short = seq.num_output_tokens < params.min_tokens
+                if (params.logit_bias or is_short) and not params.use_beam_search:
+                    rows.append((row, params, is_short))
+                row += 1
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        for row, params, is_short in rows:
+            if params.logit_bias:
+                ids = [t for t in params.logit_bias if t < vocab]
+                bias = torch.tensor([params.logit_bias[t] for t in ids], dtype=logits.dtype, device=logits.device)
+                logits[row, ids] += bias
+            if is_short:
+                banned = [t for t in (*self.eos_token_ids, *params.stop_token_ids) if t < vocab]
+                logits[row, banned] = float("-inf")
+        return logits
+
     # ------------------------------------------------------------------ drawing
 
     def _draw(self, logits: torch.Tensor, draws: list[_Row], row_params: list) -> list[int]:
@@ -155,8 +182,9 @@ class Sampler:
             sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, vocab]
             ranks = torch.arange(vocab, device=device).unsqueeze(0)
             drop = ranks >= k.unsqueeze(1)
-            sorted_probs = sorted_logits.softmax(dim=-1)
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            # top-p is measured on what top-k leaves (as HF's warpers and vLLM do): keep the
+            # smallest prefix whose mass reaches top_p (the first token always stays)
+            sorted_probs = sorted_logits.masked_fill(drop, _MASK).softmax(dim=-1)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             drop |= mass_before >= torch.tensor(top_p, device=device).unsqueeze(1)
             drop[:, 0] = False

@@ -2,13 +2,8 @@
 
 from .attention import PAD_SLOT, AttentionMetadata
 from .cache_ops import copy_blocks, reshape_and_cache, swap_blocks, swap_kv_blocks
-from .paged_attention import (
-    BACKEND_NAMES,
-    AttentionBackend,
-    TorchReferenceBackend,
-    check_attention_inputs,
-    get_attention_backend,
-)
+from .backends import BACKEND_NAMES, get_attention_backend
+from .paged_attention import AttentionBackend, TorchReferenceBackend, check_attention_inputs
 
 __all__ = [
     "BACKEND_NAMES",

@@ -11,6 +11,7 @@ the problem; nothing here loops in Python per token, and block moves are batched
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -34,11 +35,42 @@ def reshape_and_cache(
     """Write token i's key/value into slot `slot_mapping[i]` of the caches; skip PAD_SLOT."""
     _check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    is_real = slot_mapping != PAD_SLOT  # [num_tokens]
-    slots = slot_mapping[is_real]  # [num_real_tokens]
     flat_shape = (num_blocks * block_size, num_kv_heads, head_dim)
-    key_cache.view(flat_shape).index_copy_(0, slots, key[is_real])
-    value_cache.view(flat_shape).index_copy_(0, slots, value[is_real])
+    flat_key, flat_value = key_cache.view(flat_shape), value_cache.view(flat_shape)
+    if key_cache.device.type == "cpu":
+        # boolean indexing sizes its result on the host: free on CPU, a device sync elsewhere
+        is_real = slot_mapping != PAD_SLOT  # [num_tokens]
+        slots = slot_mapping[is_real]  # [num_real_tokens]
+        flat_key.index_copy_(0, slots, key[is_real])
+        flat_value.index_copy_(0, slots, value[is_real])
+        return
+    _write_fixed_shape(key, value, flat_key, flat_value, slot_mapping)
+
+
+def _write_fixed_shape(key, value, flat_key, flat_value, slot_mapping) -> None:
+    """reshape_and_cache on CUDA: the same bytes as the masked copy, without a device sync."""
+    slots, source, is_write = _padding_free_writes(slot_mapping)
+    for flat, new in ((flat_key, key), (flat_value, value)):
+        rows = torch.where(is_write[:, None, None], new.index_select(0, source), flat[:1])  # [num_tokens, kv, d]
+        flat.index_copy_(0, slots, rows)
+
+
+def _padding_free_writes(slot_mapping: torch.Tensor):
+    """(slots, source tokens, is_write) that write exactly what the masked copy writes, with
+    fixed shapes and so without a device sync. A PAD_SLOT token is redirected to the slot of
+    the nearest real token before it (or the first real token) and carries that token's
+    key/value: the slot receives the same bytes twice, so the order of the duplicate writes
+    does not matter. With no real token at all, every token rewrites slot 0 with its own
+    current contents (is_write False)."""
+    num_tokens = slot_mapping.shape[0]
+    is_real = slot_mapping != PAD_SLOT  # [num_tokens]
+    index = torch.arange(num_tokens, device=slot_mapping.device)
+    previous_real = torch.where(is_real, index, -1).cummax(0).values  # [num_tokens]; -1 before the first
+    first_real = is_real.to(torch.int8).argmax()  # 0 when there is none
+    source = torch.where(previous_real >= 0, previous_real, first_real)  # [num_tokens]
+    is_write = is_real.index_select(0, source)  # False only when no token is real
+    slots = torch.where(is_write, slot_mapping.index_select(0, source), 0)
+    return slots, source, is_write
 
 
 def _check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -153,6 +185,120 @@ def _swap_to_device(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int,
     )  # [num_pairs, block_size, num_kv_heads, head_dim]
     torch.index_select(src, 0, src_ids, out=staged)
     dst.index_copy_(0, dst_ids, staged.to(dst.device, non_blocking=True))
+
+
+class BlockSwapper:
+    """Swaps whole blocks of every layer between the device cache and the (pinned) host cache,
+    off the compute stream and with no host sync inside a step:
+
+        swap_out(pairs)  device -> host. On a side stream that first waits for the compute
+                         stream: one gather of all 2 x layers cache tensors into a device
+                         staging buffer, an event the compute stream waits on (so the step may
+                         overwrite the source blocks as soon as they are read), then one
+                         non-blocking copy into a pinned host buffer. The host-side scatter
+                         into the swap pool waits for that copy and runs in finish(), at the
+                         start of the next step (or before a swap-in reads the pool).
+        swap_in(pairs)   host -> device. One host gather into a pinned buffer, then on the
+                         side stream one non-blocking copy and one scatter per cache tensor;
+                         the compute stream waits on its event before the step's kernels.
+
+    Index tensors are built once per call (pinned, copied without blocking), not per layer.
+    On CPU the same code runs without streams or events. The caller orders the calls as the
+    worker does: finish(), swap_out, swap_in, then the step.
+    """
+
+    def __init__(self, device_caches: Sequence[KVCache], host_caches: Sequence[KVCache]) -> None:
+        _require(
+            len(device_caches) == len(host_caches),
+            f"BlockSwapper: {len(device_caches)} device layers but {len(host_caches)} host layers",
+        )
+        self.device_tensors = [t for pair in device_caches for t in pair]  # 2 x layers
+        self.host_tensors = [t for pair in host_caches for t in pair]
+        for index, (device_tensor, host_tensor) in enumerate(zip(self.device_tensors, self.host_tensors)):
+            _check_swap_pair(device_tensor, host_tensor, f"device cache {index}", f"host cache {index}")
+        self.device = self.device_tensors[0].device if self.device_tensors else torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.compute_stream = None
+        self.pending: list[tuple[object, torch.Tensor, torch.Tensor]] = []  # (event, host staging, dst ids)
+
+    def swap_out(self, block_mapping: BlockMapping) -> None:
+        pairs = self._pairs(block_mapping, len(self.device_tensors[0]) if self.device_tensors else 0,
+                            len(self.host_tensors[0]) if self.host_tensors else 0)
+        if not pairs:
+            return
+        src_ids = self._to_device(torch.tensor([s for s, _ in pairs], dtype=torch.int64, pin_memory=self.cuda))
+        dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.int64)  # [num_pairs], used on the host
+        first = self.device_tensors[0]
+        shape = (len(self.device_tensors), len(pairs), *first.shape[1:])  # [2 x layers, num_pairs, block...]
+        with self._side_stream():
+            staged = torch.empty(shape, dtype=first.dtype, device=self.device)
+            for index, tensor in enumerate(self.device_tensors):
+                torch.index_select(tensor, 0, src_ids, out=staged[index])
+            self._compute_waits()  # the sources are read: the step may overwrite them
+            host = torch.empty(shape, dtype=first.dtype, pin_memory=self.cuda)
+            host.copy_(staged, non_blocking=True)
+            landed = self._record()
+        self.pending.append((landed, host, dst_ids))
+
+    def swap_in(self, block_mapping: BlockMapping) -> None:
+        self.finish()  # the host pool must hold every block swapped out before
+        pairs = self._pairs(block_mapping, len(self.host_tensors[0]) if self.host_tensors else 0,
+                            len(self.device_tensors[0]) if self.device_tensors else 0)
+        if not pairs:
+            return
+        src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.int64)
+        first = self.host_tensors[0]
+        shape = (len(self.host_tensors), len(pairs), *first.shape[1:])
+        host = torch.empty(shape, dtype=first.dtype, pin_memory=self.cuda)
+        for index, tensor in enumerate(self.host_tensors):
+            torch.index_select(tensor, 0, src_ids, out=host[index])
+        dst_ids = self._to_device(torch.tensor([d for _, d in pairs], dtype=torch.int64, pin_memory=self.cuda))
+        with self._side_stream():
+            staged = host.to(self.device, non_blocking=True)
+            for index, tensor in enumerate(self.device_tensors):
+                tensor.index_copy_(0, dst_ids, staged[index])
+            self._compute_waits()
+
+    def finish(self) -> None:
+        """Complete earlier swap-outs on the host: wait for their copies, scatter into the pool."""
+        for landed, host, dst_ids in self.pending:
+            if landed is not None:
+                landed.synchronize()
+            for index, tensor in enumerate(self.host_tensors):
+                tensor.index_copy_(0, dst_ids, host[index])
+        self.pending.clear()
+
+    def _pairs(self, block_mapping: BlockMapping, num_src: int, num_dst: int) -> list[tuple[int, int]]:
+        pairs = _mapping_to_pairs(block_mapping)
+        _check_block_ids(pairs, num_src, num_dst)
+        return pairs
+
+    def _to_device(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.cuda:
+            return ids
+        with torch.cuda.stream(self.stream):
+            return ids.to(self.device, non_blocking=True)
+
+    def _side_stream(self):
+        if not self.cuda:
+            return contextlib.nullcontext()
+        self.compute_stream = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(self.compute_stream)  # blocks written by earlier steps
+        return torch.cuda.stream(self.stream)
+
+    def _compute_waits(self) -> None:
+        """The compute stream (current when the swap was called) waits, on the GPU, for what the
+        side stream has issued so far."""
+        if self.cuda:
+            self.compute_stream.wait_event(self._record())
+
+    def _record(self):
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
 
 
 def contiguous_runs(dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:

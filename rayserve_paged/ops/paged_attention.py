@@ -1,4 +1,5 @@
-"""Attention backends over the paged KV cache, and the dispatch that picks one.
+"""The attention backend interface and the torch reference backend over the paged KV cache.
+(backends.py picks a backend by name; this module imports no other backend.)
 
 Every backend keeps the invariant of `attention.py`: in each layer it writes the step's new
 K/V into the cache first, then attends, so prefill and decode read keys and values only
@@ -7,10 +8,6 @@ group_size = num_heads // num_kv_heads.
 """
 
 from __future__ import annotations
-
-import importlib
-import logging
-import os
 
 from dataclasses import dataclass
 
@@ -21,9 +18,6 @@ from . import cpu_decode
 from .attention import AttentionMetadata
 from .cache_ops import reshape_and_cache
 
-logger = logging.getLogger(__name__)
-
-BACKEND_NAMES = ("auto", "torch", "triton", "flash")
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -43,6 +37,17 @@ class AttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding tokens' rows are zeros
         raise NotImplementedError
+
+    def warm_up(self, key_cache, value_cache, num_heads: int, query_token_stride: int | None = None) -> list[str]:
+        """Compile whatever the backend compiles lazily, before serving; returns what was run."""
+        return []
+
+    def decode_workspace_bytes(
+        self, max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_seq_len: int, device
+    ) -> int:
+        """Device bytes one layer's decode may allocate beyond its inputs and outputs, at most
+        (the KV-cache sizing reserves them; a profile run with prefills never sees them)."""
+        return 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -386,65 +391,3 @@ def _check_block_table(metadata, part: str, max_seq_len: int, seq_lens_host: lis
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
-
-
-# ---------------------------------------------------------------------------- dispatch
-
-
-def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
-    """The backend called `name` for `device`.
-
-    auto   -> triton on CUDA when its module imports, else torch
-    torch  -> TorchReferenceBackend (any device)
-    triton -> rayserve_paged.ops.triton_backend.TritonBackend (CUDA, or CPU under TRITON_INTERPRET=1)
-    flash  -> rayserve_paged.ops.flash_backend.FlashBackend (CUDA, needs vllm_flash_attn)
-    """
-    device = torch.device(device)
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"unknown attention_backend {name!r}; valid names: {', '.join(BACKEND_NAMES)}")
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchReferenceBackend()
-    if name == "auto":
-        try:
-            return _load_triton_backend()
-        except ImportError as error:
-            logger.info("attention_backend 'auto': triton backend unavailable (%s); using torch", error)
-            return TorchReferenceBackend()
-    if name == "triton":
-        return _get_triton_backend(device)
-    return _get_flash_backend(device)
-
-
-def _get_triton_backend(device: torch.device) -> AttentionBackend:
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 for tests), got {device}"
-        )
-    try:
-        return _load_triton_backend()
-    except ImportError as error:
-        raise RuntimeError(f"attention_backend 'triton' cannot be imported: {error}") from error
-
-
-def _load_triton_backend() -> AttentionBackend:
-    module = importlib.import_module("rayserve_paged.ops.triton_backend")
-    return module.TritonBackend()
-
-
-def _get_flash_backend(device: torch.device) -> AttentionBackend:
-    if device.type != "cuda":
-        raise ValueError(f"attention_backend 'flash' needs a CUDA device, got {device}")
-    try:
-        importlib.import_module("vllm_flash_attn")
-    except ImportError as error:
-        raise RuntimeError(
-            "attention_backend 'flash' needs the vllm_flash_attn package, which is not installed "
-            f"({error})"
-        ) from error
-    try:
-        module = importlib.import_module("rayserve_paged.ops.flash_backend")
-    except ImportError as error:
-        raise RuntimeError(
-            f"attention_backend 'flash': rayserve_paged.ops.flash_backend cannot be imported: {error}"
-        ) from error
-    return module.FlashBackend()

@@ -12,9 +12,14 @@ Kernels run on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set b
 triton was imported (the tests do this). swap_blocks is not a kernel: GPU <-> pinned CPU
 copies are cache_ops.swap_blocks / swap_kv_blocks, re-exported here.
 
-Decode variant (see choose_decode_variant and docs/KERNELS.md): "single" runs one program
+Decode variant (see choose_decode_partition and docs/KERNELS.md): "single" runs one program
 per (sequence, kv head) over the whole context; "partitioned" also splits the context into
-PARTITION_SIZE-token partitions and reduces them in a second kernel.
+partitions of one of PARTITION_SIZES tokens and reduces them in a second kernel.
+
+Every compile-time constant comes from the *_constants functions below, which depend on the
+model's shape only: triton_aot.py compiles exactly those ahead of time for sm_80/89/90 and
+warm_up() launches each variant once at start-up, so no kernel compiles while serving.
+copy_blocks is cache_ops.copy_blocks (one gather and one scatter per cache tensor).
 """
 
 from __future__ import annotations
@@ -33,28 +38,28 @@ from .attention import AttentionMetadata
 from .cache_ops import (
     BlockMapping,
     KVCache,
-    _check_block_ids,
     _check_cache_pair,
-    _check_mapping_tensor,
     _check_reshape_and_cache,
-    _mapping_to_pairs,
-    _require_same_layout,
+    copy_blocks,
     swap_blocks,
     swap_kv_blocks,
 )
 from .paged_attention import AttentionBackend, check_attention_inputs
 
 __all__ = [
-    "PARTITION_SIZE",
+    "PARTITION_SIZES",
     "TritonBackend",
+    "choose_decode_partition",
     "choose_decode_variant",
     "copy_blocks",
+    "decode_workspace_bytes",
     "is_interpreted",
     "paged_decode_attention",
     "paged_prefill_attention",
     "reshape_and_cache",
     "swap_blocks",
     "swap_kv_blocks",
+    "warm_up",
 ]
 
 SUPPORTED_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -63,7 +68,9 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tested: 16 (tiny models), 48, 64, 80, 96
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 DecodeVariant = Literal["auto", "single", "partitioned"]
-PARTITION_SIZE = 512  # tokens of context per program in the partitioned decode
+PARTITION_SIZES = (256, 512, 1024)  # tokens of context per program in the partitioned decode
+PARTITION_CHUNK = 32  # partitions the reduce kernel combines per loop iteration
+MAX_SINGLE_PASS_LEN = 8192  # longer contexts are always partitioned
 MIN_PROGRAMS_PER_SM = 4  # below this many (sequence, kv head) programs per SM, partition
 NOMINAL_NUM_SMS = 132  # SM count assumed off-GPU (the interpreter): an H100 / H200
 
@@ -111,31 +118,177 @@ class TritonBackend(AttentionBackend):
     def copy_blocks(kv_caches: Sequence[KVCache], block_mapping: BlockMapping) -> None:
         copy_blocks(kv_caches, block_mapping)
 
+    def warm_up(self, key_cache, value_cache, num_heads: int, query_token_stride: int | None = None) -> list[str]:
+        """Compile every kernel variant for this cache now (see warm_up below)."""
+        if is_interpreted():
+            return []  # the interpreter compiles nothing
+        return warm_up(key_cache, value_cache, num_heads, query_token_stride=query_token_stride)
+
+    def decode_workspace_bytes(
+        self, max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_seq_len: int, device
+    ) -> int:
+        return decode_workspace_bytes(
+            max_num_seqs, num_heads, num_kv_heads, head_dim, max_seq_len, _num_sms(torch.device(device))
+        )
+
     @staticmethod
     def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping: BlockMapping) -> None:
         swap_blocks(src_cache, dst_cache, block_mapping)
 
 
+# ---------------------------------------------------------------------------- launch constants
+#
+# What each wrapper passes as compile-time constants, as functions of the model's shape only
+# (never of a step's batch): the ahead-of-time compile check (triton_aot.py) compiles exactly
+# these, and warm_up() launches each once, so serving never compiles a kernel.
+
+
+def attention_tiles(kind: Literal["decode", "prefill"], dtype: torch.dtype, head_dim: int, group_size: int) -> dict:
+    """Tile shape and warps of an attention kernel, chosen so that no fp16/bf16 variant spills
+    registers on sm_80 / sm_89 / sm_90 and float32 stays within a few bytes (docs/KERNELS.md
+    has the compiled register and shared-memory figures)."""
+    head_pad = triton.next_power_of_2(head_dim)
+    wide = dtype == torch.float32  # 4-byte operands: half the tile for the same registers
+    rows_min = max(16, triton.next_power_of_2(group_size))
+    if kind == "decode":
+        tile_n = 64 if head_pad <= 128 else 32
+        num_warps = 8 if wide and head_pad == 128 else 4  # fp32 at 128 spilled on sm_90 with 4
+        return dict(GROUP_PAD=rows_min, TILE_N=tile_n // 2 if wide else tile_n, num_warps=num_warps)
+    if wide:
+        block_m, tile_n, num_warps = (32, 32, 8) if head_pad <= 128 else (16, 32, 8)
+    elif head_pad <= 64:
+        block_m, tile_n, num_warps = 64, 64, 4
+    elif head_pad <= 128:
+        block_m, tile_n, num_warps = 64, 64, 8
+    else:
+        block_m, tile_n, num_warps = 32, 32, 4
+    block_m = max(block_m, rows_min)
+    return dict(BLOCK_M=block_m, BLOCK_Q=block_m // group_size, TILE_N=tile_n, num_warps=num_warps)
+
+
+def decode_constants(
+    dtype: torch.dtype, head_dim: int, num_kv_heads: int, group_size: int, block_size: int, *, interpreted: bool
+) -> dict:
+    """Constants (and num_warps) of paged_decode_kernel / paged_decode_partition_kernel."""
+    return dict(
+        _attention_constants(dtype, head_dim, num_kv_heads, block_size, interpreted),
+        GROUP_SIZE=group_size, **attention_tiles("decode", dtype, head_dim, group_size),
+    )
+
+
+def prefill_constants(
+    dtype: torch.dtype, head_dim: int, num_kv_heads: int, group_size: int, block_size: int, *, interpreted: bool
+) -> dict:
+    """Constants (and num_warps) of paged_prefill_kernel."""
+    return dict(
+        _attention_constants(dtype, head_dim, num_kv_heads, block_size, interpreted),
+        GROUP_SIZE=group_size, **attention_tiles("prefill", dtype, head_dim, group_size),
+    )
+
+
+def reduce_constants(head_dim: int, partition_size: int) -> dict:
+    """Constants (and num_warps) of paged_decode_reduce_kernel."""
+    return dict(
+        HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), PARTITION_SIZE=partition_size,
+        PARTITION_CHUNK=PARTITION_CHUNK, num_warps=4,
+    )
+
+
+def cache_write_constants(head_dim: int, num_kv_heads: int, block_size: int) -> dict:
+    """Constants (and num_warps) of reshape_and_cache_kernel."""
+    return dict(
+        NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+        HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, num_warps=4,
+    )
+
+
+def _attention_constants(dtype, head_dim: int, num_kv_heads: int, block_size: int, interpreted: bool) -> dict:
+    dot_dtype, precision = _dot_operands(dtype, interpreted)
+    return dict(
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
+    )
+
+
+def _dot_operands(dtype: torch.dtype, interpreted: bool):
+    """(tl.dot operand dtype, input precision). float32 uses IEEE, not TF32, so the result
+    matches the torch reference; bfloat16 under the interpreter is computed in float32
+    because the interpreter's tl.dot multiplies bfloat16 bit patterns as integers."""
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and interpreted):
+        return tl.float32, "ieee"
+    return SUPPORTED_DTYPES[dtype], "tf32"  # the precision only applies to float32 operands
+
+
 # ---------------------------------------------------------------------------- decode
 
 
-def choose_decode_variant(
-    num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, partition_size: int = PARTITION_SIZE
-) -> Literal["single", "partitioned"]:
-    """The rule: partition when the context spans more than one partition AND the single
-    variant's grid is too small to keep the GPU busy:
+def choose_decode_partition(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """The partition size for a decode batch, or 0 for the single-pass kernel:
 
-        partitioned  iff  max_seq_len > partition_size
-                          and  num_seqs * num_kv_heads < MIN_PROGRAMS_PER_SM * num_sms
+        single        iff  max_seq_len <= PARTITION_SIZES[0]                (nothing to split)
+                      or  (num_seqs * num_kv_heads >= MIN_PROGRAMS_PER_SM * num_sms
+                            and max_seq_len <= MAX_SINGLE_PASS_LEN)
+        partitioned   otherwise, with the largest size in PARTITION_SIZES whose grid
+                      num_seqs * num_kv_heads * ceil(max_seq_len / size) still gives
+                      MIN_PROGRAMS_PER_SM programs per SM (the smallest size when none does)
 
     The single variant runs num_seqs * num_kv_heads programs, each walking its whole context
-    serially; with fewer than a few programs per SM most of the memory bandwidth sits idle.
-    Partitioning multiplies the programs by ceil(max_seq_len / partition_size) at the cost of
-    a second (small) launch and fp32 partials of num_seqs * num_heads * partitions * head_dim.
-    """
-    if max_seq_len > partition_size and num_seqs * num_kv_heads < MIN_PROGRAMS_PER_SM * num_sms:
-        return "partitioned"
-    return "single"
+    serially: with too few programs the memory bandwidth sits idle, and past
+    MAX_SINGLE_PASS_LEN one long sequence in a batch of short ones walks its context alone
+    while the rest of the GPU waits (vLLM's single-pass kernel stops at 8192 tokens too).
+    Partitioning costs a second, small launch and float32 partials of num_seqs * num_heads *
+    partitions * (head_pad + 2) values (decode_workspace_bytes)."""
+    smallest = PARTITION_SIZES[0]
+    if max_seq_len <= smallest:
+        return 0
+    target = MIN_PROGRAMS_PER_SM * num_sms
+    programs = num_seqs * num_kv_heads
+    if programs >= target and max_seq_len <= MAX_SINGLE_PASS_LEN:
+        return 0
+    for size in reversed(PARTITION_SIZES):
+        if programs * triton.cdiv(max_seq_len, size) >= target:
+            return size
+    return smallest
+
+
+def choose_decode_variant(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int
+) -> Literal["single", "partitioned"]:
+    """choose_decode_partition as a name: "single" or "partitioned"."""
+    return "partitioned" if choose_decode_partition(num_seqs, num_kv_heads, max_seq_len, num_sms) else "single"
+
+
+def decode_workspace_bytes(
+    max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_seq_len: int, num_sms: int
+) -> int:
+    """The most bytes of partition buffers one decode launch can allocate for batches of up to
+    max_num_seqs sequences and contexts up to max_seq_len (the KV-cache sizing reserves it)."""
+    # The rule depends on the length only through ceil(length / size) for sizes that are all
+    # multiples of the smallest, which is constant between multiples of the smallest: the
+    # largest buffer is reached at one of them (or at max_seq_len itself).
+    step = PARTITION_SIZES[0]
+    lengths = [*range(step, max_seq_len, step), max_seq_len]
+    most = 0
+    for num_seqs in range(1, max_num_seqs + 1):
+        for length in lengths:
+            size = choose_decode_partition(num_seqs, num_kv_heads, length, num_sms)
+            if size:
+                most = max(most, _partition_buffer_bytes(num_seqs, num_heads, triton.cdiv(length, size), head_dim))
+    return most
+
+
+def _partition_buffer_bytes(num_seqs: int, num_heads: int, num_partitions: int, head_dim: int) -> int:
+    """float32 partial outputs [S, H, P, head_pad] + row maxima and sums [S, H, P]."""
+    return 4 * num_seqs * num_heads * num_partitions * (triton.next_power_of_2(head_dim) + 2)
+
+
+def _partition_buffers(num_seqs: int, num_heads: int, num_partitions: int, head_dim: int, device):
+    stats_shape = (num_seqs, num_heads, num_partitions)
+    head_pad = triton.next_power_of_2(head_dim)
+    partial_out = torch.empty((*stats_shape, head_pad), dtype=torch.float32, device=device)  # [S, H, P, D_pad]
+    max_logits = torch.empty(stats_shape, dtype=torch.float32, device=device)  # [S, H, P]
+    exp_sums = torch.empty(stats_shape, dtype=torch.float32, device=device)  # [S, H, P]
+    return partial_out, max_logits, exp_sums
 
 
 def paged_decode_attention(
@@ -149,7 +302,7 @@ def paged_decode_attention(
     *,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
     variant: DecodeVariant = "auto",
-    partition_size: int = PARTITION_SIZE,
+    partition_size: int | None = None,  # None: choose_decode_partition's (or the smallest when forced)
 ) -> torch.Tensor:
     """Each sequence's query attends to its first seq_lens[i] cached tokens; returns `out`."""
     _check_attention_common(query, key_cache, value_cache, block_tables, "decode")
@@ -158,7 +311,9 @@ def paged_decode_attention(
     _require(
         variant in ("auto", "single", "partitioned"), f"variant must be auto, single or partitioned, got {variant!r}"
     )
-    _require(partition_size > 0, f"partition_size must be positive, got {partition_size}")
+    _require(
+        partition_size is None or partition_size > 0, f"partition_size must be positive, got {partition_size}"
+    )
     _require(
         max_seq_len <= block_tables.shape[1] * key_cache.shape[1],
         f"max_seq_len={max_seq_len} does not fit block_tables of {block_tables.shape[1]} blocks x "
@@ -171,19 +326,19 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     _require(max_seq_len >= 1, f"max_seq_len must be >= 1 for {num_seqs} sequences, got {max_seq_len}")
-    num_kv_heads = key_cache.shape[2]
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    if variant != "single" and partition_size is None:
+        partition_size = choose_decode_partition(num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device))
+        if variant == "partitioned" and not partition_size:
+            partition_size = PARTITION_SIZES[0]
     if variant == "auto":
-        variant = choose_decode_variant(num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device), partition_size)
-    common = _attention_constants(query, key_cache)
-    group_size = num_heads // num_kv_heads
-    group_pad = max(16, triton.next_power_of_2(group_size))
-    tile_n = 64 if common["HEAD_PAD"] <= 128 else 32
-    strides = dict(
-        stride_q_token=query.stride(0), stride_q_head=query.stride(1),
-        stride_cache_block=key_cache.stride(0), stride_cache_slot=key_cache.stride(1),
-        stride_cache_head=key_cache.stride(2), stride_table_seq=block_tables.stride(0),
+        variant = "partitioned" if partition_size else "single"
+    constants = decode_constants(
+        query.dtype, head_dim, num_kv_heads, num_heads // num_kv_heads, block_size, interpreted=is_interpreted()
     )
-    constants = dict(common, GROUP_SIZE=group_size, GROUP_PAD=group_pad, TILE_N=tile_n, num_warps=4)
+    strides = dict(
+        stride_q_token=query.stride(0), stride_q_head=query.stride(1), stride_table_seq=block_tables.stride(0),
+    )
     scale_log2 = float(scale) * kernels.LOG2E
     if variant == "single":
         kernels.paged_decode_kernel[(num_seqs, num_kv_heads)](
@@ -192,11 +347,7 @@ def paged_decode_attention(
         )
         return out
     max_partitions = triton.cdiv(max_seq_len, partition_size)
-    head_pad = common["HEAD_PAD"]
-    stats_shape = (num_seqs, num_heads, max_partitions)
-    partial_out = torch.empty((*stats_shape, head_pad), dtype=torch.float32, device=query.device)  # [S, H, P, D_pad]
-    max_logits = torch.empty(stats_shape, dtype=torch.float32, device=query.device)  # [S, H, P]
-    exp_sums = torch.empty(stats_shape, dtype=torch.float32, device=query.device)  # [S, H, P]
+    partial_out, max_logits, exp_sums = _partition_buffers(num_seqs, num_heads, max_partitions, head_dim, query.device)
     kernels.paged_decode_partition_kernel[(num_seqs, num_kv_heads, max_partitions)](
         partial_out, max_logits, exp_sums, query, key_cache, value_cache, block_tables, seq_lens, scale_log2,
         num_heads=num_heads, max_partitions=max_partitions, PARTITION_SIZE=partition_size, **strides, **constants,
@@ -204,9 +355,7 @@ def paged_decode_attention(
     kernels.paged_decode_reduce_kernel[(num_seqs, num_heads)](
         out, partial_out, max_logits, exp_sums, seq_lens,
         stride_out_token=out.stride(0), stride_out_head=out.stride(1),
-        num_heads=num_heads, max_partitions=max_partitions,
-        HEAD_DIM=head_dim, HEAD_PAD=head_pad, PARTITION_SIZE=partition_size,
-        PARTITIONS_PAD=max(2, triton.next_power_of_2(max_partitions)), num_warps=4,
+        num_heads=num_heads, max_partitions=max_partitions, **reduce_constants(head_dim, partition_size),
     )
     return out
 
@@ -242,21 +391,18 @@ def paged_prefill_attention(
         _check_out(out, query)
     if num_prefills == 0 or max_query_len == 0:
         return out
-    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
-    common = _attention_constants(query, key_cache)
-    group_size = num_heads // num_kv_heads
-    block_m = max(64 if common["HEAD_PAD"] <= 128 else 32, triton.next_power_of_2(group_size))
-    block_q = block_m // group_size
-    grid = (triton.cdiv(max_query_len, block_q), num_prefills, num_kv_heads)
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    constants = prefill_constants(
+        query.dtype, head_dim, num_kv_heads, num_heads // num_kv_heads, block_size, interpreted=is_interpreted()
+    )
+    grid = (triton.cdiv(max_query_len, constants["BLOCK_Q"]), num_prefills, num_kv_heads)
     kernels.paged_prefill_kernel[grid](
         out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
         float(scale) * kernels.LOG2E,
         stride_q_token=query.stride(0), stride_q_head=query.stride(1),
         stride_out_token=out.stride(0), stride_out_head=out.stride(1),
-        stride_cache_block=key_cache.stride(0), stride_cache_slot=key_cache.stride(1),
-        stride_cache_head=key_cache.stride(2), stride_table_seq=block_tables.stride(0),
-        GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-        TILE_N=64 if common["HEAD_PAD"] <= 128 else 32, num_warps=4, **common,
+        stride_table_seq=block_tables.stride(0), **constants,
     )
     return out
 
@@ -285,58 +431,54 @@ def reshape_and_cache(
     kernels.reshape_and_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=key_cache.shape[1],
-        num_warps=4,
+        **cache_write_constants(head_dim, num_kv_heads, key_cache.shape[1]),
     )
 
 
-def copy_blocks(kv_caches: Sequence[KVCache], block_mapping: BlockMapping) -> None:
-    """Copy whole blocks src -> dst in every layer's key and value cache, in one launch.
+# ---------------------------------------------------------------------------- warm-up
 
-    Unlike cache_ops.copy_blocks, a block may not be both a source and a destination in one
-    mapping (copy-on-write never produces that: a dst is a freshly allocated block); host
-    mappings are checked for it, device tensors are trusted (checking them would sync).
-    """
-    if not kv_caches:
-        raise ValueError("copy_blocks: kv_caches is empty (expected one (key, value) per layer)")
-    for layer, (key_cache, value_cache) in enumerate(kv_caches):
-        _check_cache_pair(key_cache, value_cache, where=f"layer {layer}")
-        _require_same_layout(kv_caches[0][0], key_cache, f"layer {layer}", "layer 0")
-    first = kv_caches[0][0]
-    _check_can_launch(first.device)
-    _require(first.dtype in SUPPORTED_DTYPES, f"cache dtype {first.dtype} is not one of {_dtype_names()}")
-    mapping = _mapping_on_device(block_mapping, first.shape[0], first.device)  # [num_pairs, 2] int64
-    if mapping.shape[0] == 0:
-        return
-    caches = [key for key, _ in kv_caches] + [value for _, value in kv_caches]
-    pointers = _pointer_table(tuple(cache.data_ptr() for cache in caches), first.device)  # [2 * num_layers]
-    block_numel = first[0].numel()
-    kernels.copy_blocks_kernel[(len(caches), mapping.shape[0])](
-        pointers, mapping, block_numel,
-        COPY_TILE=min(4096, triton.next_power_of_2(block_numel)), DTYPE=SUPPORTED_DTYPES[first.dtype],
-        num_warps=4,
+
+def warm_up(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int, *, query_token_stride: int | None = None
+) -> list[str]:
+    """Launch every kernel variant a step can use with this cache once, so that none compiles
+    after start-up: reshape_and_cache, prefill, single-pass decode, and the partitioned decode
+    and its reduce for every size in PARTITION_SIZES. Nothing in the cache is written (every
+    slot is PAD_SLOT) and only block 0 is read. `query_token_stride` is the token stride of
+    the model's queries (a slice of one QKV projection: (num_heads + 2 * num_kv_heads) *
+    head_dim), so the launches specialise on the same values as the model's. Returns the
+    names of what was launched."""
+    _check_cache_pair(key_cache, value_cache)
+    _check_can_launch(key_cache.device)
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    device, dtype = key_cache.device, key_cache.dtype
+    width = num_heads * head_dim
+    stride = query_token_stride or (num_heads + 2 * num_kv_heads) * head_dim
+    _require(stride >= width, f"query_token_stride={stride} is below num_heads * head_dim = {width}")
+    num_tokens = 2
+    qkv = torch.zeros((num_tokens, stride + 2 * num_kv_heads * head_dim), dtype=dtype, device=device)
+    query = qkv[:, :width].view(num_tokens, num_heads, head_dim)  # strided like the model's slices
+    key = qkv[:, stride : stride + num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, stride + num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    pad = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+    reshape_and_cache(key, value, key_cache, value_cache, pad)
+    launched = ["reshape_and_cache"]
+    index = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=dtype, device=device)
+    paged_prefill_attention(
+        query, key_cache, value_cache, index([[0]]), index([0, num_tokens]), index([0]), num_tokens, 1.0, out=out
     )
-
-
-def _mapping_on_device(block_mapping: BlockMapping, num_blocks: int, device: torch.device) -> torch.Tensor:
-    if isinstance(block_mapping, torch.Tensor) and block_mapping.device.type != "cpu":
-        _check_mapping_tensor(block_mapping)
-        _require(block_mapping.device == device, f"block_mapping is on {block_mapping.device}, caches on {device}")
-        return block_mapping.contiguous()
-    pairs = _mapping_to_pairs(block_mapping)
-    _check_block_ids(pairs, num_blocks, num_blocks)
-    both = {src for src, _ in pairs} & {dst for _, dst in pairs}
-    _require(not both, f"block_mapping uses blocks {sorted(both)} as both source and destination")
-    return torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).to(device)  # [num_pairs, 2]
-
-
-@functools.lru_cache(maxsize=8)
-def _pointer_table(pointers: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Base addresses of the cache tensors as an int64 tensor on their device. Keyed by the
-    addresses themselves, so a reallocated cache gets a fresh table."""
-    return torch.tensor(pointers, dtype=torch.int64, device=device)
+    launched.append("prefill")
+    tables, lens = index([[0]]), index([1])
+    paged_decode_attention(query[:1], key_cache, value_cache, tables, lens, 1, 1.0, out=out[:1], variant="single")
+    launched.append("decode single")
+    for size in PARTITION_SIZES:
+        paged_decode_attention(
+            query[:1], key_cache, value_cache, tables, lens, 1, 1.0, out=out[:1], variant="partitioned",
+            partition_size=size,
+        )
+        launched.append(f"decode partitioned {size}")
+    return launched
 
 
 # ---------------------------------------------------------------------------- checks
@@ -404,25 +546,6 @@ def _check_out(out: torch.Tensor, query: torch.Tensor) -> None:
     _require(out.dtype == query.dtype, f"out dtype {out.dtype} != query dtype {query.dtype}")
     _require(out.device == query.device, f"out is on {out.device} but query is on {query.device}")
     _require(out.dim() != 3 or out.stride(2) == 1, f"out needs a contiguous last dim, got strides {out.stride()}")
-
-
-def _attention_constants(query: torch.Tensor, key_cache: torch.Tensor) -> dict:
-    """Compile-time constants shared by the attention kernels."""
-    head_dim = query.shape[2]
-    dot_dtype, precision = _dot_operands(query.dtype)
-    return dict(
-        HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=key_cache.shape[1],
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-    )
-
-
-def _dot_operands(dtype: torch.dtype):
-    """(tl.dot operand dtype, input precision). float32 uses IEEE, not TF32, so the result
-    matches the torch reference; bfloat16 under the interpreter is computed in float32
-    because the interpreter's tl.dot multiplies bfloat16 bit patterns as integers."""
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and is_interpreted()):
-        return tl.float32, "ieee"
-    return SUPPORTED_DTYPES[dtype], "tf32"  # the precision only applies to float32 operands
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,6 +15,16 @@ block table; block size and tile size are independent. Per tile, online softmax 
     acc   = acc * 2^(m - m_new) + 2^(s - m_new) @ v    l = l * 2^(m - m_new) + rowsum(2^(s - m_new))
     out   = acc / l                                     after the last tile
 
+Cache strides are not arguments: the caches are contiguous (the wrappers check it), so a
+slot's offset is built from the constexprs NUM_KV_HEADS, HEAD_DIM and BLOCK_SIZE. The
+compiler then knows every K/V row starts at a multiple of HEAD_DIM elements and vectorizes
+the loads (a runtime stride of 72 is not divisible by 16, and the launcher's specialization
+would otherwise fall back to 2-byte loads).
+
+Step-varying integers (the block-table width, the number of partitions) are listed in
+`do_not_specialize`: Triton would otherwise compile a new variant whenever such a value
+changes between 1, a multiple of 16 and anything else, i.e. while serving.
+
 Grouped-query attention: the GROUP_SIZE query heads that share one kv head are rows of the
 same tile, so each K/V tile is loaded once per kv head, not once per query head.
 
@@ -52,9 +62,7 @@ def _attend_key_range(
     key_start,  # first key position to read (a multiple of TILE_N)
     key_end,  # one past the last key position to read
     scale_log2,  # softmax scale * log2(e)
-    stride_cache_block,
-    stride_cache_slot,
-    stride_cache_head,
+    NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -68,12 +76,14 @@ def _attend_key_range(
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_PAD)
     is_real_lane = offs_d < HEAD_DIM  # [HEAD_PAD]
-    head_offset = kv_head * stride_cache_head
+    head_offset = kv_head * HEAD_DIM
     for tile_start in range(key_start, key_end, TILE_N):
         key_pos = tile_start + offs_n  # [TILE_N]
         is_key = key_pos < key_end
         block_ids = tl.load(table_ptr + key_pos // BLOCK_SIZE, mask=is_key, other=0).to(tl.int64)
-        row_offsets = block_ids * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot + head_offset
+        row_offsets = block_ids * (BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM) + (key_pos % BLOCK_SIZE) * (
+            NUM_KV_HEADS * HEAD_DIM
+        ) + head_offset
         kv_offsets = row_offsets[:, None] + offs_d[None, :]  # [TILE_N, HEAD_PAD]
         kv_mask = is_key[:, None] & is_real_lane[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [TILE_N, HEAD_PAD]
@@ -111,7 +121,7 @@ def _load_decode_query(
 # ---------------------------------------------------------------------------- decode
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table_seq"])
 def paged_decode_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim]
     q_ptr,  # [num_seqs, num_heads, head_dim]
@@ -122,8 +132,8 @@ def paged_decode_kernel(
     scale_log2,
     stride_q_token, stride_q_head,
     stride_out_token, stride_out_head,
-    stride_cache_block, stride_cache_slot, stride_cache_head,
     stride_table_seq,
+    NUM_KV_HEADS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -148,8 +158,7 @@ def paged_decode_kernel(
     acc, m_i, l_i = _attend_key_range(
         q, unused_pos, acc, m_i, l_i, k_cache_ptr, v_cache_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_table_seq, kv_head, 0, seq_len, scale_log2,
-        stride_cache_block, stride_cache_slot, stride_cache_head,
-        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_DTYPE, DOT_PRECISION,
+        NUM_KV_HEADS, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_DTYPE, DOT_PRECISION,
     )
     rows = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -159,7 +168,7 @@ def paged_decode_kernel(
     tl.store(out_ptr + offsets, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table_seq", "max_partitions"])
 def paged_decode_partition_kernel(
     partial_out_ptr,  # [num_seqs, num_heads, max_partitions, HEAD_PAD] float32
     max_logits_ptr,  # [num_seqs, num_heads, max_partitions] float32 (log2 domain)
@@ -171,10 +180,10 @@ def paged_decode_partition_kernel(
     seq_lens_ptr,
     scale_log2,
     stride_q_token, stride_q_head,
-    stride_cache_block, stride_cache_slot, stride_cache_head,
     stride_table_seq,
     num_heads,
     max_partitions,
+    NUM_KV_HEADS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -206,8 +215,7 @@ def paged_decode_partition_kernel(
     acc, m_i, l_i = _attend_key_range(
         q, unused_pos, acc, m_i, l_i, k_cache_ptr, v_cache_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_table_seq, kv_head, key_start, key_end, scale_log2,
-        stride_cache_block, stride_cache_slot, stride_cache_head,
-        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_DTYPE, DOT_PRECISION,
+        NUM_KV_HEADS, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_DTYPE, DOT_PRECISION,
     )
     rows = tl.arange(0, GROUP_PAD)
     is_row = rows < GROUP_SIZE
@@ -224,7 +232,7 @@ def paged_decode_partition_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_partitions"])
 def paged_decode_reduce_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim]
     partial_out_ptr,
@@ -237,27 +245,41 @@ def paged_decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
-    PARTITIONS_PAD: tl.constexpr,
+    PARTITION_CHUNK: tl.constexpr,
 ):
     """Grid (num_seqs, num_heads): combine a sequence's partitions for one query head,
-    weighting each partition's normalised output by 2^(m_p - max_p m_p) * l_p."""
+    weighting each partition's normalised output by 2^(m_p - max_p m_p) * l_p.
+
+    Partitions are read PARTITION_CHUNK at a time with a running maximum (the same online
+    rescaling as the attention loop), so one compiled variant serves any number of
+    partitions: the count changes every step and must not be a compile-time constant."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     num_partitions = tl.cdiv(seq_len, PARTITION_SIZE)
-    offs_p = tl.arange(0, PARTITIONS_PAD)
-    is_partition = offs_p < num_partitions
     base = (seq.to(tl.int64) * num_heads + head) * max_partitions
-    m = tl.load(max_logits_ptr + base + offs_p, mask=is_partition, other=float("-inf"))  # [PARTITIONS_PAD]
-    l = tl.load(exp_sums_ptr + base + offs_p, mask=is_partition, other=0.0)
-    weights = tl.exp2(m - tl.max(m, 0)) * l  # 0 for missing partitions
+    offs_c = tl.arange(0, PARTITION_CHUNK)
     offs_d = tl.arange(0, HEAD_PAD)
-    partial = tl.load(
-        partial_out_ptr + (base + offs_p)[:, None] * HEAD_PAD + offs_d[None, :],
-        mask=is_partition[:, None],
-        other=0.0,
-    )  # [PARTITIONS_PAD, HEAD_PAD]
-    out = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)  # [HEAD_PAD]
+    m_run = tl.full([1], float("-inf"), dtype=tl.float32)
+    weight_sum = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([HEAD_PAD], dtype=tl.float32)
+    for start in range(0, num_partitions, PARTITION_CHUNK):
+        offs_p = start + offs_c
+        is_partition = offs_p < num_partitions
+        m = tl.load(max_logits_ptr + base + offs_p, mask=is_partition, other=float("-inf"))  # [CHUNK]
+        l = tl.load(exp_sums_ptr + base + offs_p, mask=is_partition, other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, 0))  # finite: the chunk holds at least one partition
+        alpha = tl.exp2(m_run - m_new)  # 0 on the first chunk
+        weights = tl.exp2(m - m_new) * l  # 0 for missing partitions
+        partial = tl.load(
+            partial_out_ptr + (base + offs_p)[:, None] * HEAD_PAD + offs_d[None, :],
+            mask=is_partition[:, None],
+            other=0.0,
+        )  # [CHUNK, HEAD_PAD]
+        acc = acc * alpha + tl.sum(partial * weights[:, None], 0)
+        weight_sum = weight_sum * alpha + tl.sum(weights, 0)
+        m_run = m_new
+    out = acc / weight_sum  # [HEAD_PAD]
     offsets = seq.to(tl.int64) * stride_out_token + head * stride_out_head + offs_d
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
@@ -265,7 +287,7 @@ def paged_decode_reduce_kernel(
 # ---------------------------------------------------------------------------- prefill
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table_seq"])
 def paged_prefill_kernel(
     out_ptr,  # [num_prefill_tokens, num_heads, head_dim]
     q_ptr,  # [num_prefill_tokens, num_heads, head_dim]
@@ -277,8 +299,8 @@ def paged_prefill_kernel(
     scale_log2,
     stride_q_token, stride_q_head,
     stride_out_token, stride_out_head,
-    stride_cache_block, stride_cache_slot, stride_cache_head,
     stride_table_seq,
+    NUM_KV_HEADS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -325,8 +347,7 @@ def paged_prefill_kernel(
     acc, m_i, l_i = _attend_key_range(
         q, query_pos, acc, m_i, l_i, k_cache_ptr, v_cache_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_table_seq, kv_head, 0, key_end, scale_log2,
-        stride_cache_block, stride_cache_slot, stride_cache_head,
-        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_DTYPE, DOT_PRECISION,
+        NUM_KV_HEADS, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_DTYPE, DOT_PRECISION,
     )
     out_offsets = (query_start + token).to(tl.int64)[:, None] * stride_out_token + heads[:, None] * stride_out_head
     tl.store(
@@ -346,7 +367,6 @@ def reshape_and_cache_kernel(
     slot_mapping_ptr,  # [num_tokens] int64
     stride_key_token, stride_key_head,
     stride_value_token, stride_value_head,
-    stride_cache_block, stride_cache_slot, stride_cache_head,
     NUM_KV_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -365,7 +385,8 @@ def reshape_and_cache_kernel(
     offs_d = tl.arange(0, HEAD_PAD)
     mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
     cache_offsets = (
-        block * stride_cache_block + offset * stride_cache_slot + offs_h[:, None] * stride_cache_head + offs_d[None, :]
+        block * (BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM) + offset * (NUM_KV_HEADS * HEAD_DIM)
+        + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
     )  # [HEADS_PAD, HEAD_PAD]
     key = tl.load(key_ptr + token * stride_key_token + offs_h[:, None] * stride_key_head + offs_d[None, :], mask=mask)
     tl.store(k_cache_ptr + cache_offsets, key, mask=mask)
@@ -373,32 +394,3 @@ def reshape_and_cache_kernel(
         value_ptr + token * stride_value_token + offs_h[:, None] * stride_value_head + offs_d[None, :], mask=mask
     )
     tl.store(v_cache_ptr + cache_offsets, value, mask=mask)
-
-
-# ---------------------------------------------------------------------------- block copies
-
-
-@triton.jit
-def copy_blocks_kernel(
-    cache_ptrs_ptr,  # [2 * num_layers] int64: data pointers of every layer's key caches, then value caches
-    block_mapping_ptr,  # [num_pairs, 2] int64: (src, dst)
-    BLOCK_NUMEL: tl.constexpr,  # block_size * num_kv_heads * head_dim
-    COPY_TILE: tl.constexpr,
-    DTYPE: tl.constexpr,
-):
-    """Grid (2 * num_layers, num_pairs): copy one whole block of one cache tensor.
-
-    Every layer's caches are separate tensors, so the kernel takes a table of their base
-    addresses instead of one stacked tensor (which would need a copy of the whole cache).
-    Programs run in no fixed order: the wrapper rejects mappings where a dst is also a src.
-    """
-    cache = tl.load(cache_ptrs_ptr + tl.program_id(0)).to(tl.pointer_type(DTYPE))
-    pair = tl.program_id(1)
-    src = tl.load(block_mapping_ptr + 2 * pair)
-    dst = tl.load(block_mapping_ptr + 2 * pair + 1)
-    offs = tl.arange(0, COPY_TILE)
-    for start in range(0, BLOCK_NUMEL, COPY_TILE):
-        index = start + offs
-        mask = index < BLOCK_NUMEL
-        block = tl.load(cache + src * BLOCK_NUMEL + index, mask=mask)
-        tl.store(cache + dst * BLOCK_NUMEL + index, block, mask=mask)

@@ -163,7 +163,7 @@ class EngineMetrics:
             self._queue.record(m.first_scheduled_time - m.arrival_time, self._attrs)
         if m.finished_time is not None:
             self._e2e.record(m.finished_time - m.arrival_time, self._attrs)
-            num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
+            num_tokens = max((c.num_output_tokens for c in output.outputs), default=0)
             if num_tokens > 1:
                 self._tpot.record((m.finished_time - m.first_token_time) / (num_tokens - 1), self._attrs)
 

@@ -21,7 +21,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_seqs] int64: last new token of each scheduled seq
+    logits_indices: torch.Tensor  # [num_sampled] int64: last new token of each sampled seq
 
 
 class ModelRunner:
@@ -77,7 +77,8 @@ class ModelRunner:
             input_ids=_long(input_ids, device),
             positions=_long(positions, device),
             metadata=metadata,
-            logits_indices=_long([last_index[s.seq_id] for s in seqs], device),
+            # a prefill chunk that ends before the group's last token samples nothing
+            logits_indices=_long([last_index[s.seq_id] for g in out.groups if g.do_sample for s in g.seqs], device),
         )
 
     def _group_params(self, out: SchedulerOutput) -> list[SamplingParams]:
@@ -97,10 +98,13 @@ class ModelRunner:
             return SamplerOutput([]) if self.sampler is not None else None
         inputs = self.prepare(out)
         hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.metadata)  # [T, hidden]
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # [num_seqs, vocab]
+        sampled = [(g, p) for g, p in zip(out.groups, group_params) if g.do_sample]
+        if not sampled:  # only prefill chunks this step
+            return SamplerOutput([]) if self.sampler is not None else None
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # [num_sampled, vocab]
         if self.sampler is None:
             return None
-        return self.sampler(logits, out.groups, group_params)
+        return self.sampler(logits, [g for g, _ in sampled], [p for _, p in sampled])
 
 
 def _long(values: list[int], device) -> torch.Tensor:

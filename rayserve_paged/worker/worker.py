@@ -19,9 +19,10 @@ from rayserve_paged.core.outputs import SchedulerOutput
 from rayserve_paged.models.layers import ParallelState
 from rayserve_paged.models.loader import get_model_config, load_model
 from rayserve_paged.models.sampler import Sampler, SamplerOutput
-from rayserve_paged.ops.cache_ops import copy_blocks, swap_kv_blocks
-from rayserve_paged.ops.paged_attention import get_attention_backend
+from rayserve_paged.ops.cache_ops import BlockSwapper, copy_blocks
+from rayserve_paged.ops.backends import get_attention_backend
 from rayserve_paged.telemetry import GpuProbe
+from rayserve_paged.worker.kv_sizing import kv_cache_budget_bytes
 from rayserve_paged.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -83,10 +84,13 @@ class Worker:
         self.num_kv_heads = self.model_config.num_kv_heads_per_rank(world_size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.swapper = BlockSwapper([], [])
         self.runner: ModelRunner | None = None
         self.num_steps = 0
         self.execute_s = 0.0  # wall time inside execute(): swaps, copies, model, sampler
         self.gpu_probe = GpuProbe(rank, self.device)
+        self.backend = None  # the attention backend, once the model is loaded
+        self.warmed_up: list[str] = []  # kernel variants compiled at start-up
 
     # ------------------------------------------------------------------ start-up
 
@@ -97,10 +101,11 @@ class Worker:
             logger.info("rank %d: %d torch threads (%s)", self.rank, num_threads, source)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        backend = get_attention_backend(self.config.attention_backend, self.device)
+        backend = self.backend = get_attention_backend(self.config.attention_backend, self.device)
         parallel = ParallelState(self.rank, self.world_size, group)
         model = load_model(self.model_path, self.dtype, self.device, backend, parallel=parallel)
-        sampler = Sampler(len(self.model_config.eos_token_ids)) if self.rank == 0 else None
+        eos = tuple(self.model_config.eos_token_ids)
+        sampler = Sampler(len(eos), eos) if self.rank == 0 else None
         self.runner = ModelRunner(model, self.config.block_size, self.device, sampler)
         logger.info(
             "rank %d loaded %s (%s, %s, attention %s)", self.rank, self.model_path, self.dtype, self.device, backend.name
@@ -133,10 +138,21 @@ class Worker:
         self._profile_run()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        used_by_others = total - free_before - torch.cuda.memory_allocated(self.device)
-        budget = total * self.config.gpu_memory_utilization - used_by_others - peak
+        budget = kv_cache_budget_bytes(
+            total, free_before, torch.cuda.memory_allocated(self.device), peak,
+            self.config.gpu_memory_utilization, self.decode_workspace_bytes(),
+        )
         torch.cuda.empty_cache()
-        return max(int(budget) // block_bytes, 0)
+        return max(budget // block_bytes, 0)
+
+    def decode_workspace_bytes(self) -> int:
+        """The attention backend's largest per-layer decode buffers at max_num_seqs x max_model_len."""
+        mc = self.model_config
+        max_len = self.config.max_model_len or mc.max_model_len
+        return self.backend.decode_workspace_bytes(
+            self.config.max_num_seqs, mc.num_heads // self.world_size, self.num_kv_heads, mc.head_dim, max_len,
+            self.device,
+        )
 
     def _profile_run(self) -> None:
         from rayserve_paged.core.outputs import ScheduledGroup, ScheduledSeq
@@ -160,6 +176,22 @@ class Worker:
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self._allocate_caches(num_gpu_blocks, num_cpu_blocks)
+        self.warm_up()
+
+    def warm_up(self) -> list[str]:
+        """Compile every attention kernel variant now, before the engine reports ready, so
+        that no step stalls on a compile while serving (a no-op for the torch backend)."""
+        if not self.kv_caches or self.kv_caches[0][0].shape[0] == 0:
+            return []
+        mc = self.model_config
+        num_heads = mc.num_heads // self.world_size
+        qkv_stride = (num_heads + 2 * self.num_kv_heads) * mc.head_dim  # queries are slices of one QKV projection
+        start = time.perf_counter()
+        self.warmed_up = self.backend.warm_up(*self.kv_caches[0], num_heads, qkv_stride)
+        if self.warmed_up:
+            logger.info("rank %d compiled %d attention kernel variants in %.1f s: %s", self.rank,
+                        len(self.warmed_up), time.perf_counter() - start, ", ".join(self.warmed_up))
+        return self.warmed_up
 
     def _allocate_caches(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         mc = self.model_config
@@ -174,6 +206,7 @@ class Worker:
             (torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin), torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin))
             for _ in range(mc.num_layers)
         ]
+        self.swapper = BlockSwapper(self.kv_caches, self.cpu_caches)
 
     # ------------------------------------------------------------------ the step
 
@@ -187,12 +220,13 @@ class Worker:
 
     def _execute(self, out: SchedulerOutput) -> SamplerOutput | None:
         # Order matters: blocks swapped out this step may be handed to swap-ins and copies.
+        # The swapper orders its side-stream copies against this stream with events: no sync
+        # here; last step's swap-outs land in the host pool first (finish).
+        self.swapper.finish()
         if out.blocks_to_swap_out:
-            swap_kv_blocks(self.kv_caches, self.cpu_caches, out.blocks_to_swap_out)
+            self.swapper.swap_out(out.blocks_to_swap_out)
         if out.blocks_to_swap_in:
-            swap_kv_blocks(self.cpu_caches, self.kv_caches, out.blocks_to_swap_in)
-        if (out.blocks_to_swap_out or out.blocks_to_swap_in) and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the one sync point of the step's swaps
+            self.swapper.swap_in(out.blocks_to_swap_in)
         if out.blocks_to_copy:
             copy_blocks(self.kv_caches, out.blocks_to_copy)
         return self.runner.execute(out, self.kv_caches)

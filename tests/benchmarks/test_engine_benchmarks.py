@@ -117,3 +117,20 @@ def test_throughput_json_records_config(throughput_json):
     assert w["num_requests"] * w["min_output_len"] <= num_output_tokens <= w["num_requests"] * w["max_output_len"]
     assert cfg["model"]["dtype"] == "float32"
     assert throughput_json["quick"] is True
+
+
+# ---------------------------------------------------------------------------- mixed load
+
+
+def test_mixed_load_runs_chunked_and_unchunked_over_the_same_requests(tmp_path):
+    assert cli.BENCHMARKS["mixed"] == "benchmarks.mixed_load"
+    assert cli.main(["bench", "mixed", "--out", str(tmp_path), "--quick"]) == 0
+    result = json.loads((tmp_path / "mixed.json").read_text())
+    chunked, whole = result["runs"]
+    assert (chunked["chunked_prefill"], whole["chunked_prefill"]) == (True, False)
+    assert chunked["max_num_batched_tokens"] == 32 and whole["max_num_batched_tokens"] == 2048
+    # 2 decodes x 6 tokens + 1 long prompt x 8 tokens, in both runs
+    assert chunked["output_tokens"] == whole["output_tokens"] == 2 * 6 + 8
+    for run in (chunked, whole):
+        for name in ("ttft_s", "tpot_s", "itl_s"):
+            assert 0 < run[name]["p50"] <= run[name]["p99"]

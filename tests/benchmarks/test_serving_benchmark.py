@@ -227,12 +227,24 @@ def test_small_opt_config_is_valid_app_args_with_the_same_engine_options(tmp_pat
     config = serving.with_http_port(config, 12345)
     assert config["http_options"] == {"host": "127.0.0.1", "port": 12345}
     args = config["applications"][0]["args"]
-    cpus = (args["worker_cpus"], args["scheduler_cpus"], args["ray_actor_options"]["num_cpus"], args["ingress_cpus"])
-    assert args["num_replicas"] == 1 and cpus == (1.0, 0.1, 0.1, 0.1)
+    cpus = (args["worker_cpus"], args["scheduler_cpus"], args["ray_actor_options"]["num_cpus"])
+    assert args["num_replicas"] == 1 and cpus == (1.0, 0.1, 0.1)
     assert "autoscaling_config" not in args
     options = serving.engine_options(config)
     assert options["model"] == str(tmp_path) and options["num_cpu_threads"] == 2
     assert options["kv_cache_memory_gb"] == args["kv_cache_memory_gb"] > 0
+
+
+def test_ceiling_launch_is_a_one_layer_opt_of_hidden_16_with_256_streams_of_256_tokens(tmp_path):
+    config, shape = serving._launch_config(serving.CEILING, str(tmp_path), serving.CEILING_WORKLOAD, 1, 0)
+    assert (shape["num_hidden_layers"], shape["hidden_size"]) == (1, 16)
+    model_dir = config["applications"][0]["args"]["model"]
+    assert json.loads((tmp_path / serving.CEILING / "config.json").read_text())["hidden_size"] == 16
+    assert model_dir.endswith(serving.CEILING)
+    requests = serving.make_requests(serving.CEILING_WORKLOAD, 0)
+    assert len(requests) == 256 and {r.output_len for r in requests} == {256}
+    specs = serving.run_specs(None, list(serving.CEILING_CONCURRENCY), compare=True)
+    assert [s.name for s in specs] == ["all at once", "C=16", "C=64"]
 
 
 # ---------------------------------------------------------------------------- a quick run over HTTP

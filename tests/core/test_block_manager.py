@@ -15,7 +15,8 @@ def admit(bm: BlockManager, group):
     bm.allocate(group)
     for seq in group.seqs:
         seq.status = SequenceStatus.RUNNING
-        seq.num_computed_tokens = len(seq)  # the prefill step ran
+        bm.mark_computed(seq, len(seq))  # the prefill step ran: full blocks become cached
+        seq.num_computed_tokens = len(seq)
     check_block_manager(bm)
 
 
@@ -168,10 +169,14 @@ def test_can_allocate_says_never_for_a_prompt_that_cannot_fit_and_later_when_bus
     assert bm.can_allocate(make_group("w", 5 * 16 + 1)) is AllocStatus.LATER
 
 
-def test_watermark_holds_back_admissions():
+def test_watermark_holds_back_admissions_but_never_refuses_what_the_pool_holds():
     bm = BlockManager(16, 12, 4, watermark=0.25)  # 3 blocks held back
     assert bm.watermark_blocks == 3
-    assert bm.can_allocate(make_group("x", 10 * 16)) is AllocStatus.NEVER
+    # the watermark guards against thrashing between groups: a group that will run alone
+    # may take the whole pool, so only more than the pool is NEVER
+    assert bm.can_allocate(make_group("x", 10 * 16)) is AllocStatus.LATER
+    assert bm.can_allocate(make_group("x", 12 * 16), use_watermark=False) is AllocStatus.OK
+    assert bm.can_allocate(make_group("x", 12 * 16 + 1), use_watermark=False) is AllocStatus.NEVER
     assert bm.can_allocate(make_group("y", 9 * 16)) is AllocStatus.OK
     admit(bm, make_group("a", 16))
     assert bm.can_allocate(make_group("z", 9 * 16)) is AllocStatus.LATER

@@ -63,9 +63,10 @@ class ShadowKV:
             for ss in sg.seqs:
                 seq = seqs_by_id[ss.seq_id]
                 end = ss.start_pos + len(ss.token_ids)
-                assert end == len(seq)
+                # a sampling step computes up to the last token; a prefill chunk stops short
+                assert end == len(seq) if sg.do_sample else end < len(seq)
                 read = [self.gpu.get((ss.block_table[p // self.bs], p % self.bs)) for p in range(end)]
-                assert read == seq.token_ids, f"seq {ss.seq_id} reads {read} != {seq.token_ids}"
+                assert read == seq.token_ids[:end], f"seq {ss.seq_id} reads {read} != {seq.token_ids[:end]}"
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -103,6 +104,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         out = self.s.schedule()
         self.shadow.apply(out, self.seqs)
         for sg in out.groups:
+            if not sg.do_sample:  # a prefill chunk: nothing sampled
+                continue
             group = self.s.groups[sg.request_id]
             if sg.is_first_step and group.sampling_params.best_of > 1:
                 for _ in range(group.sampling_params.best_of - 1):

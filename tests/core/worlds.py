@@ -38,14 +38,17 @@ def make_world(num_gpu=12, num_cpu=12, block_size=16, watermark=0.0, caching=Tru
     return Scheduler(SchedulerConfig(**config), bm), bm
 
 
-def run_step(scheduler: Scheduler, token: int = 7):
-    """Schedule one step and play the engine: append `token` to each scheduled sequence."""
+def run_step(scheduler: Scheduler, token: int = 7, distinct: bool = False):
+    """Schedule one step and play the engine: append `token` to each sequence that samples
+    (`distinct`: token + the sequence's place in its group, so forks diverge)."""
     out = scheduler.schedule()
     for sg in out.groups:
+        if not sg.do_sample:
+            continue
         group = scheduler.groups[sg.request_id]
         by_id = {s.seq_id: s for s in group.seqs}
         for ss in sg.seqs:
-            by_id[ss.seq_id].append_token(token)
+            by_id[ss.seq_id].append_token(token + ss.sample_index if distinct else token)
     return out
 
 

@@ -1,63 +1,87 @@
 """An EngineClient over a real LLMEngine in this process, for the ingress tests.
 
-One stepping task per event loop runs `engine.step()` while requests are unfinished and
-hands each RequestOutput to its request's queue. Steps run on the loop itself (tens of
-milliseconds on the tiny model), so everything is single-threaded and deterministic.
+The same EngineFrontend the LLMServer replica runs (output processor, per-request delta
+buffers, stop strings sent back to the engine) over an in-process core: one stepping task
+per event loop runs `engine.step()` while requests are unfinished and hands each step's
+batch of deltas to the front end. Steps run on the loop itself (tens of milliseconds on
+the tiny model), so everything is single-threaded and deterministic.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
-from rayserve_paged.core.sequence import SamplingParams
+from rayserve_paged.engine.frontend import EngineFrontend
 from rayserve_paged.engine.llm_engine import LLMEngine
-from rayserve_paged.engine.outputs import RequestOutput
 from rayserve_paged.telemetry import ReplicaTelemetry, TelemetryConfig
 
 
-class InProcessEngineClient:
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+class InProcessCore:
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.model_name = model_name
         self.aborted: list[str] = []
-        self.is_healthy = True
-        self.telemetry = ReplicaTelemetry(engine, TelemetryConfig(replica="test-replica"))
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._batches: asyncio.Queue | None = None
         self._wakeup: asyncio.Event | None = None
         self._stepper: asyncio.Task | None = None
 
-    async def generate(
-        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
-    ) -> RequestOutput:
-        last = None
-        async for last in self.generate_stream(prompt, sampling_params, request_id):
-            pass
-        return last
-
-    async def generate_stream(
-        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
+    async def add_request(self, request_id, prompt, prompt_token_ids, params) -> None:
         self._start()
-        if isinstance(prompt, str):
-            self.engine.add_request(request_id, prompt, sampling_params)
-        else:
-            self.engine.add_request(request_id, None, sampling_params, prompt_token_ids=prompt)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids)
         self._wakeup.set()
-        try:
-            while True:
-                output = await queue.get()
-                yield output
-                if output.finished:
-                    return
-        finally:
-            self._queues.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
         self.engine.abort_request(request_id)
+
+    async def stop_sequences(self, request_id, stops) -> None:
+        self.engine.stop_sequences(request_id, stops)
+
+    async def outputs(self):
+        self._start()  # idempotent: add_request may have started it first
+        while True:
+            yield await self._batches.get()
+
+    def _start(self) -> None:
+        if self._stepper is None or self._stepper.done():
+            self._batches = asyncio.Queue()
+            self._wakeup = asyncio.Event()
+            self._stepper = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch = self.engine.step()
+            if batch:
+                self._batches.put_nowait(batch)
+            # let the HTTP side run between steps; a real pause, not sleep(0): anyio
+            # cancels a task only while the future it waits on is pending, and a stepper
+            # that refills the queue every loop iteration would never leave it pending
+            await asyncio.sleep(0.001)
+
+    async def close(self) -> None:
+        if self._stepper is not None:
+            self._stepper.cancel()
+            try:
+                await self._stepper
+            except asyncio.CancelledError:
+                pass
+            self._stepper = None
+
+
+class InProcessEngineClient(EngineFrontend):
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        super().__init__(InProcessCore(engine), engine.tokenizer)
+        self.engine = engine
+        self.model_name = model_name
+        self.is_healthy = True
+        self.telemetry = ReplicaTelemetry(engine, TelemetryConfig(replica="test-replica"))
+
+    @property
+    def aborted(self) -> list[str]:
+        return self.core.aborted
 
     async def model_info(self) -> dict:
         if not self.is_healthy:
@@ -73,30 +97,5 @@ class InProcessEngineClient:
         return self.telemetry.metrics_text()
 
     async def close(self) -> None:
-        if self._stepper is not None:
-            self._stepper.cancel()
-            try:
-                await self._stepper
-            except asyncio.CancelledError:
-                pass
-            self._stepper = None
-
-    def _start(self) -> None:
-        if self._stepper is None or self._stepper.done():
-            self._wakeup = asyncio.Event()
-            self._stepper = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        while True:
-            if not self.engine.has_unfinished_requests():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            for output in self.engine.step():
-                queue = self._queues.get(output.request_id)
-                if queue is not None:
-                    queue.put_nowait(output)
-            # let the HTTP side run between steps; a real pause, not sleep(0): anyio
-            # cancels a task only while the future it waits on is pending, and a stepper
-            # that refills the queue every loop iteration would never leave it pending
-            await asyncio.sleep(0.001)
+        await super().close()
+        await self.core.close()

@@ -31,7 +31,12 @@ async def test_chat_completion_applies_the_template_once(http, engine):
     assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
     ids = chat_prompt_ids(engine.tokenizer, MESSAGES)
     assert ids.count(engine.tokenizer.bos_token_id) == 1  # the template's BOS, no second one
-    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 6, "total_tokens": len(ids) + 6}
+    assert body["usage"] == {
+        "prompt_tokens": len(ids),
+        "completion_tokens": 6,
+        "total_tokens": len(ids) + 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     # the same tokens through /v1/completions give the same text
     completion = await http.post("/v1/completions", json={**GREEDY, "prompt": ids, "max_tokens": 6})
     assert completion.json()["choices"][0]["text"] == choice["message"]["content"]

@@ -24,12 +24,17 @@ async def test_string_prompt_matches_the_engine_with_exact_usage(http, engine, e
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion" and body["model"] == MODEL
     (choice,) = body["choices"]
     direct = await engine_client.generate(
-        PROMPT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), "direct"
+        engine.tokenizer(PROMPT).input_ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), "direct"
     )
     assert choice["text"] == direct.outputs[0].text
     assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["logprobs"] is None
     num_prompt = len(engine.tokenizer(PROMPT).input_ids)
-    assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 6, "total_tokens": num_prompt + 6}
+    assert body["usage"] == {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": 6,
+        "total_tokens": num_prompt + 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 async def test_token_id_prompts_equal_their_text(http, engine):
@@ -47,7 +52,12 @@ async def test_list_of_prompts_with_n_indexes_choices_by_prompt(http, engine):
     body = await complete(http, prompt=prompts, n=2, temperature=1.0, seed=7, max_tokens=4)
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     num_prompt = sum(len(engine.tokenizer(p).input_ids) for p in prompts)  # each prompt once, whatever n
-    assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 16, "total_tokens": num_prompt + 16}
+    assert body["usage"] == {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": 16,
+        "total_tokens": num_prompt + 16,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     # choices 2 and 3 belong to the second prompt: the same as asking for it alone
     alone = await complete(http, prompt=prompts[1], n=2, temperature=1.0, seed=7, max_tokens=4)
     assert [c["text"] for c in body["choices"][2:]] == [c["text"] for c in alone["choices"]]

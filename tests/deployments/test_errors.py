@@ -33,7 +33,6 @@ BAD_REQUESTS = [
     ("temperature < 0", C, {**OK, "temperature": -0.5}, 400, "temperature", [">= 0"]),
     ("top_p > 1", C, {**OK, "top_p": 1.5}, 400, "top_p", ["(0, 1]"]),
     ("unknown model", C, {**OK, "model": "gpt-4"}, 404, "model", ["gpt-4"]),
-    ("unknown field", C, {**OK, "suffix": "x"}, 400, "suffix", ["unknown field"]),
     ("too many stops", C, {**OK, "stop": [f"s{i}" for i in range(17)]}, 400, "stop", ["16"]),
     ("empty stop", C, {**OK, "stop": [""]}, 400, "stop", ["non-empty"]),
     ("logprobs too large", C, {**OK, "logprobs": MAX_LOGPROBS + 1}, 400, "logprobs", ["at most"]),
@@ -71,7 +70,6 @@ BAD_REQUESTS = [
         ["at most"],
     ),
     ("chat zero max tokens", CHAT_ROUTE, {**CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens", []),
-    ("chat echo unsupported", CHAT_ROUTE, {**CHAT, "echo": True}, 400, "echo", ["unknown field"]),
     # the body itself
     ("non-UTF-8 body", C, b'{"prompt": "\xff\xfe", "max_tokens": 2}', 400, None, ["invalid JSON body", "UTF-8"]),
     ("JSON nested too deeply", C, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None, ["nested"]),
@@ -116,7 +114,6 @@ BAD_REQUESTS = [
     ("beam with top_p", C, {**OK, "use_beam_search": True, "n": 2, "top_p": 0.5}, 400, "top_p", ["beam"]),
     ("beam with min_p", C, {**OK, "use_beam_search": True, "n": 2, "min_p": 0.1}, 400, "min_p", ["beam"]),
     ("beam of width 1", C, {**OK, "use_beam_search": True}, 400, "n", ["beam width"]),
-    ("unknown nested field", C, {**OK, "stream": True, "stream_options": {"x": 1}}, 400, "stream_options.x", []),
     # chat
     ("chat unknown model", CHAT_ROUTE, {**CHAT, "model": "gpt-4o"}, 404, "model", ["gpt-4o"]),
     ("chat missing messages", CHAT_ROUTE, {"model": MODEL}, 400, "messages", ["required"]),
@@ -134,8 +131,8 @@ BAD_REQUESTS = [
         CHAT_ROUTE,
         {**CHAT, "messages": [{"role": "user"}]},
         400,
-        "messages[0].content",
-        ["required"],
+        "messages[0]",
+        ["content", "required"],
     ),
     (
         "chat image part",
@@ -144,22 +141,6 @@ BAD_REQUESTS = [
         400,
         "messages[0].content",
         ["'text'"],
-    ),
-    (
-        "chat tool role",
-        CHAT_ROUTE,
-        {**CHAT, "messages": [{"role": "tool", "content": "x"}]},
-        400,
-        "messages[0].role",
-        ["'user'"],
-    ),
-    (
-        "chat unknown message field",
-        CHAT_ROUTE,
-        {**CHAT, "messages": [{"role": "user", "content": "x", "foo": 1}]},
-        400,
-        "messages[0].foo",
-        ["unknown field"],
     ),
     (
         "chat lone surrogate",
@@ -177,7 +158,6 @@ BAD_REQUESTS = [
         "messages",
         ["context length"],
     ),
-    ("chat tools unsupported", CHAT_ROUTE, {**CHAT, "tools": []}, 400, "tools", ["unknown field"]),
     ("chat logprobs not a bool", CHAT_ROUTE, {**CHAT, "logprobs": 3}, 400, "logprobs", ["boolean"]),
     (
         "chat top_logprobs above 20",
@@ -188,6 +168,14 @@ BAD_REQUESTS = [
         ["20"],
     ),
     ("chat negative max_tokens", CHAT_ROUTE, {**CHAT, "max_tokens": -1}, 400, "max_tokens", [">= 1"]),
+    ("response_format json", CHAT_ROUTE, {**CHAT, "response_format": {"type": "json_object"}}, 400,
+     "response_format.type", ["'text'"]),
+    ("logit_bias key not an id", C, {**OK, "logit_bias": {"x": 1}}, 400, "logit_bias", ["token ids"]),
+    ("logit_bias out of range", C, {**OK, "logit_bias": {"5": 101}}, 400, "logit_bias", ["[-100, 100]"]),
+    ("logit_bias outside vocab", C, {**OK, "logit_bias": {"99999": 1}}, 400, "logit_bias", ["vocabulary"]),
+    ("min_tokens > max_tokens", C, {**OK, "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens", ["max_tokens"]),
+    ("assistant content null without tool_calls", CHAT_ROUTE,
+     {**CHAT, "messages": [{"role": "assistant", "content": None}]}, 400, "messages[0]", ["content"]),
 ]
 _CODES = {404: "model_not_found", 413: "request_too_large"}
 

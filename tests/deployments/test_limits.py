@@ -10,14 +10,12 @@ import time
 
 import httpx
 import pytest
-from ray.serve.exceptions import BackPressureError
 
 from rayserve_paged.app import AppArgs, llm_server_options
+from rayserve_paged.deployments.errors import RETRY_AFTER_S
 from rayserve_paged.deployments.openai_ingress import (
     DEFAULT_MAX_PENDING_REQUESTS,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
-    RETRY_AFTER_S,
-    HandleEngineClient,
     create_openai_app,
 )
 from tests.deployments.conftest import MAX_MODEL_LEN, MODEL, assert_openai_error, record_binds
@@ -216,69 +214,6 @@ async def test_a_client_that_leaves_frees_its_slot(engine_client, engine):
         assert (await http.post("/v1/completions", json=OK)).status_code == 200
 
 
-# --------------------------------------------------------------------------- Serve back-pressure
-
-
-class _BackPressuredHandle:
-    """A DeploymentHandle to an LLMServer whose Serve queue is full (max_queued_requests)."""
-
-    def __init__(self, retry_after_s: float | None = None) -> None:
-        self.error = BackPressureError(num_queued_requests=4, max_queued_requests=4, retry_after_s=retry_after_s)
-
-    def options(self, stream: bool = False):
-        return self
-
-    def __getattr__(self, name: str):
-        handle = self
-
-        class _Method:
-            @staticmethod
-            def remote(*args):
-                if name == "model_info":
-                    return _value(_MODEL_INFO)
-                if name == "generate_stream":
-                    return _FailingStream(handle.error)
-                return _raise(handle.error)
-
-        return _Method()
-
-
-_MODEL_INFO = {"model": MODEL, "max_model_len": MAX_MODEL_LEN, "vocab_size": 512, "max_logprobs": 5}
-
-
-async def _value(value):
-    return value
-
-
-async def _raise(error: BaseException):
-    raise error
-
-
-class _FailingStream:
-    """Like a DeploymentResponseGenerator that Serve refused: the first item raises."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        raise self.error
-
-    def cancel(self) -> None:
-        pass
-
-
-@pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("retry_after_s, header", [(None, RETRY_AFTER_S), (4.2, 5)])
-async def test_serve_back_pressure_is_the_same_503(engine, stream, retry_after_s, header):
-    app = create_openai_app(HandleEngineClient(_BackPressuredHandle(retry_after_s)), engine.tokenizer, MODEL)
-    async with _http(app) as http:
-        _assert_overloaded(await http.post("/v1/completions", json={**OK, "stream": stream}), header)
-        _assert_overloaded(await http.post("/v1/chat/completions", json={**CHAT, "stream": stream}), header)
-
-
 # --------------------------------------------------------------------------- configuration
 
 
@@ -294,5 +229,6 @@ def test_limits_are_app_args_that_reach_the_deployments(monkeypatch):
     )
     assert llm_server_options(args)["max_queued_requests"] == 16
     bound = record_binds(monkeypatch, args)
-    assert bound["OpenAIIngress"]["kwargs"] == {"max_request_body_bytes": 4096, "max_pending_requests": 8}
+    http = bound["LLMServer"]["kwargs"]["http"]
+    assert (http["max_request_body_bytes"], http["max_pending_requests"]) == (4096, 8)
     assert bound["LLMServer"]["options"]["max_queued_requests"] == 16

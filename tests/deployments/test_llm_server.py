@@ -64,8 +64,7 @@ async def server(engine, monkeypatch):
     actor = SchedulerActor(engine.config, executor="in-process")
     server = LLMServer(engine.config, scheduler_actor=_LocalActor(actor))
     yield server
-    if server._pump is not None:
-        server._pump.cancel()
+    await server.frontend.close()
     actor.shutdown()
     assert not actor.engine.has_unfinished_requests()
     assert actor.engine.block_manager.num_free_gpu_blocks() == actor.engine.block_manager.gpu.num_blocks

@@ -16,7 +16,8 @@ import yaml
 
 from rayserve_paged.app import AppArgs
 from rayserve_paged.config import EngineConfig
-from rayserve_paged.deployments.openai_ingress import create_openai_app, load_tokenizer
+from rayserve_paged.deployments.llm_server import load_tokenizer
+from rayserve_paged.deployments.openai_ingress import create_openai_app
 from rayserve_paged.engine.llm_engine import LLMEngine
 from tests.deployments.conftest import MODEL, assert_openai_error, record_binds
 
@@ -113,9 +114,8 @@ def test_trust_remote_code_is_off_by_default_and_reaches_tokenizers_and_engine(m
     assert EngineConfig(model="tiny-opt").trust_remote_code is False
     for value in (False, True):
         bound = record_binds(monkeypatch, AppArgs(model="tiny-opt", device="cpu", trust_remote_code=value))
-        # OpenAIIngress(llm, tokenizer_path, served_model_name, api_key, trust_remote_code, ...)
-        assert bound["OpenAIIngress"]["args"][4] is value
-        # LLMServer(engine_config, ...): the engine's config, which loads the engine's tokenizer
+        # LLMServer(engine_config, ...): the config from which the replica loads the HTTP
+        # app's tokenizer and the engine loads its own
         assert bound["LLMServer"]["args"][0]["trust_remote_code"] is value
     loaded = []
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path, **kw: loaded.append(kw))

@@ -182,14 +182,11 @@ def test_abort_frees_the_request_at_once(llm):
 
 def test_token_ids_past_the_tokenizers_vocab_decode_to_no_text(llm):
     # checkpoints often pad the embedding past the tokenizer (OPT: 50272 rows, 50265 tokens)
-    from rayserve_paged.core.sequence import Sequence
-
     tokenizer = llm.get_tokenizer()
-    seq = Sequence(0, [1, 50, 60])
-    seq.append_token(len(tokenizer) + 3)
-    assert llm.engine.detokenizer.decode_next(seq, seq.token_ids[-1], True) == ""
-    seq.append_token(70)
-    assert llm.engine.detokenizer.decode_next(seq, 70, True) == tokenizer.decode([70])
+    detokenizer = llm.processor.detokenizer
+    state = detokenizer.start([1, 50, 60], True)
+    assert detokenizer.decode_next(state, len(tokenizer) + 3, True) == ""
+    assert detokenizer.decode_next(state, 70, True) == tokenizer.decode([70])
 
 
 def test_length_penalty_is_bounded():

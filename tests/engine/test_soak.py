@@ -76,7 +76,7 @@ def test_soak_mixed_workload_leaves_nothing_behind(tiny_paths, mode):
     if mode == "swap":
         assert counters.preemptions_swap > 0
     assert engine.block_manager.counters.prefix_cache_hits > 0
-    assert not engine._beams and not engine._metrics and not engine._prompts  # no per-request state left
+    assert not engine._beams and not engine._metrics and not engine._num_sent  # no per-request state left
     half = len(rss) // 2
     growth = max(rss[half:]) - rss[half]
     print(f"soak {mode}: {steps} steps, RSS {rss[0] >> 20} -> {rss[-1] >> 20} MiB, second-half growth {growth / 2**20:.1f} MiB")

@@ -506,3 +506,82 @@ def test_many_decodes_of_mixed_lengths_are_chunked_by_length_and_match_dense(
     )
     num_real = batch.num_real_tokens
     torch.testing.assert_close(output[:num_real], expected[:num_real].float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [5, PAD_SLOT, 9, PAD_SLOT, PAD_SLOT, 0],
+        [PAD_SLOT, PAD_SLOT, 3, 4],  # padding before the first real token
+        [PAD_SLOT, PAD_SLOT, PAD_SLOT],  # nothing to write
+        [7, 1, 2],
+    ],
+    ids=["inner", "leading", "all_padding", "no_padding"],
+)
+def test_reshape_and_cache_without_masking_writes_exactly_what_masking_writes(slots, generator):
+    """The CUDA path (fixed shapes, no boolean indexing, so no device sync), run here on CPU
+    tensors: bit-identical caches to the masked copy, NaN slots included."""
+    from rayserve_paged.ops import cache_ops
+
+    key = torch.randn(len(slots), 2, 8, generator=generator)  # [num_tokens, kv_heads, d]
+    value = torch.randn(len(slots), 2, 8, generator=generator)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    expected = [torch.full((3, 4, 2, 8), float("nan")) for _ in range(2)]
+    expected[0][0, 0] = 1.5  # slot 0 holds data the all-padding case must leave alone
+    actual = [cache.clone() for cache in expected]
+    cache_ops.reshape_and_cache(key, value, *expected, slot_mapping)
+    flat = [cache.view(12, 2, 8) for cache in actual]
+    cache_ops._write_fixed_shape(key, value, *flat, slot_mapping)
+    for got, want in zip(actual, expected):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    written = 16 * sum(slot != PAD_SLOT for slot in slots)  # 16 values per slot (2 kv heads x 8)
+    assert int((~actual[0].isnan()).sum()) == written + (16 if 0 not in slots else 0)  # + the preset slot 0
+
+
+# ---------------------------------------------------------------------------- BlockSwapper
+
+
+def _swap_layers(generator, num_blocks, num_layers=2):
+    shape = (num_blocks, 4, 2, 8)  # [num_blocks, block_size, kv_heads, head_dim]
+    return [(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+            for _ in range(num_layers)]
+
+
+def test_block_swapper_defers_the_host_scatter_and_reads_sources_before_the_step_writes(generator):
+    """Swap out, then the step overwrites the source blocks (they were freed): the host pool
+    gets the old contents, once finish() has run; a swap-in in the same step sees them too."""
+    from rayserve_paged.ops.cache_ops import BlockSwapper
+
+    device, host = _swap_layers(generator, 6), _swap_layers(generator, 5)
+    expected_host = [(k.clone(), v.clone()) for k, v in host]
+    for (k, v), (ek, ev) in zip(device, expected_host):
+        ek[[4, 0]] = k[[1, 3]]
+        ev[[4, 0]] = v[[1, 3]]
+    before_out = [(k.clone(), v.clone()) for k, v in host]
+    swapper = BlockSwapper(device, host)
+    swapper.swap_out([(1, 4), (3, 0)])
+    for (k, v), (bk, bv) in zip(host, before_out):  # nothing lands before finish()
+        assert torch.equal(k, bk) and torch.equal(v, bv)
+    for k, v in device:  # the step reuses the swapped-out blocks
+        k[[1, 3]] = 7.0
+        v[[1, 3]] = 7.0
+    swapper.swap_in([(4, 3)])  # finishes the swap-out first, then brings block 4 back into 3
+    for (k, v), (ek, ev) in zip(host, expected_host):
+        assert torch.equal(k, ek) and torch.equal(v, ev)
+    for (k, v), (ek, ev) in zip(device, expected_host):
+        assert torch.equal(k[3], ek[4]) and torch.equal(v[3], ev[4])
+        assert bool((k[1] == 7.0).all())
+    assert swapper.pending == []
+
+
+def test_block_swapper_rejects_bad_mappings_before_copying(generator):
+    from rayserve_paged.ops.cache_ops import BlockSwapper
+
+    swapper = BlockSwapper(_swap_layers(generator, 6), _swap_layers(generator, 5))
+    with pytest.raises(ValueError, match=r"destination block 5 is outside \[0, 5\)"):
+        swapper.swap_out([(0, 5)])
+    with pytest.raises(ValueError, match="repeated destination"):
+        swapper.swap_in([(0, 1), (2, 1)])
+    with pytest.raises(ValueError, match="2 device layers but 1 host layers"):
+        BlockSwapper(_swap_layers(generator, 6), _swap_layers(generator, 5, num_layers=1))
+    assert swapper.pending == []

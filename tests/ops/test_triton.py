@@ -28,8 +28,8 @@ from rayserve_paged.ops import cache_ops  # noqa: E402
 from rayserve_paged.ops import triton_backend, triton_kernels  # noqa: E402
 from rayserve_paged.ops.triton_backend import (  # noqa: E402
     TritonBackend,
+    choose_decode_partition,
     choose_decode_variant,
-    copy_blocks,
     paged_decode_attention,
     paged_prefill_attention,
     reshape_and_cache,
@@ -296,15 +296,16 @@ def decode_launches(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize(
-    "decodes, expected_kernels",
+    "decodes, expected_kernels, grid",
     [
-        ([600, 3], ["paged_decode_partition_kernel", "paged_decode_reduce_kernel"]),  # 601 > 512
-        ([511, 3], ["paged_decode_kernel"]),  # seq_len 512 fits one partition
+        ([600, 3], ["paged_decode_partition_kernel", "paged_decode_reduce_kernel"], (2, 2, 3)),  # 601 > 256
+        ([255, 3], ["paged_decode_kernel"], (2, 2)),  # seq_len 256 fits the smallest partition
     ],
     ids=["long_context_partitioned", "short_context_single"],
 )
-def test_backend_picks_decode_variant_by_the_rule(decodes, expected_kernels, decode_launches, generator):
-    """Two sequences x 2 kv heads is far below 4 programs per SM: only the length decides."""
+def test_backend_picks_decode_variant_by_the_rule(decodes, expected_kernels, grid, decode_launches, generator):
+    """Two sequences x 2 kv heads is far below 4 programs per SM: the length decides, and
+    the smallest partition size (256 tokens) is the one that comes closest to filling the SMs."""
     batch = make_metadata(decodes=decodes, block_size=32, generator=generator, device=DEVICE)
     inputs = make_attention_inputs(batch, num_heads=4, num_kv_heads=2, head_dim=64, generator=generator)
     reference_caches = (inputs.key_cache.clone(), inputs.value_cache.clone())
@@ -315,32 +316,161 @@ def test_backend_picks_decode_variant_by_the_rule(decodes, expected_kernels, dec
         inputs.query, inputs.key, inputs.value, inputs.key_cache, inputs.value_cache, batch.metadata, 0.125
     )
     assert [name for name, _ in decode_launches] == expected_kernels
-    if len(expected_kernels) == 2:
-        assert decode_launches[0][1] == (2, 2, 2)  # (num_seqs, num_kv_heads, ceil(601 / 512))
+    assert decode_launches[0][1] == grid  # (num_seqs, num_kv_heads[, ceil(601 / 256)])
     torch.testing.assert_close(out, expected, atol=5e-5, rtol=5e-5)
 
 
 @pytest.mark.parametrize(
     "num_seqs, num_kv_heads, max_seq_len, expected",
     [
-        (1, 8, 8192, "partitioned"),  # one long sequence: 8 programs for 132 SMs
-        (16, 8, 2048, "partitioned"),  # 128 programs < 4 * 132
-        (65, 8, 4096, "partitioned"),  # 520 < 528
-        (66, 8, 4096, "single"),  # 528: enough programs
-        (256, 8, 8192, "single"),
-        (16, 8, 512, "single"),  # one partition: nothing to split
-        (16, 8, 513, "partitioned"),
-        (1, 1, 1, "single"),
+        (1, 8, 8192, 256),  # one long sequence: 8 programs; 32 partitions of 256 -> 256 programs
+        (1, 8, 65536, 512),  # 1024: 64 x 8 = 512 < 528 programs; 512: 128 x 8 = 1024
+        (4, 8, 65536, 1024),  # 64 partitions of 1024 x 32 = 2048 >= 528
+        (16, 8, 2048, 256),  # 128 programs, x 8 partitions = 1024 >= 528
+        (16, 8, 4096, 512),  # 128 x 8 partitions of 512 = 1024 >= 528
+        (65, 8, 4096, 1024),  # 520 < 528; 4 partitions of 1024 suffice
+        (66, 8, 4096, 0),  # 528: enough programs, short enough for one pass
+        (256, 8, 8192, 0),
+        (256, 8, 8193, 1024),  # past 8192 tokens: always partitioned, skewed batches included
+        (512, 8, 32768, 1024),
+        (16, 8, 256, 0),  # one partition: nothing to split
+        (16, 8, 257, 256),
+        (1, 1, 1, 0),
     ],
 )
-def test_decode_selection_rule(num_seqs, num_kv_heads, max_seq_len, expected):
-    assert choose_decode_variant(num_seqs, num_kv_heads, max_seq_len, num_sms=132) == expected
+def test_decode_partition_rule(num_seqs, num_kv_heads, max_seq_len, expected):
+    assert choose_decode_partition(num_seqs, num_kv_heads, max_seq_len, num_sms=132) == expected
+    variant = "partitioned" if expected else "single"
+    assert choose_decode_variant(num_seqs, num_kv_heads, max_seq_len, num_sms=132) == variant
 
 
-def test_decode_selection_rule_scales_with_sm_count():
-    assert choose_decode_variant(64, 8, 4096, num_sms=132) == "partitioned"
-    assert choose_decode_variant(64, 8, 4096, num_sms=64) == "single"
-    assert choose_decode_variant(64, 8, 4096, num_sms=132, partition_size=4096) == "single"
+def test_decode_partition_rule_scales_with_sm_count():
+    assert choose_decode_partition(64, 8, 4096, num_sms=132) == 1024
+    assert choose_decode_partition(64, 8, 4096, num_sms=64) == 0
+    assert choose_decode_partition(64, 8, 16384, num_sms=64) == 1024  # long: partitioned anyway
+
+
+def test_decode_workspace_covers_the_largest_partition_buffers(monkeypatch):
+    """The KV sizing reserves decode_workspace_bytes; every launch the rule can make for up
+    to max_num_seqs sequences and max_seq_len tokens must fit in it."""
+    most = triton_backend.decode_workspace_bytes(8, 32, 8, 128, 3000, num_sms=132)
+    launched = []
+    for num_seqs in range(1, 9):
+        for length in range(1, 3001):
+            size = choose_decode_partition(num_seqs, 8, length, 132)
+            if size:
+                launched.append(4 * num_seqs * 32 * -(-length // size) * (128 + 2))  # [S, H, P, 128] + 2 x [S, H, P]
+    assert most == max(launched)
+    assert triton_backend.decode_workspace_bytes(8, 32, 8, 128, 256, num_sms=132) == 0  # never partitioned
+
+
+class ArgumentRecorder:
+    """Stands in for a jitted kernel: records each launch's arguments by name, then runs it."""
+
+    def __init__(self, kernel, launches: list, name: str) -> None:
+        self.kernel, self.launches, self.name = kernel, launches, name
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            named = dict(zip(self.arg_names, args)) | kwargs
+            self.launches.append((self.name, named))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+KERNEL_NAMES = ("paged_decode_kernel", "paged_decode_partition_kernel", "paged_decode_reduce_kernel",
+                "paged_prefill_kernel", "reshape_and_cache_kernel")
+# what triton specialises a launch on, besides constants: arguments it never specialises
+NOT_SPECIALIZED = {
+    "paged_decode_kernel": {"stride_table_seq"},
+    "paged_decode_partition_kernel": {"stride_table_seq", "max_partitions"},
+    "paged_decode_reduce_kernel": {"max_partitions"},
+    "paged_prefill_kernel": {"stride_table_seq"},
+    "reshape_and_cache_kernel": set(),
+}
+
+
+def specialization_key(named: dict, not_specialized: set) -> tuple:
+    """Triton's launch-time key, as its launcher builds it: constants by value; integers by
+    (== 1, divisible by 16) unless listed in do_not_specialize; floats by type; tensors by
+    dtype and 16-byte alignment of their data pointer."""
+    key = []
+    for name, value in sorted(named.items()):
+        if isinstance(value, torch.Tensor):
+            key.append((name, value.dtype, value.data_ptr() % 16 == 0))
+        elif isinstance(value, bool) or not isinstance(value, int):
+            key.append((name, value if name.isupper() or name == "num_warps" else type(value)))
+        elif name.isupper() or name == "num_warps":
+            key.append((name, value))
+        elif name not in not_specialized:
+            key.append((name, value == 1, value % 16 == 0))
+    return tuple(key)
+
+
+def test_do_not_specialize_lists_the_step_varying_arguments():
+    from rayserve_paged.ops.triton_aot import not_specialized_arguments
+
+    for name, expected in NOT_SPECIALIZED.items():
+        assert not_specialized_arguments(getattr(triton_kernels, name)) == expected, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=dtype_name)
+def test_steps_of_different_shapes_launch_the_same_variants(dtype, monkeypatch, generator):
+    """Two serving steps with different block-table widths, context lengths, partition counts
+    and token counts: every kernel must be launched with the same specialization key (no
+    recompile while serving), with the constants triton_aot compiles ahead of time."""
+    from rayserve_paged.ops import triton_aot
+
+    launches: list = []
+    for name in KERNEL_NAMES:
+        monkeypatch.setattr(triton_kernels, name, ArgumentRecorder(getattr(triton_kernels, name), launches, name))
+    monkeypatch.setattr(triton_backend, "is_interpreted", lambda: DEVICE == "cpu")
+    keys: dict[str, set] = {}
+    steps = [dict(prefills=[(0, 5)], decodes=[300, 2]), dict(prefills=[(7, 33), (16, 2)], decodes=[17, 700, 9, 1])]
+    for step in steps:
+        batch = make_metadata(**step, block_size=16, generator=generator, device=DEVICE)
+        inputs = make_attention_inputs(batch, num_heads=8, num_kv_heads=2, head_dim=80, generator=generator,
+                                       dtype=dtype)
+        TritonBackend().forward(inputs.query, inputs.key, inputs.value, inputs.key_cache, inputs.value_cache,
+                                batch.metadata, 0.1)
+    partitions = {named["max_partitions"] for name, named in launches if name == "paged_decode_reduce_kernel"}
+    widths = {named["stride_table_seq"] for name, named in launches if name == "paged_prefill_kernel"}
+    assert len(partitions) == 2 and len(widths) == 2  # the steps really differ in what used to specialise
+    for name, named in launches:
+        keys.setdefault(name, set()).add(specialization_key(named, NOT_SPECIALIZED[name]))
+        aot_kernel = {"paged_decode_kernel": "decode", "paged_decode_partition_kernel": "decode_partition",
+                      "paged_decode_reduce_kernel": "decode_reduce", "paged_prefill_kernel": "prefill",
+                      "reshape_and_cache_kernel": "reshape_and_cache"}[name]
+        config = triton_aot.KernelConfig(aot_kernel, dtype_name(dtype), 80, group_size=4, block_size=16,
+                                         num_kv_heads=2, partition_size=named.get("PARTITION_SIZE", 0))
+        _, _, constants, _, num_warps = triton_aot.launch_spec(config)
+        launched = {k: v for k, v in named.items() if k.isupper()}
+        assert launched == constants and named["num_warps"] == num_warps, name
+    assert set(keys) == set(KERNEL_NAMES) - {"paged_decode_kernel"}
+    assert all(len(variants) == 1 for variants in keys.values()), keys
+
+
+def test_warm_up_launches_every_variant_and_leaves_the_cache_alone(monkeypatch, generator):
+    launches: list = []
+    for name in KERNEL_NAMES:
+        monkeypatch.setattr(triton_kernels, name, ArgumentRecorder(getattr(triton_kernels, name), launches, name))
+    monkeypatch.setattr(triton_backend, "is_interpreted", lambda: DEVICE == "cpu")
+    key_cache, value_cache = randn(generator, 2, 8, 1, 16), randn(generator, 2, 8, 1, 16)  # the smallest shapes
+    before = (key_cache.clone(), value_cache.clone())
+    launched = triton_backend.warm_up(key_cache, value_cache, num_heads=2)
+    assert launched == ["reshape_and_cache", "prefill", "decode single"] + [
+        f"decode partitioned {size}" for size in triton_backend.PARTITION_SIZES
+    ]
+    names = [name for name, _ in launches]
+    assert set(names) == set(KERNEL_NAMES)
+    sizes = {named["PARTITION_SIZE"] for name, named in launches if name == "paged_decode_reduce_kernel"}
+    assert sizes == set(triton_backend.PARTITION_SIZES)
+    assert_bitwise_equal(key_cache, before[0])
+    assert_bitwise_equal(value_cache, before[1])
 
 
 # ---------------------------------------------------------------------------- prefill (direct)
@@ -409,55 +539,20 @@ def random_layers(generator, *, num_layers=3, num_blocks=10, block_size=8, dtype
     return [(randn(generator, *shape, dtype=dtype), randn(generator, *shape, dtype=dtype)) for _ in range(num_layers)]
 
 
-@pytest.mark.quick
-@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-def test_copy_blocks_matches_cache_ops_exactly(dtype, as_tensor, generator):
-    layers = random_layers(generator, dtype=dtype)
+def test_block_moves_are_the_batched_cache_ops_copies():
+    """copy_blocks and swap are torch copies (cache_ops), not kernels: one Triton copy kernel
+    read its pointers through an int -> pointer cast that hid their alignment (2-byte loads)."""
+    assert triton_backend.swap_blocks is cache_ops.swap_blocks
+    assert triton_backend.swap_kv_blocks is cache_ops.swap_kv_blocks
+    assert triton_backend.copy_blocks is cache_ops.copy_blocks
+    assert not hasattr(triton_kernels, "copy_blocks_kernel")
+    layers = random_layers(torch.Generator().manual_seed(0), num_layers=2)
     expected = [(key.clone(), value.clone()) for key, value in layers]
-    pairs = [(1, 5), (3, 2), (1, 7), (9, 0)]
-    mapping = torch.tensor(pairs, device=DEVICE) if as_tensor else pairs
-    cache_ops.copy_blocks(expected, pairs)
-    copy_blocks(layers, mapping)
+    cache_ops.copy_blocks(expected, [(1, 5), (9, 0)])
+    TritonBackend.copy_blocks(layers, [(1, 5), (9, 0)])
     for (key, value), (expected_key, expected_value) in zip(layers, expected):
         assert_bitwise_equal(key, expected_key)
         assert_bitwise_equal(value, expected_value)
-
-
-def test_copy_blocks_with_empty_mapping_changes_nothing(generator):
-    layers = random_layers(generator, num_layers=1)
-    before = [(key.clone(), value.clone()) for key, value in layers]
-    copy_blocks(layers, [])
-    copy_blocks(layers, torch.zeros(0, 2, dtype=torch.int64, device=DEVICE))
-    assert all(torch.equal(k, kb) and torch.equal(v, vb) for (k, v), (kb, vb) in zip(layers, before))
-
-
-BAD_COPIES = {
-    "source also destination": ([(0, 1), (1, 2)], r"blocks \[1\] as both source and destination"),
-    "source range": ([(10, 1)], r"source block 10 is outside \[0, 10\)"),
-    "repeated destination": ([(0, 3), (1, 3)], "repeated destination"),
-    "mapping dtype": (torch.zeros(2, 2, dtype=torch.int32), "must be int64"),
-}
-
-
-@pytest.mark.parametrize("mapping, message", BAD_COPIES.values(), ids=BAD_COPIES.keys())
-def test_copy_blocks_rejects_bad_mappings(mapping, message, generator):
-    with pytest.raises(ValueError, match=message):
-        copy_blocks(random_layers(generator, num_layers=1), mapping)
-
-
-def test_copy_blocks_rejects_mismatched_layers(generator):
-    layers = random_layers(generator, num_layers=1) + random_layers(generator, num_layers=1, num_blocks=9)
-    with pytest.raises(ValueError, match="layer 1 cache shape"):
-        copy_blocks(layers, [(0, 1)])
-    with pytest.raises(ValueError, match="kv_caches is empty"):
-        copy_blocks([], [(0, 1)])
-
-
-def test_swap_is_the_batched_cache_ops_copy():
-    assert triton_backend.swap_blocks is cache_ops.swap_blocks
-    assert triton_backend.swap_kv_blocks is cache_ops.swap_kv_blocks
-    assert TritonBackend.swap_blocks is not None and TritonBackend.copy_blocks is not None
 
 
 # ---------------------------------------------------------------------------- checks and dispatch
@@ -545,8 +640,6 @@ def test_cpu_tensors_are_refused_without_the_interpreter(monkeypatch, generator)
     monkeypatch.setattr(triton_backend, "is_interpreted", lambda: False)
     with pytest.raises(ValueError, match="need CUDA tensors .or CPU tensors with TRITON_INTERPRET=1"):
         paged_decode_attention(**_decode_args(generator))
-    with pytest.raises(ValueError, match="need CUDA tensors"):
-        copy_blocks(random_layers(generator, num_layers=1), [(0, 1)])
     batch = make_metadata(decodes=[3], block_size=16, generator=generator)
     inputs = make_attention_inputs(batch, num_heads=4, num_kv_heads=2, head_dim=64, generator=generator)
     with pytest.raises(ValueError, match="need CUDA tensors"):
@@ -601,3 +694,31 @@ def test_gpu_check_measurement_code_runs_on_this_device():
     }
     table = gpu_check.format_table(report)
     assert "decode" in table and "prefill" in table and "4000 GB/s" in table
+
+
+def test_gpu_check_cpu_parts_run_without_ray_or_pydantic(tmp_path):
+    """The GPU image has torch, triton, transformers and safetensors only: the check's
+    pydantic-free path (model runner vs HF, swap round trip) must run with ray and pydantic
+    unimportable, and report the engine part as skipped for that reason."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import sys; sys.modules['pydantic'] = None; sys.modules['ray'] = None\n"
+        "import runpy\n"
+        f"sys.argv = ['gpu_check', {str(tmp_path)!r}, '--quick', '--skip-tests', '--cpu-backend', 'torch']\n"
+        "runpy.run_path('benchmarks/gpu_check.py', run_name='__main__')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    runner = report["runner"]
+    assert runner["failures"] == [] and runner["hf_parity_float32"] == {"prompts": 4, "exact": 4}
+    assert runner["swap_roundtrip_equal"] == {"float32": True} and runner["backend"] == "torch"
+    assert "pydantic" in report["skipped"]["e2e"] and report["errors"] == {}
+    assert report["step_seconds"]["runner"]["budget"] == 60

@@ -35,14 +35,19 @@ def test_config_builds(path):
     assert all(("GPU" in b) == on_gpu for b in bundles[1:]) and "GPU" not in bundles[0]
     options = llm_server_options(args)
     assert options["placement_group_strategy"] == "STRICT_PACK"
-    assert options["ray_actor_options"]["num_cpus"] + args.scheduler_cpus == bundles[0]["CPU"]
+    replica_cpus = options["ray_actor_options"]["num_cpus"]
+    if args.tensor_parallel_size == 1:  # the scheduler actor hosts rank 0 in rank 0's bundle
+        assert bundles[0]["CPU"] == replica_cpus and bundles[1]["CPU"] == args.worker_cpus + args.scheduler_cpus
+    else:
+        assert bundles[0]["CPU"] == replica_cpus + args.scheduler_cpus
+        assert all(b["CPU"] == args.worker_cpus for b in bundles[1:])
 
 
 def test_tiny_fits_two_cpus_with_two_replicas():
     args = AppArgs(**_app_args(next(p for p in CONFIGS if p.name == "tiny.yaml")))
     per_replica = sum(b["CPU"] for b in placement_group_bundles(args))
     assert args.autoscaling_config["max_replicas"] == 2
-    assert 2 * per_replica + args.ingress_cpus <= 2.0
+    assert 2 * per_replica <= 2.0  # the HTTP app runs inside the replicas
 
 
 def test_opt13b_is_the_paper_setup():
@@ -61,9 +66,29 @@ def test_opt13b_is_the_paper_setup():
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"preemption_mode": "drop"}, "preemption_mode"),
         ({"no_such_option": 1}, "no_such_option"),
-        ({"max_model_len": 4096, "max_num_batched_tokens": 1024}, "max_num_batched_tokens"),
+        # a budget below max_model_len needs chunked prefill
+        ({"max_model_len": 4096, "max_num_batched_tokens": 1024, "enable_chunked_prefill": False}, "max_num_batched_tokens"),
     ],
 )
 def test_invalid_args_fail_at_build_time_naming_the_field(bad, field):
     with pytest.raises(ValidationError, match=field):
         build_app({"model": "tiny-opt"} | bad)
+
+
+@pytest.mark.parametrize("tp", (1, 2, 4))
+def test_scheduler_actor_takes_the_bundle_the_layout_reserves_for_it(tp):
+    from rayserve_paged.engine.ray_executor import replica_bundles, scheduler_actor_options
+
+    args = AppArgs(model="tiny-opt", device="cpu", tensor_parallel_size=tp, scheduler_cpus=0.25, worker_cpus=0.5)
+    replica_cpus = 0.125
+    bundles = replica_bundles(args, replica_cpus, args.scheduler_cpus, args.worker_cpus, gpu=False)
+    options = scheduler_actor_options(args, args.scheduler_cpus, args.worker_cpus, pg=object())
+    index = options["scheduling_strategy"].placement_group_bundle_index
+    if tp == 1:  # rank 0 runs in the scheduler actor: it takes rank 0's bundle whole
+        assert index == 1 and options["num_cpus"] == bundles[1]["CPU"] == 0.75
+        assert bundles[0] == {"CPU": replica_cpus}
+    else:  # the scheduler shares bundle 0 with the replica; each rank has a bundle of its own
+        assert index == 0 and options["num_cpus"] + replica_cpus == bundles[0]["CPU"]
+        assert bundles[1:] == [{"CPU": 0.5}] * tp
+    # the same CPUs in all as before the scheduler hosted rank 0
+    assert sum(b["CPU"] for b in bundles) == replica_cpus + args.scheduler_cpus + tp * args.worker_cpus

@@ -12,29 +12,28 @@ import pytest
 
 from rayserve_paged import SamplingParams
 
-from .test_handles import _deploy
+from .test_handles import _alive, _deploy
 
 pytestmark = pytest.mark.ray
 
 
 def _pids(class_name: str) -> list[int]:
-    from ray._private import state
-
-    actors = state.actors(actor_state_name="ALIVE").values()
-    return [a["Pid"] for a in actors if a.get("ActorClassName", "").endswith(class_name)]
+    return [a["Pid"] for a in _alive(class_name)]
 
 
-def _kill_midway_and_recover(serve, app: str, victim: str) -> dict:
-    handle = _deploy(serve, app)
+def _kill_midway_and_recover(serve, app: str, victim: str, **overrides) -> dict:
+    handle = _deploy(serve, app, **overrides)
     long = SamplingParams(temperature=1.0, max_tokens=2000, ignore_eos=True, seed=0)
-    (pid,) = _pids(victim)
+    victims = _pids(victim)
+    pid = victims[-1]
 
     async def stream_until_failure():
-        seen = 0
+        seen, killed = 0, False
         async for out in handle.options(stream=True).generate_stream.remote("a long answer", long):
-            seen = len(out.outputs[0].token_ids)
-            if seen == 5:
+            seen += sum(len(o.token_ids) for o in out.outputs)  # deltas
+            if seen >= 5 and not killed:
                 os.kill(pid, signal.SIGKILL)  # the process dies while the request is running
+                killed = True
         return seen
 
     started = time.monotonic()
@@ -57,12 +56,16 @@ def _kill_midway_and_recover(serve, app: str, victim: str) -> dict:
         except Exception:
             time.sleep(1)
     assert recovered is not None, "the app did not recover"
-    assert pid not in _pids(victim) and len(_pids(victim)) == 1  # a fresh actor took its place
+    assert pid not in _pids(victim) and len(_pids(victim)) == len(victims)  # a fresh actor took its place
+    serve.delete(app)
     return {"failed_after_s": failed_after, "recovered_after_s": recovered}
 
 
 def test_killed_worker_fails_requests_then_the_replica_is_replaced(serve_session, record_property):
-    figures = _kill_midway_and_recover(serve_session, "kill-worker", "WorkerActor")
+    # worker actors exist at TP > 1 (at TP = 1 rank 0 lives in the scheduler actor): kill rank 1
+    figures = _kill_midway_and_recover(
+        serve_session, "kill-worker", "WorkerActor", tensor_parallel_size=2, worker_cpus=0.3
+    )
     record_property("worker_kill", figures)
     print(f"worker killed: request failed after {figures['failed_after_s']:.1f} s, "
           f"recovered after {figures['recovered_after_s']:.1f} s")  # fmt: skip

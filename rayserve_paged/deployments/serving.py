@@ -1,0 +1,692 @@
+"""The generation pipeline behind the OpenAI routes, independent of FastAPI wiring:
+validate -> tokenize (a thread pool) -> engine requests -> the response body or its SSE
+events. The engine client streams deltas; each event carries what one engine step (or,
+for a slow client, several) added to one request.
+
+Invariant: every engine request an HTTP request starts is either seen finished or
+aborted when that HTTP request ends, however it ends (error, client disconnect,
+cancellation). The generators that own engine requests abort them in `finally`, from a
+shielded task, so a cancelled HTTP task still gets its aborts through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from fastapi.responses import Response
+
+from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
+from rayserve_paged.deployments.errors import OpenAIError, bad_request, internal_error, to_openai_error
+from rayserve_paged.deployments.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatLogprobToken,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    TopLogprob,
+    UsageInfo,
+    to_sampling_params,
+)
+from rayserve_paged.deployments.sse import SSE_DONE, EventStreamResponse, json_response, sse_event
+from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 10.0
+TOKENIZER_THREADS = 2  # prompt tokenization and chat templates, off the event loop
+
+
+class EngineClient(Protocol):
+    """What the ingress needs from an engine (the LLMServer deployment, or a fake)."""
+
+    async def generate(
+        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
+    ) -> RequestOutput:
+        """The cumulative result."""
+        ...
+
+    def generate_stream(
+        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Deltas: what is new since the previous output; the last is finished."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def model_info(self) -> dict:
+        """{"model", "max_model_len", "vocab_size", "max_logprobs"}."""
+        ...
+
+    async def metrics_text(self) -> str:
+        """Prometheus exposition text of the engine's metrics."""
+        ...
+
+
+@dataclass(slots=True)
+class _Prompt:
+    text: str | None  # as the client sent it (None: token ids were sent)
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class _ChoiceProgress:
+    """What a stream has sent of one choice."""
+
+    num_tokens: int = 0
+    text_offset: int = 0
+    is_started: bool = False
+
+
+class OpenAIServing:
+    """The logic behind the routes, independent of FastAPI wiring."""
+
+    def __init__(self, client: EngineClient, tokenizer, served_model_name: str) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self._info: dict | None = None
+        self._token_texts = TokenTexts(tokenizer)
+        self._background: set[asyncio.Task] = set()  # detached aborts, referenced until done
+        self._pool = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize")
+
+    async def _in_pool(self, fn):
+        """Tokenizer work (encoding, chat templates) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    # ---------------------------------------------------------------- model info, health
+
+    async def model_info(self) -> dict:
+        if self._info is None:
+            try:
+                self._info = await self.client.model_info()
+            except Exception as exc:
+                logger.warning("engine model_info failed: %r", exc)
+                raise OpenAIError(
+                    503, "the engine is not available", type="server_error", code="engine_unavailable"
+                ) from exc
+        return self._info
+
+    async def is_healthy(self) -> bool:
+        try:
+            await asyncio.wait_for(self.client.model_info(), HEALTH_TIMEOUT_S)
+        except Exception as exc:
+            logger.warning("health check failed: %r", exc)
+            return False
+        return True
+
+    async def models(self) -> ModelList:
+        return ModelList(data=[await self._model_card()])
+
+    async def model(self, name: str) -> ModelCard:
+        self.check_model(name)
+        return await self._model_card()
+
+    async def _model_card(self) -> ModelCard:
+        info = await self.model_info()
+        return ModelCard(id=self.served_model_name, max_model_len=info.get("max_model_len"))
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served_model_name:
+            raise OpenAIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.served_model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    # ---------------------------------------------------------------- /v1/completions
+
+    async def create_completion(self, request: CompletionRequest) -> Response:
+        _log_unknown_fields(request)
+        self.check_model(request.model)
+        info = await self.model_info()
+        params = _sampling_params(request, info)
+        if request.echo and request.logprobs is not None:
+            raise bad_request("echo: cannot be combined with logprobs (prompt logprobs are not computed)")
+        prompts = await self._in_pool(lambda: [self._completion_prompt(p) for p in _prompt_list(request.prompt)])
+        for prompt in prompts:
+            _check_fits(prompt.token_ids, params.max_tokens, info, "prompt", "max_tokens")
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
+        if request.stream:
+            outputs = self._stream_outputs(prompts, params, request_ids)
+            first = await _first_output(outputs, _engine_renames(request))
+            events = self._completion_events(request, params, prompts, first, outputs, response_id)
+            return EventStreamResponse(events, outputs)
+        try:
+            results = await self._generate_outputs(prompts, params, request_ids)
+        except Exception as exc:
+            raise to_openai_error(exc, _engine_renames(request)) from exc
+        choices = [
+            self._completion_choice(request, prompt, out, index * request.n + out.index)
+            for index, (prompt, result) in enumerate(zip(prompts, results))
+            for out in result.outputs
+        ]
+        body = CompletionResponse(
+            id=response_id, model=self.served_model_name, choices=choices, usage=_usage(prompts, results)
+        )
+        return json_response(body)
+
+    def _completion_prompt(self, prompt: str | list[int]) -> _Prompt:
+        if isinstance(prompt, str):
+            return _Prompt(prompt, list(self.tokenizer(prompt).input_ids))
+        return _Prompt(None, list(prompt))
+
+    def _echo_text(self, request: CompletionRequest, prompt: _Prompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return self.tokenizer.decode(prompt.token_ids, skip_special_tokens=request.skip_special_tokens)
+
+    def _completion_choice(
+        self, request: CompletionRequest, prompt: _Prompt, out: CompletionOutput, index: int
+    ) -> CompletionChoice:
+        text = self._echo_text(request, prompt) + out.text if request.echo else out.text
+        logprobs = None
+        if request.logprobs is not None and out.logprobs is not None:
+            logprobs, _ = self._completion_logprobs(out.token_ids, out.logprobs, 0)
+        return CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason, stop_reason=out.stop_reason
+        )
+
+    def _completion_logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, float]], text_offset: int
+    ) -> tuple[CompletionLogprobs, int]:
+        """OpenAI completions logprobs for these tokens, and the text offset after them."""
+        result = CompletionLogprobs()
+        for token_id, top in zip(token_ids, logprobs):
+            token = self._token_text(token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(top.get(token_id))
+            alternatives = {self._token_text(t): lp for t, lp in top.items() if t != token_id}
+            result.top_logprobs.append(alternatives | {token: top.get(token_id)})  # on a text clash the sampled wins
+            result.text_offset.append(text_offset)
+            text_offset += len(token)
+        return result, text_offset
+
+    def _completion_events(
+        self,
+        request: CompletionRequest,
+        params: SamplingParams,
+        prompts: list[_Prompt],
+        first: tuple[int, RequestOutput],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        response_id: str,
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None) -> str:
+            body = CompletionStreamResponse(
+                id=response_id, created=created, model=self.served_model_name, choices=choices, usage=usage
+            )
+            return sse_event(body)
+
+        def to_choice(index: int, out: CompletionOutput, state: _ChoiceProgress) -> CompletionChoice:
+            return self._completion_delta(request, prompts[index], out, state, index * request.n + out.index)
+
+        return self._stream_events(request, prompts, first, outputs, to_choice, chunk)
+
+    async def _stream_events(
+        self,
+        request: CompletionRequest | ChatCompletionRequest,
+        prompts: list[_Prompt],
+        first: tuple[int, RequestOutput],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        to_choice,
+        chunk,
+        preamble: Iterable[str] = (),
+    ) -> AsyncIterator[str]:
+        """The SSE body both routes share: the preamble, one event per engine output (one
+        request's step, or several steps a slow client had not read yet), the usage event
+        when asked, then [DONE]; an engine failure mid-stream becomes an error event."""
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        progress: dict[int, _ChoiceProgress] = {}  # by choice index across prompts
+        cached: dict[int, int] = {}  # prefix-cache hits by prompt
+
+        def events(index: int, result: RequestOutput) -> Iterable[str]:
+            cached[index] = max(cached.get(index, 0), result.num_cached_tokens)
+            states = (progress.setdefault(index * request.n + out.index, _ChoiceProgress()) for out in result.outputs)
+            choices = [to_choice(index, out, state) for out, state in zip(result.outputs, states)]
+            if choices:
+                yield chunk(choices, None)
+
+        try:
+            for event in preamble:
+                yield event
+            for event in events(*first):
+                yield event
+            async for index, result in outputs:
+                for event in events(index, result):
+                    yield event
+            if include_usage:
+                yield chunk([], _stream_usage(prompts, progress.values(), sum(cached.values())))
+            yield SSE_DONE
+        except Exception as exc:
+            yield sse_event(ErrorResponse(error=to_openai_error(exc, _engine_renames(request)).info))
+            yield SSE_DONE
+        finally:
+            await outputs.aclose()
+
+    def _completion_delta(
+        self,
+        request: CompletionRequest,
+        prompt: _Prompt,
+        out: CompletionOutput,
+        state: _ChoiceProgress,
+        choice_index: int,
+    ) -> CompletionChoice:
+        text = out.text
+        if not state.is_started:
+            state.is_started = True
+            if request.echo:
+                text = self._echo_text(request, prompt) + text
+        logprobs = None
+        if request.logprobs is not None and out.logprobs is not None and out.token_ids:
+            logprobs, state.text_offset = self._completion_logprobs(out.token_ids, out.logprobs, state.text_offset)
+        state.num_tokens += len(out.token_ids)
+        return CompletionChoice(
+            index=choice_index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
+
+    # ---------------------------------------------------------------- /v1/chat/completions
+
+    async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
+        _log_unknown_fields(request)
+        self.check_model(request.model)
+        info = await self.model_info()
+        params = _sampling_params(request, info)
+        prompt = await self._in_pool(lambda: self._chat_prompt(request))
+        max_tokens_field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        _check_fits(prompt.token_ids, params.max_tokens, info, "messages", max_tokens_field)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_ids = [f"{response_id}-0"]
+        if request.stream:
+            outputs = self._stream_outputs([prompt], params, request_ids)
+            first = await _first_output(outputs, _engine_renames(request))
+            events = self._chat_events(request, params, prompt, first, outputs, response_id)
+            return EventStreamResponse(events, outputs)
+        try:
+            (result,) = await self._generate_outputs([prompt], params, request_ids)
+        except Exception as exc:
+            raise to_openai_error(exc, _engine_renames(request)) from exc
+        choices = [
+            ChatChoice(
+                index=out.index,
+                message=AssistantMessage(content=out.text),
+                logprobs=self._chat_logprobs(request, out.token_ids, out.logprobs),
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+            )
+            for out in result.outputs
+        ]
+        body = ChatCompletionResponse(
+            id=response_id, model=self.served_model_name, choices=choices, usage=_usage([prompt], [result])
+        )
+        return json_response(body)
+
+    def _chat_prompt(self, request: ChatCompletionRequest, add_generation_prompt: bool = True) -> _Prompt:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise bad_request(
+                f"messages: the model {self.served_model_name!r} has no chat template; use /v1/completions",
+                param="messages",
+            )
+        messages = [m.for_template() for m in request.messages]
+        options = {}
+        if request.tools and request.tool_choice != "none":
+            options["tools"] = request.tools
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **options
+            )
+        except Exception as exc:  # the template's own checks (e.g. role order) raise
+            raise bad_request(f"messages: the chat template rejected the conversation: {exc}", param="messages")
+        # the template renders the BOS itself: no special tokens added on top
+        return _Prompt(text, list(self.tokenizer(text, add_special_tokens=False).input_ids))
+
+    # ---------------------------------------------------------------- /tokenize, /detokenize
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(request.model)
+        info = await self.model_info()
+        if request.messages is not None:
+            chat = ChatCompletionRequest(messages=request.messages)
+            prompt = await self._in_pool(lambda: self._chat_prompt(chat, request.add_generation_prompt))
+            token_ids = prompt.token_ids
+        else:
+            prompt, add_special = request.prompt, request.add_special_tokens
+            token_ids = await self._in_pool(lambda: list(self.tokenizer(prompt, add_special_tokens=add_special).input_ids))
+        return TokenizeResponse(count=len(token_ids), max_model_len=info["max_model_len"], tokens=token_ids)
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(request.model)
+        info = await self.model_info()
+        vocab_size = info.get("vocab_size")
+        bad = next((t for t in request.tokens if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+        if bad is not None:
+            raise bad_request(f"tokens: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        return DetokenizeResponse(prompt=await self._in_pool(lambda: self.tokenizer.decode(request.tokens)))
+
+    def _chat_logprobs(
+        self, request: ChatCompletionRequest, token_ids: list[int], logprobs: list[dict[int, float]] | None
+    ) -> ChatLogprobs | None:
+        if not request.logprobs or logprobs is None:
+            return None
+        num_top = request.top_logprobs or 0
+        content = []
+        texts = self._token_texts
+        for token_id, top in zip(token_ids, logprobs):
+            best = sorted(top.items(), key=lambda item: item[1], reverse=True)[:num_top]
+            content.append(
+                ChatLogprobToken(
+                    token=texts.text(token_id),
+                    logprob=top.get(token_id, float("-inf")),
+                    bytes=texts.bytes(token_id),
+                    top_logprobs=[TopLogprob(token=texts.text(t), logprob=lp, bytes=texts.bytes(t)) for t, lp in best],
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    def _chat_events(
+        self,
+        request: ChatCompletionRequest,
+        params: SamplingParams,
+        prompt: _Prompt,
+        first: tuple[int, RequestOutput],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        response_id: str,
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None) -> str:
+            body = ChatCompletionChunk(
+                id=response_id, created=created, model=self.served_model_name, choices=choices, usage=usage
+            )
+            return sse_event(body)
+
+        def to_choice(_: int, out: CompletionOutput, state: _ChoiceProgress) -> ChatChunkChoice:
+            return self._chat_delta(request, out, state)
+
+        # the role comes first, in a chunk of its own per choice
+        roles = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))], None)
+                 for i in range(request.n)]  # fmt: skip
+        return self._stream_events(request, [prompt], first, outputs, to_choice, chunk, roles)
+
+    def _chat_delta(
+        self, request: ChatCompletionRequest, out: CompletionOutput, state: _ChoiceProgress
+    ) -> ChatChunkChoice:
+        logprobs = self._chat_logprobs(request, out.token_ids, out.logprobs) if out.token_ids else None
+        state.num_tokens += len(out.token_ids)
+        return ChatChunkChoice(
+            index=out.index,
+            delta=DeltaMessage(content=out.text) if out.text else DeltaMessage(),
+            logprobs=logprobs,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
+
+    # ---------------------------------------------------------------- engine requests
+
+    async def _generate_outputs(
+        self, prompts: list[_Prompt], params: SamplingParams, request_ids: list[str]
+    ) -> list[RequestOutput]:
+        """One engine request per prompt, concurrently; all aborted if any fails or we are cancelled."""
+        tasks = [
+            asyncio.ensure_future(self.client.generate(prompt.token_ids, params, request_id))
+            for prompt, request_id in zip(prompts, request_ids)
+        ]
+        try:
+            results = await asyncio.gather(*tasks)
+            for result in results:
+                _check_served(result)
+            return results
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await self._abort(request_ids)
+            raise
+
+    async def _stream_outputs(
+        self, prompts: list[_Prompt], params: SamplingParams, request_ids: list[str]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, delta) from all prompts' streams as they come.
+
+        One prompt is read directly (the client's buffer coalesces what a slow reader has
+        not read yet); several are pumped by a task each into one bounded queue. When this
+        generator ends (done, error, closed or cancelled) every request not seen finished
+        is aborted.
+        """
+        unfinished = set(request_ids)
+        if len(prompts) == 1:
+            stream = self.client.generate_stream(prompts[0].token_ids, params, request_ids[0])
+            try:
+                async for item in stream:
+                    _check_served(item)
+                    if item.finished:
+                        unfinished.clear()
+                    yield 0, item
+            finally:
+                if unfinished:
+                    await self._abort(unfinished)
+                await stream.aclose()
+            return
+        # bounded: a pump waits for a slow reader, and meanwhile the client's own buffer
+        # coalesces that prompt's steps (the engine never waits)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(prompts))
+
+        async def pump(index: int, prompt: _Prompt, request_id: str) -> None:
+            try:
+                async for result in self.client.generate_stream(prompt.token_ids, params, request_id):
+                    await queue.put((index, result))
+            except Exception as exc:
+                await queue.put((index, exc))
+            else:
+                await queue.put((index, None))  # this stream has ended
+
+        pumps = [asyncio.ensure_future(pump(i, p, r)) for i, (p, r) in enumerate(zip(prompts, request_ids))]
+        try:
+            num_open = len(pumps)
+            while num_open:
+                index, item = await queue.get()
+                if item is None:
+                    num_open -= 1
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                _check_served(item)
+                if item.finished:
+                    unfinished.discard(item.request_id)
+                yield index, item
+        finally:
+            for task in pumps:
+                task.cancel()
+            if unfinished:
+                await self._abort(unfinished)
+
+    async def _abort(self, request_ids: Iterable[str]) -> None:
+        """Abort from a task of its own: when the caller is being cancelled (client gone),
+        the shield is cancelled but the aborts still run to the end."""
+        task = asyncio.ensure_future(self._abort_all(list(request_ids)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            pass  # the caller's own cancellation is already propagating
+
+    async def _abort_all(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            try:
+                await self.client.abort(request_id)
+            except Exception as exc:
+                logger.warning("abort of %s failed: %r", request_id, exc)
+
+    def _token_text(self, token_id: int) -> str:
+        return self._token_texts.text(token_id)
+
+
+class TokenTexts:
+    """Each token's own text for logprobs, cached.
+
+    A token that is only part of a UTF-8 character decodes to U+FFFD on its own; OpenAI
+    writes such a token as "bytes:\\xe2\\x80". Its bytes come from the byte-level BPE
+    alphabet (GPT-2's byte -> printable character map) or a "<0xNN>" byte-fallback piece.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def text(self, token_id: int) -> str:
+        return self._get(token_id)[0]
+
+    def bytes(self, token_id: int) -> list[int]:
+        return self._get(token_id)[1]
+
+    def _get(self, token_id: int) -> tuple[str, list[int]]:
+        found = self._cache.get(token_id)
+        if found is None:
+            found = self._cache[token_id] = self._describe(token_id)
+        return found
+
+    def _describe(self, token_id: int) -> tuple[str, list[int]]:
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text, list(text.encode())
+        raw = self.tokenizer.convert_ids_to_tokens(token_id)
+        data = _raw_token_bytes(raw) if isinstance(raw, str) else None
+        if data is None:
+            return text, list(text.encode())
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data), data
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte: printable Latin-1 bytes stand
+    for themselves, the other bytes take the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    alphabet = {chr(b): b for b in printable}
+    extra = (b for b in range(256) if b not in set(printable))
+    alphabet.update({chr(256 + i): b for i, b in enumerate(extra)})
+    return alphabet
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _raw_token_bytes(raw: str) -> list[int] | None:
+    match = _BYTE_PIECE.match(raw)
+    if match:
+        return [int(match.group(1), 16)]
+    if raw and all(ch in _BYTE_LEVEL for ch in raw):
+        return [_BYTE_LEVEL[ch] for ch in raw]
+    return None
+
+
+def _log_unknown_fields(request: CompletionRequest | ChatCompletionRequest) -> None:
+    """Unknown fields are ignored, as vLLM's server does; the log says which."""
+    unknown = request.unknown_fields()
+    if unknown:
+        logger.warning("ignored unknown request fields: %s", ", ".join(sorted(unknown)))
+
+
+def _engine_renames(request: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
+    """Engine error field -> the request field the client wrote."""
+    renames = {"prompt_token_ids": "prompt"}
+    if isinstance(request, ChatCompletionRequest):
+        renames = {"prompt_token_ids": "messages", "prompt": "messages", "logprobs": "top_logprobs"}
+    if request.best_of is None:
+        renames["best_of"] = "n"
+    return renames
+
+
+def _sampling_params(request: CompletionRequest | ChatCompletionRequest, info: dict) -> SamplingParams:
+    try:
+        return to_sampling_params(request, int(info.get("max_logprobs", 0)))
+    except SamplingParamsError as exc:
+        raise bad_request(str(exc)) from None
+
+
+def _prompt_list(prompt: str | list) -> list[str | list[int]]:
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def _check_fits(token_ids: list[int], max_tokens: int | None, info: dict, prompt_field: str, max_field: str) -> None:
+    vocab_size = info.get("vocab_size")
+    if vocab_size is not None:
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"{prompt_field}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    max_model_len = info["max_model_len"]
+    num_prompt = len(token_ids)
+    if num_prompt >= max_model_len:
+        raise bad_request(
+            f"{prompt_field}: the prompt has {num_prompt} tokens, leaving no room to generate within "
+            f"this model's maximum context length of {max_model_len} tokens"
+        )
+    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+        raise bad_request(
+            f"{max_field}: this model's maximum context length is {max_model_len} tokens and the prompt has "
+            f"{num_prompt}, so at most {max_model_len - num_prompt} can be generated (asked for {max_tokens})"
+        )
+
+
+def _check_served(result: RequestOutput) -> None:
+    if result.error is not None:  # the engine ignored the request (a ValueError: answered 400)
+        raise ValueError(f"prompt: {result.error}")
+
+
+def _usage(prompts: list[_Prompt], results: Iterable[RequestOutput]) -> UsageInfo:
+    results = list(results)
+    num_completion = sum(len(out.token_ids) for result in results for out in result.outputs)
+    num_cached = sum(result.num_cached_tokens for result in results)
+    return UsageInfo.of(sum(len(p.token_ids) for p in prompts), num_completion, num_cached)
+
+
+def _stream_usage(prompts: list[_Prompt], progress: Iterable[_ChoiceProgress], num_cached: int) -> UsageInfo:
+    num_completion = sum(state.num_tokens for state in progress)
+    return UsageInfo.of(sum(len(p.token_ids) for p in prompts), num_completion, num_cached)
+
+
+async def _first_output(
+    outputs: AsyncIterator[tuple[int, RequestOutput]], renames: dict[str, str]
+) -> tuple[int, RequestOutput]:
+    """The first output, awaited before any byte is sent: a request the engine rejects
+    is an HTTP error, not an error event inside a 200 stream."""
+    try:
+        return await anext(outputs)
+    except BaseException as exc:
+        await outputs.aclose()
+        if isinstance(exc, StopAsyncIteration):
+            raise internal_error() from None
+        if isinstance(exc, Exception):
+            raise to_openai_error(exc, renames) from exc
+        raise

@@ -1,0 +1,166 @@
+"""The engine's front end in the serving process: requests in, detokenized outputs out.
+
+    generate / generate_stream ──add_request──> EngineCore (the SchedulerActor, or an
+         ▲                                       in-process engine in tests)
+         │ one DeltaBuffer per request               │ one batch of StepOutputs per step
+         └──── OutputProcessor (text, stop strings) <┘ (the pump: one task for all requests)
+
+A stop string found by the processor is sent back as `stop_sequences` at once. A slow
+reader never slows the pump: its buffer holds one item and coalesces the steps it has not
+read yet into it (`merge_deltas`), so memory grows only with the unread tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from rayserve_paged.core.sequence import SamplingParams
+from rayserve_paged.engine.output_processor import OutputKind, OutputProcessor, merge_deltas
+from rayserve_paged.engine.outputs import RequestOutput, StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+class RequestFailed(ValueError):
+    """The engine could not serve the request as given (e.g. it can never fit)."""
+
+
+class EngineCore(Protocol):
+    async def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def stop_sequences(self, request_id: str, stops: list[tuple[int, str]]) -> None: ...
+
+    def outputs(self) -> AsyncIterator[list[StepOutput]]:
+        """One batch per step, for every request, until the engine fails (raises)."""
+        ...
+
+
+class DeltaBuffer:
+    """At most one pending item: a new delta merges into an unread one."""
+
+    def __init__(self) -> None:
+        self._item: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException) or self._item is None:
+            self._item = item
+        elif isinstance(self._item, RequestOutput):
+            self._item = merge_deltas(self._item, item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        item, self._item = self._item, None
+        self._ready.clear()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class EngineFrontend:
+    def __init__(self, core: EngineCore, tokenizer) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.processor = OutputProcessor(tokenizer)
+        self.failure: BaseException | None = None
+        self._buffers: dict[str, DeltaBuffer] = {}  # requests the engine may still be running
+        self._pump: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None = None
+    ) -> RequestOutput:
+        """The cumulative result, once finished."""
+        last = None
+        async for last in self.generate_stream(prompt_token_ids, params, request_id, prompt, OutputKind.FINAL):
+            pass
+        return last
+
+    async def generate_stream(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        prompt: str | None = None,
+        kind: OutputKind = OutputKind.DELTA,
+    ) -> AsyncIterator[RequestOutput]:
+        """Deltas: per step (or per several, for a slow reader) what is new; the last has
+        finished=True. Closing the iterator early aborts the request."""
+        self._start_pump()
+        if self.failure is not None:
+            raise RuntimeError(f"the engine is unavailable: {self.failure!r}")
+        if request_id in self._buffers:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        buffer = self._buffers[request_id] = DeltaBuffer()
+        self.processor.add_request(request_id, prompt, prompt_token_ids, params, kind)
+        finished = False
+        try:
+            await self.core.add_request(request_id, prompt, prompt_token_ids, params)
+            while not finished:
+                out = await buffer.get()
+                if out.error is not None:
+                    finished = True
+                    raise RequestFailed(f"prompt: {out.error}")
+                finished = out.finished
+                yield out
+        finally:
+            self.processor.abort_request(request_id)
+            is_live = self._buffers.pop(request_id, None) is not None
+            if is_live and not finished:  # the caller went away (or failed): free its blocks now
+                self.detached(self.core.abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a running request (once: a request already ended or aborted is left alone)."""
+        self.processor.abort_request(request_id)
+        if self._buffers.pop(request_id, None) is not None:
+            await self.core.abort(request_id)
+
+    def detached(self, coro) -> asyncio.Task:
+        """Run `coro` outside the calling request's context (Serve cancels the Ray calls of a
+        cancelled request; the output pump, aborts and stops must outlive it)."""
+        task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def _start_pump(self) -> None:
+        if self._pump is None or self._pump.done():
+            self._pump = self.detached(self._pump_outputs())
+
+    async def _pump_outputs(self) -> None:
+        try:
+            async for batch in self.core.outputs():
+                self.dispatch(batch)
+        except Exception as e:  # the engine died: fail everyone waiting, at once
+            logger.error("engine output stream failed: %r", e)
+            self.failure = e
+            for buffer in self._buffers.values():
+                buffer.put(RuntimeError(f"the engine failed: {e!r}"))
+
+    def dispatch(self, batch: list[StepOutput]) -> None:
+        for step_output in batch:
+            output, stop = self.processor.process(step_output)
+            if stop is not None:
+                self.detached(self.core.stop_sequences(stop.request_id, stop.stops))
+            if output is not None:
+                buffer = self._buffers.get(output.request_id)
+                if buffer is not None:
+                    buffer.put(output)
+
+    async def close(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            try:
+                await self._pump
+            except asyncio.CancelledError:
+                pass
+            self._pump = None
