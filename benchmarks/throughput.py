@@ -15,7 +15,15 @@ second = the requests' output tokens (each request's own length, never HF's padd
 overrun) / wall seconds of the generate calls, after one untimed warm-up call each. Model
 loading is not timed.
 
-Requests: prompt and output lengths uniform on 16..256 (inclusive), random token ids.
+Two cases, each engine against HF on the same requests (random token ids):
+
+    uniform       200 requests, prompt and output lengths uniform on 16..256 (inclusive):
+                  static batches waste the decode steps of their shorter requests
+    equal_length  128 requests, every prompt and every output 128 tokens: static batching
+                  wastes nothing, so this isolates the cost of a step
+
+Besides wall seconds, each run records the process's CPU seconds (all threads): on a shared
+machine the engine / HF ratio per CPU second is the steadier figure.
 """
 
 from __future__ import annotations
@@ -44,7 +52,8 @@ DEFAULT_THREADS = 1  # robust on a shared CPU: a descheduled second thread stall
 HF_BATCH_SIZES = (8, 16, 32)
 NUM_PROFILE_REQUESTS = 32
 PAD_TOKEN_ID = 0  # the tiny tokenizer's <pad>
-TARGET_RATIO = 3.0
+TARGET_RATIO = 3.0  # uniform lengths
+TARGET_RATIO_EQUAL = 1.0  # equal lengths
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +86,15 @@ FULL = Workload(
         "max_position_embeddings": 2048,
     },
 )
+EQUAL = Workload(
+    num_requests=128,
+    min_prompt_len=128,
+    max_prompt_len=128,
+    min_output_len=128,
+    max_output_len=128,
+    num_sweep_requests=32,
+    model=FULL.model,
+)
 QUICK = Workload(
     num_requests=8,
     min_prompt_len=4,
@@ -85,6 +103,15 @@ QUICK = Workload(
     max_output_len=24,
     num_sweep_requests=8,
     model={},  # the default tiny OPT: 2 layers, hidden 64
+)
+QUICK_EQUAL = Workload(
+    num_requests=8,
+    min_prompt_len=16,
+    max_prompt_len=16,
+    min_output_len=12,
+    max_output_len=12,
+    num_sweep_requests=8,
+    model={},
 )
 
 
@@ -131,15 +158,29 @@ def make_engine(model_dir: str, threads: int, kv_gb: float, seed: int) -> LLM:
     )
 
 
-def run_engine(llm: LLM, requests: list[Request]) -> tuple[float, list[list[int]]]:
+@dataclass(frozen=True, slots=True)
+class Timing:
+    seconds: float  # wall
+    cpu_seconds: float  # this process, all threads
+
+
+class _Timer:
+    def __enter__(self) -> _Timer:
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.timing = Timing(time.perf_counter() - self._wall, time.process_time() - self._cpu)
+
+
+def run_engine(llm: LLM, requests: list[Request]) -> tuple[Timing, list[list[int]]]:
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
-    t0 = time.perf_counter()
-    outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
+    with _Timer() as timer:
+        outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     for r, t in zip(requests, tokens):
         assert len(t) == r.output_len, (len(t), r.output_len)
-    return seconds, tokens
+    return timer.timing, tokens
 
 
 # ---------------------------------------------------------------------------- HF transformers
@@ -176,12 +217,12 @@ def _hf_batch(model, batch: list[Request]) -> list[list[int]]:
     return [out[i, width : width + r.output_len].tolist() for i, r in enumerate(batch)]
 
 
-def run_hf(model, requests: list[Request], batch_size: int) -> tuple[float, list[list[int]]]:
+def run_hf(model, requests: list[Request], batch_size: int) -> tuple[Timing, list[list[int]]]:
     tokens: list[list[int]] = []
-    t0 = time.perf_counter()
-    for start in range(0, len(requests), batch_size):
-        tokens += _hf_batch(model, requests[start : start + batch_size])
-    return time.perf_counter() - t0, tokens
+    with _Timer() as timer:
+        for start in range(0, len(requests), batch_size):
+            tokens += _hf_batch(model, requests[start : start + batch_size])
+    return timer.timing, tokens
 
 
 # ---------------------------------------------------------------------------- the run
@@ -202,16 +243,19 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
 PROFILE_PARTS = (
     ("step (total)", "engine/llm_engine.py", "step"),
     ("model forward", "models/opt.py", "forward"),
-    ("attention (torch paged reference)", "ops/paged_attention.py", "forward"),
-    ("  decode gather (_gather_batch)", "ops/paged_attention.py", "_gather_batch"),
-    ("  prefill attention", "ops/paged_attention.py", "_prefill_attention"),
-    ("  write K/V (reshape_and_cache)", "ops/cache_ops.py", "reshape_and_cache"),
-    ("linear layers (torch linear)", "", "<built-in method torch._C._nn.linear>"),
+    ("  attention (backend forward)", "ops/paged_attention.py", "forward"),
+    ("    decode: compiled CPU kernel", "ops/cpu_decode.py", "__call__"),
+    ("    decode: torch path", "ops/paged_attention.py", "_torch_decode"),
+    ("    prefill attention", "ops/paged_attention.py", "_prefill_attention"),
+    ("    write K/V (reshape_and_cache)", "ops/cache_ops.py", "reshape_and_cache"),
+    ("  linear layers (torch linear)", "", "<built-in method torch._C._nn.linear>"),
+    ("logits (lm head)", "models/opt.py", "compute_logits"),
     ("sampler", "models/sampler.py", "__call__"),
     ("scheduler.schedule", "core/scheduler.py", "schedule"),
     ("model runner prepare", "worker/model_runner.py", "prepare"),
     ("process outputs (incl. detokenize)", "engine/llm_engine.py", "_process"),
 )
+OUTSIDE_MODEL = "outside the model (step - forward - logits)"
 
 
 def profile_engine(llm: LLM, requests: list[Request], top: int = 25) -> tuple[str, dict[str, float]]:
@@ -231,11 +275,26 @@ def profile_engine(llm: LLM, requests: list[Request], top: int = 25) -> tuple[st
                    if func == name and path.endswith(file_suffix)]
         # the outermost entry (the largest cumulative) when a name recurses or repeats
         summary[label] = max(seconds, default=0.0)
+    summary[OUTSIDE_MODEL] = summary["step (total)"] - summary["model forward"] - summary["logits (lm head)"]
     return stream.getvalue(), summary
 
 
-def run(workload: Workload, seed: int, threads: int, hf_batch_size: int | None, quick: bool,
+def run(quick: bool, seed: int, threads: int, hf_batch_size: int | None, num_requests: int | None,
         profile_path: str | None, log: Callable[[str], None] = print) -> dict:
+    """The uniform case (its figures at the top level) and the equal-length case ("equal_length")."""
+    uniform, equal = (QUICK, QUICK_EQUAL) if quick else (FULL, EQUAL)
+    if num_requests is not None:
+        uniform = Workload(**{**asdict(uniform), "num_requests": num_requests})
+    log("uniform lengths:")
+    result = run_case(uniform, seed, threads, hf_batch_size, profile_path, log)
+    log("equal lengths:")
+    result["equal_length"] = run_case(equal, seed, threads, hf_batch_size, None, log, TARGET_RATIO_EQUAL)
+    result["quick"] = quick
+    return result
+
+
+def run_case(workload: Workload, seed: int, threads: int, hf_batch_size: int | None, profile_path: str | None,
+             log: Callable[[str], None] = print, target_ratio: float = TARGET_RATIO) -> dict:
     loadavg_before = _loadavg()
     torch.set_num_threads(threads)
     requests = make_requests(workload, seed)
@@ -257,14 +316,14 @@ def run(workload: Workload, seed: int, threads: int, hf_batch_size: int | None, 
             for b in HF_BATCH_SIZES:
                 if b > len(subset) and sweep:
                     break
-                seconds, _ = run_hf(hf, subset, b)
-                sweep[b] = subset_tokens / seconds
+                timing, _ = run_hf(hf, subset, b)
+                sweep[b] = subset_tokens / timing.seconds
                 log(f"  hf sweep: batch {b:3d}: {sweep[b]:8.1f} output tokens/s ({len(subset)} requests)")
             hf_batch_size = max(sweep, key=sweep.get)
         loadavg = {"hf_start": _loadavg()}
-        hf_seconds, hf_tokens = run_hf(hf, requests, hf_batch_size)
+        hf_timing, hf_tokens = run_hf(hf, requests, hf_batch_size)
         loadavg["hf_end"] = _loadavg()
-        log(f"  hf batch {hf_batch_size}: {hf_seconds:.1f} s")
+        log(f"  hf batch {hf_batch_size}: {hf_timing.seconds:.1f} s ({hf_timing.cpu_seconds:.1f} CPU s)")
         del hf
 
         # -- the engine: every request at once
@@ -273,10 +332,10 @@ def run(workload: Workload, seed: int, threads: int, hf_batch_size: int | None, 
             raise RuntimeError(f"torch threads {torch.get_num_threads()} != {threads}")
         run_engine(llm, warmup)
         loadavg["engine_start"] = _loadavg()
-        engine_seconds, engine_tokens = run_engine(llm, requests)
+        engine_timing, engine_tokens = run_engine(llm, requests)
         loadavg["engine_end"] = _loadavg()
         counters = llm.engine.scheduler.counters
-        log(f"  engine: {engine_seconds:.1f} s")
+        log(f"  engine: {engine_timing.seconds:.1f} s ({engine_timing.cpu_seconds:.1f} CPU s)")
         profile = profile_summary = None
         if profile_path is not None:
             profile, profile_summary = profile_engine(llm, requests[:NUM_PROFILE_REQUESTS])
@@ -286,16 +345,20 @@ def run(workload: Workload, seed: int, threads: int, hf_batch_size: int | None, 
         engine_config = llm.engine.config.model_dump()
         num_gpu_blocks = llm.engine.cache_sizes.num_gpu_blocks
 
-    engine_rate = num_output_tokens / engine_seconds
-    hf_rate = num_output_tokens / hf_seconds
+    engine_rate = num_output_tokens / engine_timing.seconds
+    hf_rate = num_output_tokens / hf_timing.seconds
+    ratio = engine_rate / hf_rate
     return {
         "engine_output_tokens_per_s": engine_rate,
         "hf_output_tokens_per_s": hf_rate,
-        "ratio": engine_rate / hf_rate,
-        "target_ratio": TARGET_RATIO,
-        "target_met": engine_rate / hf_rate >= TARGET_RATIO,
-        "engine_seconds": engine_seconds,
-        "hf_seconds": hf_seconds,
+        "ratio": ratio,
+        "ratio_per_cpu_second": hf_timing.cpu_seconds / engine_timing.cpu_seconds,
+        "target_ratio": target_ratio,
+        "target_met": ratio >= target_ratio,
+        "engine_seconds": engine_timing.seconds,
+        "hf_seconds": hf_timing.seconds,
+        "engine_cpu_seconds": engine_timing.cpu_seconds,
+        "hf_cpu_seconds": hf_timing.cpu_seconds,
         "hf_batch_size": hf_batch_size,
         "hf_sweep_output_tokens_per_s": {str(b): v for b, v in sweep.items()},
         "engine_preemptions": counters.preemptions_recompute + counters.preemptions_swap,
@@ -321,7 +384,6 @@ def run(workload: Workload, seed: int, threads: int, hf_batch_size: int | None, 
             "loadavg": loadavg,
         },
         "seed": seed,
-        "quick": quick,
     }
 
 
@@ -348,6 +410,11 @@ def _loadavg() -> list[float] | None:
 
 
 def format_report(result: dict) -> str:
+    lines = ["== uniform lengths", *format_case(result), "", "== equal lengths", *format_case(result["equal_length"])]
+    return "\n".join(lines)
+
+
+def format_case(result: dict) -> list[str]:
     cfg = result["config"]
     w = cfg["workload"]
     m = cfg["model"]
@@ -367,19 +434,18 @@ def format_report(result: dict) -> str:
             + ", ".join(f"{b}: {v:.1f}" for b, v in result["hf_sweep_output_tokens_per_s"].items())
         )
         lines.append("")
-    header = f"{'system':34s} {'seconds':>8s} {'output tok/s':>13s}"
+    header = f"{'system':34s} {'seconds':>8s} {'output tok/s':>13s} | {'CPU s':>8s} {'tok/CPU s':>10s}"
     lines += [header, "-" * len(header)]
-    lines.append(
-        f"{'rayserve-paged (all at once)':34s} {result['engine_seconds']:8.1f} "
-        f"{result['engine_output_tokens_per_s']:13.1f}"
-    )
-    hf_name = f"HF generate (static batch {result['hf_batch_size']})"
-    lines.append(f"{hf_name:34s} {result['hf_seconds']:8.1f} {result['hf_output_tokens_per_s']:13.1f}")
+    tokens = cfg["num_output_tokens"]
+    for name, prefix in (("rayserve-paged (all at once)", "engine"),
+                         (f"HF generate (static batch {result['hf_batch_size']})", "hf")):
+        wall, cpu = result[f"{prefix}_seconds"], result[f"{prefix}_cpu_seconds"]
+        lines.append(f"{name:34s} {wall:8.1f} {tokens / wall:13.1f} | {cpu:8.1f} {tokens / cpu:10.1f}")
     a = result["greedy_agreement"]
     lines += [
         "",
-        f"ratio engine / HF: {result['ratio']:.2f}x  "
-        f"[{'PASS' if result['target_met'] else 'FAIL'}] target >= {result['target_ratio']:g}x",
+        f"ratio engine / HF: {result['ratio']:.2f}x wall, {result['ratio_per_cpu_second']:.2f}x per CPU second  "
+        f"[{'PASS' if result['target_met'] else 'FAIL'}] target >= {result['target_ratio']:g}x (wall)",
         f"engine preemptions: {result['engine_preemptions']}; greedy outputs identical for "
         f"{a['identical_requests']} / {w['num_requests']} requests "
         f"(mean agreeing prefix {a['mean_agreeing_prefix']:.1%})",
@@ -389,8 +455,8 @@ def format_report(result: dict) -> str:
         total = summary["step (total)"] or 1.0
         lines += ["", f"engine profile (cProfile, first {result['profile_num_requests']} requests), "
                   "cumulative seconds and share of step time:"]
-        lines += [f"  {label:38s} {seconds:8.1f} {seconds / total:7.1%}" for label, seconds in summary.items()]
-    return "\n".join(lines)
+        lines += [f"  {label:44s} {seconds:8.1f} {seconds / total:7.1%}" for label, seconds in summary.items()]
+    return lines
 
 
 def _progress(message: str) -> None:
@@ -403,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                         help=f"torch intra-op threads for both systems (default {DEFAULT_THREADS})")
-    parser.add_argument("--num-requests", type=int, default=None, help=f"default {FULL.num_requests}")
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help=f"uniform case (default {FULL.num_requests}); the equal-length case keeps its own")
     parser.add_argument("--hf-batch-size", type=int, default=None,
                         help=f"skip the sweep over {', '.join(map(str, HF_BATCH_SIZES))}")
     parser.add_argument("--profile", action="store_true",
@@ -411,16 +478,14 @@ def main(argv: list[str] | None = None) -> int:
                         "top functions by cumulative time -> engine_profile.txt")
     parser.add_argument("--quick", action="store_true", help="seconds, for tests (tiny model, a few requests)")
     args = parser.parse_args(argv)
-    workload = QUICK if args.quick else FULL
-    if args.num_requests is not None:
-        if args.num_requests < 1:
-            parser.error("--num-requests must be >= 1")
-        workload = Workload(**{**asdict(workload), "num_requests": args.num_requests})
+    if args.num_requests is not None and args.num_requests < 1:
+        parser.error("--num-requests must be >= 1")
     if args.threads < 1 or (args.hf_batch_size is not None and args.hf_batch_size < 1):
         parser.error("--threads and --hf-batch-size must be >= 1")
     os.makedirs(args.out, exist_ok=True)
     profile_path = os.path.join(args.out, "engine_profile.txt") if args.profile else None
-    result = run(workload, args.seed, args.threads, args.hf_batch_size, args.quick, profile_path, log=_progress)
+    result = run(args.quick, args.seed, args.threads, args.hf_batch_size, args.num_requests, profile_path,
+                 log=_progress)
     path = os.path.join(args.out, "throughput.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=2)

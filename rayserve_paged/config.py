@@ -61,7 +61,10 @@ class EngineConfig(BaseModel):
     max_logprobs: int = Field(20, ge=0, description="Largest logprobs a request may ask for.")
     trust_remote_code: bool = Field(False, description="Allow model code from the hub (off by default).")
     num_cpu_threads: int | None = Field(
-        None, ge=1, description="torch intra-op threads in a CPU worker (default: torch's own choice)."
+        None,
+        ge=1,
+        description="torch intra-op threads in a CPU worker (default: OMP_NUM_THREADS, which Ray sets to the "
+        "worker actor's num_cpus, else the CPUs the process may run on).",
     )
     worker_transport: Literal["compiled_graph", "actor_calls"] = Field(
         "compiled_graph",

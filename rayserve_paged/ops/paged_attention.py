@@ -9,9 +9,12 @@ group_size = num_heads // num_kv_heads.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from . import cpu_decode
 from .attention import AttentionMetadata
 from .cache_ops import reshape_and_cache
 
@@ -54,45 +57,197 @@ class AttentionBackend:
 
 
 class TorchReferenceBackend(AttentionBackend):
-    """Gathers each sequence's blocks by index and runs SDPA; correct on any device.
+    """Paged attention in torch, with a compiled decode kernel on the CPU; correct on any device.
 
-    Prefill loops over sequences in Python (lengths come from the metadata's host lists);
-    decode is one batched SDPA over [num_decodes, max_decode_seq_len] with a length mask.
+    prefill   a prompt with no cached context attends over its own new K/V with
+              scaled_dot_product_attention(is_causal=True); one with cached context (prefix
+              hit, recompute, a later prefill chunk) gathers only the context's blocks, once,
+              and appends its new K/V
+    decode    float32 on the CPU: the compiled kernel of cpu_decode.py reads each sequence's
+              blocks in place (no gather, no padding); elsewhere, or without a compiler: a
+              gather of token rows into a buffer reused across layers and steps, padding
+              rows pointing at a real slot of the same sequence and masked out (no zero-fill),
+              sequences sorted by length in chunks of DECODE_CHUNK, batched SDPA per chunk
+
+    What depends only on the step (lengths, index tensors, masks, the input checks) is built
+    once, at the step's first layer, and reused by every other layer of that step.
     """
 
     name = "torch"
 
+    def __init__(self, use_cpu_kernel: bool = True) -> None:
+        self.use_cpu_kernel = use_cpu_kernel
+        self._kernel: cpu_decode.PagedDecodeKernel | None = None
+        self._kernel_checked = False
+        self._plan: _StepPlan | None = None
+        self._gather_buffers: dict[tuple, torch.Tensor] = {}  # torch decode path, grown on demand
+
     def forward(self, query, key, value, key_cache, value_cache, metadata, scale):
-        check_attention_inputs(query, key, value, key_cache, value_cache, metadata)
+        plan = self._plan
+        if plan is None or plan.metadata is not metadata:
+            check_attention_inputs(query, key, value, key_cache, value_cache, metadata)
+            plan = self._plan = _StepPlan(metadata)
         reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
-        output = torch.zeros_like(query)  # [num_tokens, num_heads, head_dim]
+        output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         num_prefill_tokens = metadata.num_prefill_tokens
         num_real_tokens = num_prefill_tokens + metadata.num_decode_tokens
+        output[num_real_tokens:] = 0  # padding tokens
         if metadata.num_prefills:
             _prefill_attention(
-                query[:num_prefill_tokens], key_cache, value_cache, metadata, scale,
-                out=output[:num_prefill_tokens],
+                query, key, value, key_cache, value_cache, plan, scale, out=output[:num_prefill_tokens]
             )
         if metadata.num_decodes:
-            output[num_prefill_tokens:num_real_tokens] = _decode_attention(
-                query[num_prefill_tokens:num_real_tokens], key_cache, value_cache, metadata, scale
-            )
+            decode_query = query[num_prefill_tokens:num_real_tokens]  # [num_decodes, num_heads, d]
+            decode_out = output[num_prefill_tokens:num_real_tokens]
+            kernel = self._cpu_kernel(query, key_cache)
+            if kernel is not None:
+                tables, seq_lens = plan.kernel_inputs()
+                kernel(decode_out, decode_query.contiguous(), key_cache, value_cache, tables, seq_lens, scale)
+            else:
+                self._torch_decode(decode_query, key_cache, value_cache, plan, scale, out=decode_out)
         return output
 
+    def _cpu_kernel(self, query: torch.Tensor, key_cache: torch.Tensor) -> cpu_decode.PagedDecodeKernel | None:
+        if not self.use_cpu_kernel or query.device.type != "cpu" or query.dtype != torch.float32:
+            return None
+        if not self._kernel_checked:
+            self._kernel = cpu_decode.load()
+            self._kernel_checked = True
+        return self._kernel if key_cache.is_contiguous() else None
 
-def _prefill_attention(query, key_cache, value_cache, metadata, scale, out) -> None:
-    """Per sequence: new tokens attend causally to cached context + themselves."""
-    query_lens, seq_lens = prefill_lengths_host(metadata)
-    block_size = metadata.block_size
+    def _torch_decode(self, query, key_cache, value_cache, plan: _StepPlan, scale, out) -> None:
+        """Per length-sorted chunk: gather token rows into reused buffers, one masked SDPA."""
+        num_heads, head_dim = query.shape[1:]
+        _, _, num_kv_heads, _ = key_cache.shape
+        flat_shape = (-1, num_kv_heads, head_dim)
+        for chunk in plan.decode_chunks(query.device):
+            num_seqs, max_len = chunk.slots.shape
+            keys, values = self._buffers(num_seqs * max_len, key_cache)  # [n * max_len, kv_heads, d]
+            torch.index_select(key_cache.view(flat_shape), 0, chunk.slots.view(-1), out=keys)
+            torch.index_select(value_cache.view(flat_shape), 0, chunk.slots.view(-1), out=values)
+            chunk_query = query if chunk.index is None else query.index_select(0, chunk.index)
+            grouped = chunk_query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+            attended = F.scaled_dot_product_attention(
+                grouped,
+                keys.view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2),
+                values.view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2),
+                attn_mask=chunk.is_valid, scale=scale,
+            )  # [num_seqs, num_kv_heads, group_size, head_dim]
+            attended = attended.reshape(num_seqs, num_heads, head_dim)
+            if chunk.index is None:
+                out.copy_(attended)
+            else:
+                out.index_copy_(0, chunk.index, attended)
+
+    def _buffers(self, num_rows: int, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two [num_rows, num_kv_heads, head_dim] views of buffers kept across layers and steps:
+        no allocation (and no page zeroing by the OS) once the largest chunk has been seen."""
+        key = (cache.device, cache.dtype, cache.shape[2], cache.shape[3])
+        buffer = self._gather_buffers.get(key)
+        if buffer is None or buffer.shape[1] < num_rows:
+            buffer = torch.empty((2, num_rows, *cache.shape[2:]), dtype=cache.dtype, device=cache.device)
+            self._gather_buffers[key] = buffer
+        return buffer[0, :num_rows], buffer[1, :num_rows]
+
+
+@dataclass(slots=True)
+class _DecodeChunk:
+    index: torch.Tensor | None  # [n] int64: rows of the step's decodes in this chunk; None = all, in order
+    slots: torch.Tensor  # [n, max_len] int64: cache row of each position; padding -> the sequence's slot 0
+    is_valid: torch.Tensor  # [n, 1, 1, max_len] bool: position < seq_len
+
+
+class _StepPlan:
+    """What every layer of one step shares: host lengths and the decode index tensors, each
+    built on first use."""
+
+    def __init__(self, metadata: AttentionMetadata) -> None:
+        self.metadata = metadata
+        self.prefill_query_lens, self.prefill_seq_lens = prefill_lengths_host(metadata)
+        self._prefill_context_blocks: list[torch.Tensor | None] | None = None
+        self._kernel_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._decode_chunks: list[_DecodeChunk] | None = None
+
+    def prefill_context_blocks(self) -> list[torch.Tensor | None]:
+        """Per prefill sequence: the block ids holding its cached context, or None without one."""
+        if self._prefill_context_blocks is None:
+            block_size = self.metadata.block_size
+            tables = self.metadata.prefill_block_tables
+            self._prefill_context_blocks = [
+                tables[i, : -(-(seq_len - query_len) // block_size)] if seq_len > query_len else None
+                for i, (query_len, seq_len) in enumerate(zip(self.prefill_query_lens, self.prefill_seq_lens))
+            ]
+        return self._prefill_context_blocks
+
+    def kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block_tables [num_decodes, max_blocks], seq_lens [num_decodes]) as contiguous int32."""
+        if self._kernel_inputs is None:
+            metadata = self.metadata
+            self._kernel_inputs = (
+                metadata.decode_block_tables.to(torch.int32).contiguous(),
+                metadata.decode_seq_lens.to(torch.int32).contiguous(),
+            )
+        return self._kernel_inputs
+
+    def decode_chunks(self, device: torch.device) -> list[_DecodeChunk]:
+        if self._decode_chunks is None:
+            self._decode_chunks = self._build_decode_chunks(device)
+        return self._decode_chunks
+
+    def _build_decode_chunks(self, device: torch.device) -> list[_DecodeChunk]:
+        metadata = self.metadata
+        lens = metadata.decode_seq_lens_host
+        if lens is None:
+            lens = metadata.decode_seq_lens.tolist()
+        block_size = metadata.block_size
+        tables = metadata.decode_block_tables.to(torch.int64)  # [num_decodes, max_blocks]
+        num_decodes = len(lens)
+        if num_decodes <= DECODE_CHUNK:
+            groups = [list(range(num_decodes))]
+        else:
+            order = sorted(range(num_decodes), key=lens.__getitem__)
+            groups = [order[i : i + DECODE_CHUNK] for i in range(0, num_decodes, DECODE_CHUNK)]
+        chunks = []
+        for rows in groups:
+            max_len = max(lens[r] for r in rows)
+            index = None if len(groups) == 1 else torch.tensor(rows, dtype=torch.int64, device=device)
+            chunk_tables = tables if index is None else tables.index_select(0, index)
+            seq_lens = torch.tensor([lens[r] for r in rows], dtype=torch.int64, device=device)  # [n]
+            positions = torch.arange(max_len, device=device)  # [max_len]
+            is_valid = positions[None, :] < seq_lens[:, None]  # [n, max_len]
+            # padding positions read position 0 (always written): finite, and masked out
+            positions = torch.where(is_valid, positions[None, :], 0)  # [n, max_len]
+            blocks = chunk_tables.gather(1, positions // block_size)  # [n, max_len]
+            slots = blocks * block_size + positions % block_size
+            chunks.append(_DecodeChunk(index, slots, is_valid[:, None, None, :]))
+        return chunks
+
+
+def _prefill_attention(query, key, value, key_cache, value_cache, plan: _StepPlan, scale, out) -> None:
+    """Per sequence: new tokens attend causally to cached context + themselves. The new
+    tokens' K/V come from the step's own key/value; only the context is read from the cache."""
     start = 0
-    for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
-        num_blocks = -(-seq_len // block_size)
-        block_ids = metadata.prefill_block_tables[i, :num_blocks]  # [num_blocks]
-        keys = _gather_sequence(key_cache, block_ids, seq_len)  # [seq_len, num_kv_heads, head_dim]
-        values = _gather_sequence(value_cache, block_ids, seq_len)
+    context_blocks = plan.prefill_context_blocks()
+    for i, (query_len, seq_len) in enumerate(zip(plan.prefill_query_lens, plan.prefill_seq_lens)):
         end = start + query_len
-        out[start:end] = _causal_attention(query[start:end], keys, values, seq_len - query_len, scale)
+        keys, values = key[start:end], value[start:end]  # [query_len, num_kv_heads, head_dim]
+        context_len = seq_len - query_len
+        if context_len == 0:
+            out[start:end] = _self_attention(query[start:end], keys, values, scale)
+        else:
+            keys = torch.cat((_gather_sequence(key_cache, context_blocks[i], context_len), keys))
+            values = torch.cat((_gather_sequence(value_cache, context_blocks[i], context_len), values))
+            out[start:end] = _causal_attention(query[start:end], keys, values, context_len, scale)
         start = end
+
+
+def _self_attention(query, keys, values, scale: float) -> torch.Tensor:
+    """Causal attention of a fresh prompt over its own K/V: [q, num_heads, d] -> [q, num_heads, d]."""
+    attended = F.scaled_dot_product_attention(
+        query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+        is_causal=True, scale=scale, enable_gqa=True,
+    )  # [num_heads, query_len, head_dim]  # fmt: skip
+    return attended.transpose(0, 1)
 
 
 def _gather_sequence(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -129,66 +284,7 @@ def _causal_attention(query, keys, values, context_len: int, scale: float) -> to
     )
 
 
-DECODE_CHUNK = 32  # sequences per padded batch: sorted by length, so padding stays small
-
-
-def _decode_attention(query, key_cache, value_cache, metadata, scale) -> torch.Tensor:
-    """One query per sequence over its seq_len cached positions.
-
-    Sequences are sorted by length and attended in chunks of DECODE_CHUNK, each padded only
-    to its own longest: a batch of mixed lengths gathers (and masks) about the tokens it holds
-    instead of num_decodes x the longest.
-    """
-    num_decodes = query.shape[0]
-    lens = metadata.decode_seq_lens_host
-    if lens is None:
-        lens = metadata.decode_seq_lens.tolist()
-    if num_decodes <= DECODE_CHUNK:
-        return _decode_batch(query, key_cache, value_cache, metadata.decode_block_tables,
-                             metadata.decode_seq_lens, max(lens), metadata.block_size, scale)  # fmt: skip
-    order = sorted(range(num_decodes), key=lens.__getitem__)
-    out = torch.empty_like(query)  # [num_decodes, num_heads, head_dim]
-    for start in range(0, num_decodes, DECODE_CHUNK):
-        chunk = order[start : start + DECODE_CHUNK]
-        index = torch.tensor(chunk, device=query.device)
-        out[index] = _decode_batch(
-            query.index_select(0, index), key_cache, value_cache,
-            metadata.decode_block_tables.index_select(0, index), metadata.decode_seq_lens.index_select(0, index),
-            lens[chunk[-1]], metadata.block_size, scale,
-        )  # fmt: skip
-    return out
-
-
-def _decode_batch(query, key_cache, value_cache, block_tables, seq_lens, max_len, block_size, scale):
-    """Decode attention for sequences padded to max_len, with a length mask."""
-    num_decodes, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    num_blocks = -(-max_len // block_size)
-    block_tables = block_tables[:, :num_blocks]  # [num_decodes, num_blocks]
-    positions = torch.arange(max_len, device=query.device)  # [max_len]
-    is_valid = positions[None, :] < seq_lens[:, None]  # [num_decodes, max_len]
-    keys = _gather_batch(key_cache, block_tables, max_len, is_valid)  # [num_decodes, kv_heads, max_len, d]
-    values = _gather_batch(value_cache, block_tables, max_len, is_valid)
-    grouped = query.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    attended = F.scaled_dot_product_attention(
-        grouped, keys, values, attn_mask=is_valid[:, None, None, :], scale=scale
-    )  # [num_decodes, num_kv_heads, group_size, head_dim]
-    return attended.reshape(num_decodes, num_heads, head_dim)
-
-
-def _gather_batch(cache, block_tables, max_len: int, is_valid) -> torch.Tensor:
-    """Blocks of every sequence, padded to max_len; positions past a sequence's end are zeroed
-    (the cache there holds stale or never-written values, possibly NaN, which a mask alone
-    would not stop: 0 * NaN is NaN)."""
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    num_seqs, num_blocks = block_tables.shape
-    # [num_seqs * num_blocks, block_size, num_kv_heads, head_dim]
-    blocks = cache.index_select(0, block_tables.reshape(-1))
-    tokens = blocks.reshape(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_len]
-    # in place: `blocks` is a fresh gather, never the cache (an out-of-place fill allocated a
-    # second padded copy each call and was the largest single cost of CPU decode)
-    tokens.masked_fill_(~is_valid[:, :, None, None], 0)  # [num_seqs, max_len, kv_heads, d]
-    return tokens.transpose(1, 2)  # [num_seqs, num_kv_heads, max_len, head_dim]
+DECODE_CHUNK = 32  # torch decode path: sequences per padded batch, sorted by length
 
 
 def prefill_lengths_host(metadata: AttentionMetadata) -> tuple[list[int], list[int]]:

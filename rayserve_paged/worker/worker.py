@@ -54,6 +54,24 @@ def choose_dtype(config: EngineConfig, checkpoint_dtype: torch.dtype, device: to
     return torch.bfloat16 if checkpoint_dtype == torch.float32 else checkpoint_dtype
 
 
+def cpu_thread_count(configured: int | None) -> tuple[int, str]:
+    """(torch intra-op threads for a CPU worker, where the number came from).
+
+    The worker's CPU allocation, most specific first: `num_cpu_threads` from the config;
+    else OMP_NUM_THREADS, which Ray sets in an actor to its `num_cpus` (floored, at least 1);
+    else the CPUs this process may run on (its affinity mask, which cgroup cpusets and
+    `taskset` narrow), not every core of the machine.
+    """
+    if configured:
+        return configured, "num_cpu_threads"
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) >= 1:
+        return int(env), "OMP_NUM_THREADS"
+    if hasattr(os, "sched_getaffinity"):
+        return max(len(os.sched_getaffinity(0)), 1), "CPU affinity"
+    return max(os.cpu_count() or 1, 1), "os.cpu_count()"
+
+
 class Worker:
     def __init__(self, config: EngineConfig, model_path: str, rank: int = 0, world_size: int = 1) -> None:
         self.config = config
@@ -77,8 +95,10 @@ class Worker:
     # ------------------------------------------------------------------ start-up
 
     def load_model(self, group=None) -> None:
-        if self.device.type == "cpu" and self.config.num_cpu_threads:
-            torch.set_num_threads(self.config.num_cpu_threads)
+        if self.device.type == "cpu":
+            num_threads, source = cpu_thread_count(self.config.num_cpu_threads)
+            torch.set_num_threads(num_threads)
+            logger.info("rank %d: %d torch threads (%s)", self.rank, num_threads, source)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         backend = self.backend = get_attention_backend(self.config.attention_backend, self.device)

@@ -99,7 +99,8 @@ CASES = {
 HEADS = [(4, 4), (4, 2), (8, 2)]  # (num_heads, num_kv_heads): GQA ratios 1, 2, 4
 
 
-def run_case(case, generator, *, block_size=16, head_dim=64, heads=(8, 2), dtype=torch.float32, **kw):
+def run_case(case, generator, *, block_size=16, head_dim=64, heads=(8, 2), dtype=torch.float32, backend=None,
+             strided_kv=False, **kw):
     batch = make_metadata(**case, block_size=block_size, generator=generator, **kw)
     num_heads, num_kv_heads = heads
     inputs = make_attention_inputs(
@@ -108,9 +109,12 @@ def run_case(case, generator, *, block_size=16, head_dim=64, heads=(8, 2), dtype
     )
     caches_after = expected_caches(inputs, batch)
     scale = head_dim**-0.5
-    output = TorchReferenceBackend().forward(
-        inputs.query, inputs.key, inputs.value, inputs.key_cache, inputs.value_cache, batch.metadata, scale
-    )
+    key, value = inputs.key, inputs.value
+    if strided_kv:  # as the models pass them: views into one fused qkv projection
+        qkv = torch.cat((inputs.query, key, value), dim=1)  # [num_tokens, heads + 2 * kv_heads, d]
+        key, value = qkv[:, num_heads : num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads :]
+    backend = backend if backend is not None else TorchReferenceBackend()
+    output = backend.forward(inputs.query, key, value, inputs.key_cache, inputs.value_cache, batch.metadata, scale)
     return batch, inputs, output, dense_attention(inputs, batch, scale), caches_after
 
 
@@ -485,16 +489,20 @@ def test_unknown_backend_lists_valid_names():
         get_attention_backend("xformers")
 
 
+@pytest.mark.parametrize("use_cpu_kernel", [True, False], ids=["kernel", "torch_path"])
 @pytest.mark.parametrize("with_host_lists", [True, False])
-def test_many_decodes_of_mixed_lengths_are_chunked_by_length_and_match_dense(with_host_lists, generator):
-    """Past DECODE_CHUNK sequences the decode runs in length-sorted chunks; the result must
-    be the same as one dense attention per sequence, in the original order."""
+def test_many_decodes_of_mixed_lengths_are_chunked_by_length_and_match_dense(
+    with_host_lists, use_cpu_kernel, generator
+):
+    """Past DECODE_CHUNK sequences the torch decode path runs in length-sorted chunks; the
+    result must be the same as one dense attention per sequence, in the original order."""
     from rayserve_paged.ops import paged_attention
 
     assert paged_attention.DECODE_CHUNK == 32
     decodes = [int(x) for x in torch.randint(0, 90, (75,), generator=generator)]
     batch, _, output, expected, _ = run_case(
-        dict(prefills=[(5, 3)], decodes=decodes), generator, with_host_lists=with_host_lists
+        dict(prefills=[(5, 3)], decodes=decodes), generator, with_host_lists=with_host_lists,
+        backend=TorchReferenceBackend(use_cpu_kernel=use_cpu_kernel),
     )
     num_real = batch.num_real_tokens
     torch.testing.assert_close(output[:num_real], expected[:num_real].float(), atol=1e-5, rtol=1e-5)
