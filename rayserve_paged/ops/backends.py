@@ -59,9 +59,8 @@ def _get_triton_backend(device: torch.device) -> AttentionBackend:
 
 
 def _load_triton_backend() -> AttentionBackend:
-    from rayserve_paged.ops import triton_backend  # imports triton: only when asked for
-
-    return triton_backend.TritonBackend()
+    # imports triton: only when asked for (by module name, so sys.modules decides, as for flash)
+    return importlib.import_module("rayserve_paged.ops.triton_backend").TritonBackend()
 
 
 def _get_flash_backend(device: torch.device) -> AttentionBackend:
