@@ -16,6 +16,7 @@ BENCHMARKS = {
     "throughput": "benchmarks.throughput",
     "ray-overhead": "benchmarks.ray_overhead",
     "telemetry": "benchmarks.telemetry_cost",
+    "attention-host": "benchmarks.attention_host",
     "serving": "benchmarks.serving",
     "smollm2": "benchmarks.smollm2",
 }
