@@ -34,6 +34,12 @@ def reshape_and_cache(
 ) -> None:
     """Write token i's key/value into slot `slot_mapping[i]` of the caches; skip PAD_SLOT."""
     _check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    write_slots(key, value, key_cache, value_cache, slot_mapping)
+
+
+def write_slots(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """reshape_and_cache without its checks, for callers that checked the same shapes, dtypes
+    and devices already (the attention backends, once per step)."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     flat_shape = (num_blocks * block_size, num_kv_heads, head_dim)
     flat_key, flat_value = key_cache.view(flat_shape), value_cache.view(flat_shape)

@@ -16,15 +16,53 @@ import torch.nn.functional as F
 
 from . import cpu_decode
 from .attention import AttentionMetadata
-from .cache_ops import reshape_and_cache
+from .cache_ops import _check_reshape_and_cache, write_slots
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 class AttentionBackend:
-    """What the model's attention layers call once per layer per step."""
+    """What the model's attention layers call once per layer per step.
+
+    Checks and launch planning happen once per step: `begin_step(metadata)` (the model
+    runner calls it once the step's metadata is built) checks the metadata and makes the
+    step's plan; the first layer checks its own inputs against it. Every later layer whose
+    inputs have the same shapes, strides, dtypes and devices (one tuple comparison,
+    `layer_signature`) only writes the cache and launches attention. A metadata object is
+    never changed once built: the plan is keyed by its identity.
+    """
 
     name: str = "abstract"
+    _plan: StepPlan | None = None
+
+    def begin_step(self, metadata: AttentionMetadata) -> None:
+        """Check the step's metadata (ValueError naming the problem) and plan its layers."""
+        check_step_metadata(metadata)
+        self._plan = self._new_plan(metadata)
+
+    def _new_plan(self, metadata: AttentionMetadata) -> StepPlan:
+        return StepPlan(metadata)
+
+    def _layer_plan(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> StepPlan:
+        """The step's plan, with this layer's inputs checked: in full at the first layer of a
+        step and at any layer whose signature differs from the last checked one, else by the
+        signature comparison alone. A metadata begin_step has not seen begins a step."""
+        plan = self._plan
+        if plan is None or plan.metadata is not metadata:
+            self.begin_step(metadata)
+            plan = self._plan
+        signature = layer_signature(query, key, value, key_cache, value_cache)
+        if signature != plan.layer_signature:
+            self._check_layer(query, key, value, key_cache, value_cache, metadata)
+            self._plan_layer(plan, query, key, value, key_cache)
+            plan.layer_signature = signature
+        return plan
+
+    def _check_layer(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
+        check_layer_inputs(query, key, value, key_cache, value_cache, metadata)
+
+    def _plan_layer(self, plan: StepPlan, query, key, value, key_cache) -> None:
+        """What the launches need beyond the metadata, from checked layer inputs (shapes, strides)."""
 
     def forward(
         self,
@@ -70,7 +108,7 @@ class TorchReferenceBackend(AttentionBackend):
               sequences sorted by length in chunks of DECODE_CHUNK, batched SDPA per chunk
 
     What depends only on the step (lengths, index tensors, masks, the input checks) is built
-    once, at the step's first layer, and reused by every other layer of that step.
+    once per step (begin_step, then at first use) and reused by every layer of that step.
     """
 
     name = "torch"
@@ -79,15 +117,11 @@ class TorchReferenceBackend(AttentionBackend):
         self.use_cpu_kernel = use_cpu_kernel
         self._kernel: cpu_decode.PagedDecodeKernel | None = None
         self._kernel_checked = False
-        self._plan: _StepPlan | None = None
         self._gather_buffers: dict[tuple, torch.Tensor] = {}  # torch decode path, grown on demand
 
     def forward(self, query, key, value, key_cache, value_cache, metadata, scale):
-        plan = self._plan
-        if plan is None or plan.metadata is not metadata:
-            check_attention_inputs(query, key, value, key_cache, value_cache, metadata)
-            plan = self._plan = _StepPlan(metadata)
-        reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        plan = self._layer_plan(query, key, value, key_cache, value_cache, metadata)
+        write_slots(key, value, key_cache, value_cache, metadata.slot_mapping)
         output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         num_prefill_tokens = metadata.num_prefill_tokens
         num_real_tokens = num_prefill_tokens + metadata.num_decode_tokens
@@ -115,7 +149,7 @@ class TorchReferenceBackend(AttentionBackend):
             self._kernel_checked = True
         return self._kernel if key_cache.is_contiguous() else None
 
-    def _torch_decode(self, query, key_cache, value_cache, plan: _StepPlan, scale, out) -> None:
+    def _torch_decode(self, query, key_cache, value_cache, plan: StepPlan, scale, out) -> None:
         """Per length-sorted chunk: gather token rows into reused buffers, one masked SDPA."""
         num_heads, head_dim = query.shape[1:]
         _, _, num_kv_heads, _ = key_cache.shape
@@ -157,12 +191,14 @@ class _DecodeChunk:
     is_valid: torch.Tensor  # [n, 1, 1, max_len] bool: position < seq_len
 
 
-class _StepPlan:
-    """What every layer of one step shares: host lengths and the decode index tensors, each
-    built on first use."""
+class StepPlan:
+    """What every layer of one step shares: the checked layer signature, host lengths and
+    the decode index tensors, each built on first use. Backends extend it with their launch
+    plans."""
 
     def __init__(self, metadata: AttentionMetadata) -> None:
         self.metadata = metadata
+        self.layer_signature: tuple | None = None  # of the last layer whose inputs were checked
         self.prefill_query_lens, self.prefill_seq_lens = prefill_lengths_host(metadata)
         self._prefill_context_blocks: list[torch.Tensor | None] | None = None
         self._kernel_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -223,7 +259,7 @@ class _StepPlan:
         return chunks
 
 
-def _prefill_attention(query, key, value, key_cache, value_cache, plan: _StepPlan, scale, out) -> None:
+def _prefill_attention(query, key, value, key_cache, value_cache, plan: StepPlan, scale, out) -> None:
     """Per sequence: new tokens attend causally to cached context + themselves. The new
     tokens' K/V come from the step's own key/value; only the context is read from the cache."""
     start = 0
@@ -302,64 +338,80 @@ def prefill_lengths_host(metadata: AttentionMetadata) -> tuple[list[int], list[i
 # ---------------------------------------------------------------------------- input checks
 
 
-def check_attention_inputs(query, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
-    """Shapes, dtypes and devices of one forward call; raises ValueError naming the problem.
+def layer_signature(query, key, value, key_cache, value_cache) -> tuple:
+    """Shapes, strides, dtypes and devices of one layer's inputs: what check_layer_inputs
+    and the launch plans depend on, so equal signatures pass the same checks."""
+    return (
+        query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(),
+        key_cache.shape, key_cache.stride(), value_cache.shape, value_cache.stride(),
+        query.dtype, key.dtype, value.dtype, key_cache.dtype, value_cache.dtype,
+        query.get_device(), key.get_device(), value.get_device(), key_cache.get_device(), value_cache.get_device(),
+    )  # fmt: skip
 
-    reshape_and_cache checks key/value against the caches and the slot mapping itself.
-    """
-    _require(query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
-    _require(key.dim() == 3, f"key must be [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)}")
-    _require(key_cache.dim() == 4, f"key_cache must be 4-d, got {tuple(key_cache.shape)}")
+
+def check_attention_inputs(query, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
+    """check_step_metadata + check_layer_inputs: everything one forward call needs."""
+    check_step_metadata(metadata)
+    check_layer_inputs(query, key, value, key_cache, value_cache, metadata)
+
+
+def check_layer_inputs(query, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
+    """One layer's tensors against each other and the step's metadata (its cache write
+    included); raises ValueError naming the problem."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
+    if key.dim() != 3:
+        raise ValueError(f"key must be [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)}")
+    if key_cache.dim() != 4:
+        raise ValueError(f"key_cache must be 4-d, got {tuple(key_cache.shape)}")
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
-    _require(
-        key.shape[0] == num_tokens and key.shape[2] == head_dim,
-        f"key {tuple(key.shape)} does not match query {tuple(query.shape)} in num_tokens or head_dim",
-    )
-    _require(
-        num_heads % num_kv_heads == 0,
-        f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}",
-    )
-    _require(query.dtype == key.dtype, f"query dtype {query.dtype} != key dtype {key.dtype}")
-    _require(
-        query.device == key_cache.device,
-        f"query is on {query.device} but key_cache is on {key_cache.device}",
-    )
-    _require(
-        metadata.block_size == key_cache.shape[1],
-        f"metadata.block_size={metadata.block_size} != key_cache block_size={key_cache.shape[1]}",
-    )
-    _check_metadata(metadata, num_tokens, query.device)
+    if not (key.shape[0] == num_tokens and key.shape[2] == head_dim):
+        raise ValueError(f"key {tuple(key.shape)} does not match query {tuple(query.shape)} in num_tokens or head_dim")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if query.dtype != key.dtype:
+        raise ValueError(f"query dtype {query.dtype} != key dtype {key.dtype}")
+    if query.device != key_cache.device:
+        raise ValueError(f"query is on {query.device} but key_cache is on {key_cache.device}")
+    if metadata.block_size != key_cache.shape[1]:
+        raise ValueError(f"metadata.block_size={metadata.block_size} != key_cache block_size={key_cache.shape[1]}")
+    if query.device != metadata.slot_mapping.device:
+        raise ValueError(f"query is on {query.device} but the step's metadata is on {metadata.slot_mapping.device}")
+    _check_reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
 
 
-def _check_metadata(metadata: AttentionMetadata, num_tokens: int, device: torch.device) -> None:
+def check_step_metadata(metadata: AttentionMetadata) -> None:
+    """The step's metadata alone (once per step, before any layer); raises ValueError naming
+    the problem. Reads no device tensor."""
+    if metadata.slot_mapping.dim() != 1:
+        raise ValueError(f"metadata.slot_mapping must be [num_tokens], got {tuple(metadata.slot_mapping.shape)}")
+    num_tokens, device = metadata.slot_mapping.shape[0], metadata.slot_mapping.device
     num_real_tokens = metadata.num_prefill_tokens + metadata.num_decode_tokens
-    _require(
-        num_real_tokens <= num_tokens,
-        f"num_prefill_tokens + num_decode_tokens = {num_real_tokens} > num_tokens = {num_tokens}",
-    )
-    _require(
-        metadata.num_decode_tokens == metadata.num_decodes,
-        f"num_decode_tokens={metadata.num_decode_tokens} != len(decode_seq_lens)={metadata.num_decodes}",
-    )
+    if not (num_real_tokens <= num_tokens):
+        raise ValueError(f"num_prefill_tokens + num_decode_tokens = {num_real_tokens} > num_tokens = {num_tokens}")
+    if metadata.num_decode_tokens != metadata.num_decodes:
+        raise ValueError(f"num_decode_tokens={metadata.num_decode_tokens} != len(decode_seq_lens)={metadata.num_decodes}")
     for name in (
         "prefill_query_start_loc", "prefill_context_lens", "prefill_seq_lens",
         "prefill_block_tables", "decode_seq_lens", "decode_block_tables",
     ):
         tensor = getattr(metadata, name)
-        _require(tensor.dtype in _INDEX_DTYPES, f"metadata.{name} must be int32 or int64, got {tensor.dtype}")
-        _require(tensor.device == device, f"metadata.{name} is on {tensor.device} but query is on {device}")
-    _require(
-        metadata.prefill_query_start_loc.shape == (metadata.num_prefills + 1,),
-        f"metadata.prefill_query_start_loc must be [num_prefills + 1 = {metadata.num_prefills + 1}], "
-        f"got {tuple(metadata.prefill_query_start_loc.shape)}",
-    )
+        if tensor.dtype not in _INDEX_DTYPES:
+            raise ValueError(f"metadata.{name} must be int32 or int64, got {tensor.dtype}")
+        if tensor.device != device:
+            raise ValueError(f"metadata.{name} is on {tensor.device} but metadata.slot_mapping is on {device}")
+    if metadata.prefill_query_start_loc.shape != (metadata.num_prefills + 1,):
+        raise ValueError(
+            f"metadata.prefill_query_start_loc must be [num_prefills + 1 = {metadata.num_prefills + 1}], "
+            f"got {tuple(metadata.prefill_query_start_loc.shape)}"
+        )
     query_lens_host = metadata.prefill_query_lens_host
-    _require(
-        query_lens_host is None or sum(query_lens_host) == metadata.num_prefill_tokens,
-        f"metadata.prefill_query_lens_host sums to {sum(query_lens_host or [])}, "
-        f"not num_prefill_tokens={metadata.num_prefill_tokens}",
-    )
+    if not (query_lens_host is None or sum(query_lens_host) == metadata.num_prefill_tokens):
+        raise ValueError(
+            f"metadata.prefill_query_lens_host sums to {sum(query_lens_host or [])}, "
+            f"not num_prefill_tokens={metadata.num_prefill_tokens}"
+        )
     _check_block_table(metadata, "prefill", metadata.max_prefill_seq_len, metadata.prefill_seq_lens_host)
     _check_block_table(metadata, "decode", metadata.max_decode_seq_len, metadata.decode_seq_lens_host)
 
@@ -369,25 +421,21 @@ def _check_block_table(metadata, part: str, max_seq_len: int, seq_lens_host: lis
     num_seqs = getattr(metadata, f"num_{part}s")
     if num_seqs == 0:
         return
-    _require(
-        block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,
-        f"metadata.{part}_block_tables must be [num_{part}s={num_seqs}, max_blocks], "
-        f"got {tuple(block_tables.shape)}",
-    )
-    capacity = block_tables.shape[1] * metadata.block_size
-    _require(
-        max_seq_len <= capacity,
-        f"metadata.max_{part}_seq_len={max_seq_len} does not fit {part}_block_tables of "
-        f"{block_tables.shape[1]} blocks x {metadata.block_size} tokens",
-    )
-    if seq_lens_host is not None:
-        _require(
-            len(seq_lens_host) == num_seqs and max(seq_lens_host) <= max_seq_len,
-            f"metadata.{part}_seq_lens_host={seq_lens_host} disagrees with num_{part}s={num_seqs} "
-            f"or max_{part}_seq_len={max_seq_len}",
+    if not (block_tables.dim() == 2 and block_tables.shape[0] == num_seqs):
+        raise ValueError(
+            f"metadata.{part}_block_tables must be [num_{part}s={num_seqs}, max_blocks], "
+            f"got {tuple(block_tables.shape)}"
         )
+    capacity = block_tables.shape[1] * metadata.block_size
+    if not (max_seq_len <= capacity):
+        raise ValueError(
+            f"metadata.max_{part}_seq_len={max_seq_len} does not fit {part}_block_tables of "
+            f"{block_tables.shape[1]} blocks x {metadata.block_size} tokens"
+        )
+    if seq_lens_host is not None:
+        if not (len(seq_lens_host) == num_seqs and max(seq_lens_host) <= max_seq_len):
+            raise ValueError(
+                f"metadata.{part}_seq_lens_host={seq_lens_host} disagrees with num_{part}s={num_seqs} "
+                f"or max_{part}_seq_len={max_seq_len}"
+            )
 
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)

@@ -44,7 +44,7 @@ from .cache_ops import (
     swap_blocks,
     swap_kv_blocks,
 )
-from .paged_attention import AttentionBackend, check_attention_inputs
+from .paged_attention import AttentionBackend, StepPlan, check_layer_inputs
 
 __all__ = [
     "PARTITION_SIZES",
@@ -90,29 +90,67 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale, out=None):
         """`out` (optional, [num_tokens, num_heads, head_dim]) receives the result in place."""
-        check_attention_inputs(query, key, value, key_cache, value_cache, metadata)
-        _check_can_launch(query.device)
-        reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        plan = self._layer_plan(query, key, value, key_cache, value_cache, metadata)
+        plan.cache_write(key, value, key_cache, value_cache, metadata.slot_mapping)
         if out is None:
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, H, D]
         else:
             _check_out(out, query)
-        num_prefill_tokens = metadata.num_prefill_tokens
-        num_real_tokens = num_prefill_tokens + metadata.num_decode_tokens
-        out[num_real_tokens:].zero_()  # padding tokens
-        if metadata.num_prefills:
-            paged_prefill_attention(
+        num_prefill_tokens, num_real_tokens = plan.num_prefill_tokens, plan.num_real_tokens
+        if num_real_tokens < query.shape[0]:
+            out[num_real_tokens:].zero_()  # padding tokens
+        if plan.prefill is not None:
+            plan.prefill(
                 query[:num_prefill_tokens], key_cache, value_cache, metadata.prefill_block_tables,
-                metadata.prefill_query_start_loc, metadata.prefill_context_lens,
-                metadata.max_prefill_query_len, scale, out=out[:num_prefill_tokens],
+                metadata.prefill_query_start_loc, metadata.prefill_context_lens, scale,
+                out=out[:num_prefill_tokens],
             )
-        if metadata.num_decodes:
-            paged_decode_attention(
-                query[num_prefill_tokens:num_real_tokens], key_cache, value_cache,
-                metadata.decode_block_tables, metadata.decode_seq_lens, metadata.max_decode_seq_len,
-                scale, out=out[num_prefill_tokens:num_real_tokens],
+        if plan.decode is not None:
+            if num_prefill_tokens == 0 and num_real_tokens == query.shape[0]:
+                decode_query, decode_out = query, out  # a decode-only step without padding: no slicing
+            else:
+                decode_query = query[num_prefill_tokens:num_real_tokens]
+                decode_out = out[num_prefill_tokens:num_real_tokens]
+            plan.decode(
+                decode_query, key_cache, value_cache, metadata.decode_block_tables, metadata.decode_seq_lens,
+                scale, out=decode_out,
             )
         return out
+
+    def _check_layer(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
+        """The torch backend's checks plus every launch wrapper's, on the step's parts."""
+        check_layer_inputs(query, key, value, key_cache, value_cache, metadata)
+        _check_cache_write_inputs(key, value, key_cache, value_cache, metadata.slot_mapping)
+        num_prefill_tokens = metadata.num_prefill_tokens
+        num_real_tokens = num_prefill_tokens + metadata.num_decode_tokens
+        if metadata.num_prefills:
+            _check_prefill_inputs(
+                query[:num_prefill_tokens], key_cache, value_cache, metadata.prefill_block_tables,
+                metadata.prefill_query_start_loc, metadata.prefill_context_lens, metadata.max_prefill_query_len,
+            )
+        if metadata.num_decodes:
+            _check_decode_inputs(
+                query[num_prefill_tokens:num_real_tokens], key_cache, value_cache, metadata.decode_block_tables,
+                metadata.decode_seq_lens, metadata.max_decode_seq_len,
+            )
+
+    def _plan_layer(self, plan: StepPlan, query, key, value, key_cache) -> None:
+        metadata = plan.metadata
+        num_prefill_tokens = metadata.num_prefill_tokens
+        plan.num_prefill_tokens = num_prefill_tokens
+        plan.num_real_tokens = num_real_tokens = num_prefill_tokens + metadata.num_decode_tokens
+        plan.cache_write = _CacheWriteLaunch(key, value, key_cache) if key.shape[0] else _no_launch
+        plan.prefill = None
+        if metadata.num_prefills and metadata.max_prefill_query_len:
+            plan.prefill = _PrefillLaunch(
+                query[:num_prefill_tokens], key_cache, metadata.prefill_block_tables, metadata.max_prefill_query_len
+            )
+        plan.decode = None
+        if metadata.num_decodes:
+            plan.decode = _DecodeLaunch(
+                query[num_prefill_tokens:num_real_tokens], key_cache, metadata.decode_block_tables,
+                metadata.max_decode_seq_len,
+            )
 
     @staticmethod
     def copy_blocks(kv_caches: Sequence[KVCache], block_mapping: BlockMapping) -> None:
@@ -305,59 +343,72 @@ def paged_decode_attention(
     partition_size: int | None = None,  # None: choose_decode_partition's (or the smallest when forced)
 ) -> torch.Tensor:
     """Each sequence's query attends to its first seq_lens[i] cached tokens; returns `out`."""
-    _check_attention_common(query, key_cache, value_cache, block_tables, "decode")
-    num_seqs, num_heads, head_dim = query.shape
-    _check_index(seq_lens, "seq_lens", (num_seqs,), query.device)
-    _require(
-        variant in ("auto", "single", "partitioned"), f"variant must be auto, single or partitioned, got {variant!r}"
-    )
-    _require(
-        partition_size is None or partition_size > 0, f"partition_size must be positive, got {partition_size}"
-    )
-    _require(
-        max_seq_len <= block_tables.shape[1] * key_cache.shape[1],
-        f"max_seq_len={max_seq_len} does not fit block_tables of {block_tables.shape[1]} blocks x "
-        f"{key_cache.shape[1]} tokens",
-    )
+    _check_decode_inputs(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len)
+    if variant not in ("auto", "single", "partitioned"):
+        raise ValueError(f"variant must be auto, single or partitioned, got {variant!r}")
+    if not (partition_size is None or partition_size > 0):
+        raise ValueError(f"partition_size must be positive, got {partition_size}")
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [num_seqs, num_heads, head_dim]
     else:
         _check_out(out, query)
-    if num_seqs == 0:
-        return out
-    _require(max_seq_len >= 1, f"max_seq_len must be >= 1 for {num_seqs} sequences, got {max_seq_len}")
-    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
-    if variant != "single" and partition_size is None:
-        partition_size = choose_decode_partition(num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device))
-        if variant == "partitioned" and not partition_size:
-            partition_size = PARTITION_SIZES[0]
-    if variant == "auto":
-        variant = "partitioned" if partition_size else "single"
-    constants = decode_constants(
-        query.dtype, head_dim, num_kv_heads, num_heads // num_kv_heads, block_size, interpreted=is_interpreted()
-    )
-    strides = dict(
-        stride_q_token=query.stride(0), stride_q_head=query.stride(1), stride_table_seq=block_tables.stride(0),
-    )
-    scale_log2 = float(scale) * kernels.LOG2E
-    if variant == "single":
-        kernels.paged_decode_kernel[(num_seqs, num_kv_heads)](
-            out, query, key_cache, value_cache, block_tables, seq_lens, scale_log2,
-            stride_out_token=out.stride(0), stride_out_head=out.stride(1), **strides, **constants,
-        )
-        return out
-    max_partitions = triton.cdiv(max_seq_len, partition_size)
-    partial_out, max_logits, exp_sums = _partition_buffers(num_seqs, num_heads, max_partitions, head_dim, query.device)
-    kernels.paged_decode_partition_kernel[(num_seqs, num_kv_heads, max_partitions)](
-        partial_out, max_logits, exp_sums, query, key_cache, value_cache, block_tables, seq_lens, scale_log2,
-        num_heads=num_heads, max_partitions=max_partitions, PARTITION_SIZE=partition_size, **strides, **constants,
-    )
-    kernels.paged_decode_reduce_kernel[(num_seqs, num_heads)](
-        out, partial_out, max_logits, exp_sums, seq_lens,
-        stride_out_token=out.stride(0), stride_out_head=out.stride(1),
-        num_heads=num_heads, max_partitions=max_partitions, **reduce_constants(head_dim, partition_size),
-    )
+    if query.shape[0]:
+        launch = _DecodeLaunch(query, key_cache, block_tables, max_seq_len, variant, partition_size)
+        launch(query, key_cache, value_cache, block_tables, seq_lens, scale, out=out)
     return out
+
+
+class _DecodeLaunch:
+    """The grid, constants and strides of one decode batch's launches, planned once (per step
+    in the backend: every layer with the same shapes launches with them). The partitioned
+    variant's float32 buffers are allocated at the first launch and reused by the next ones:
+    the launches run in order on one stream, each reduce before the next partition kernel."""
+
+    def __init__(self, query, key_cache, block_tables, max_seq_len: int, variant="auto", partition_size=None):
+        num_seqs, num_heads, head_dim = query.shape
+        num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+        if variant == "single":
+            partition_size = 0
+        elif partition_size is None:
+            partition_size = choose_decode_partition(num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device))
+            if variant == "partitioned" and not partition_size:
+                partition_size = PARTITION_SIZES[0]
+        self.partition_size = partition_size  # 0: the single-pass kernel
+        self.num_seqs, self.num_heads, self.num_kv_heads, self.head_dim = num_seqs, num_heads, num_kv_heads, head_dim
+        self.device = query.device
+        self.constants = decode_constants(
+            query.dtype, head_dim, num_kv_heads, num_heads // num_kv_heads, block_size, interpreted=is_interpreted()
+        )
+        self.strides = dict(
+            stride_q_token=query.stride(0), stride_q_head=query.stride(1), stride_table_seq=block_tables.stride(0),
+        )
+        self.max_partitions = triton.cdiv(max_seq_len, partition_size) if partition_size else 0
+        self._buffers = None
+
+    def __call__(self, query, key_cache, value_cache, block_tables, seq_lens, scale: float, *, out) -> None:
+        scale_log2 = float(scale) * kernels.LOG2E
+        num_seqs, num_heads = self.num_seqs, self.num_heads
+        if not self.partition_size:
+            kernels.paged_decode_kernel[(num_seqs, self.num_kv_heads)](
+                out, query, key_cache, value_cache, block_tables, seq_lens, scale_log2,
+                stride_out_token=out.stride(0), stride_out_head=out.stride(1), **self.strides, **self.constants,
+            )
+            return
+        if self._buffers is None:
+            self._buffers = _partition_buffers(num_seqs, num_heads, self.max_partitions, self.head_dim, self.device)
+        partial_out, max_logits, exp_sums = self._buffers
+        max_partitions = self.max_partitions
+        kernels.paged_decode_partition_kernel[(num_seqs, self.num_kv_heads, max_partitions)](
+            partial_out, max_logits, exp_sums, query, key_cache, value_cache, block_tables, seq_lens, scale_log2,
+            num_heads=num_heads, max_partitions=max_partitions, PARTITION_SIZE=self.partition_size,
+            **self.strides, **self.constants,
+        )
+        kernels.paged_decode_reduce_kernel[(num_seqs, num_heads)](
+            out, partial_out, max_logits, exp_sums, seq_lens,
+            stride_out_token=out.stride(0), stride_out_head=out.stride(1),
+            num_heads=num_heads, max_partitions=max_partitions,
+            **reduce_constants(self.head_dim, self.partition_size),
+        )
 
 
 # ---------------------------------------------------------------------------- prefill
@@ -377,34 +428,37 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """New token i of sequence s (position context_lens[s] + i) attends to positions
     0..context_lens[s] + i of that sequence, all read through the block table; returns `out`."""
-    _check_attention_common(query, key_cache, value_cache, block_tables, "prefill")
-    num_prefills = block_tables.shape[0]
-    _check_index(query_start_loc, "query_start_loc", (num_prefills + 1,), query.device)
-    _check_index(context_lens, "context_lens", (num_prefills,), query.device)
-    _require(
-        0 <= max_query_len <= query.shape[0],
-        f"max_query_len={max_query_len} must be in [0, num_prefill_tokens={query.shape[0]}]",
-    )
+    _check_prefill_inputs(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, max_query_len)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, H, D]
     else:
         _check_out(out, query)
-    if num_prefills == 0 or max_query_len == 0:
-        return out
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
-    constants = prefill_constants(
-        query.dtype, head_dim, num_kv_heads, num_heads // num_kv_heads, block_size, interpreted=is_interpreted()
-    )
-    grid = (triton.cdiv(max_query_len, constants["BLOCK_Q"]), num_prefills, num_kv_heads)
-    kernels.paged_prefill_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
-        float(scale) * kernels.LOG2E,
-        stride_q_token=query.stride(0), stride_q_head=query.stride(1),
-        stride_out_token=out.stride(0), stride_out_head=out.stride(1),
-        stride_table_seq=block_tables.stride(0), **constants,
-    )
+    if block_tables.shape[0] and max_query_len:
+        launch = _PrefillLaunch(query, key_cache, block_tables, max_query_len)
+        launch(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, out=out)
     return out
+
+
+class _PrefillLaunch:
+    """The grid, constants and strides of one prefill launch, planned once (per step in the backend)."""
+
+    def __init__(self, query, key_cache, block_tables, max_query_len: int):
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+        self.constants = prefill_constants(
+            query.dtype, head_dim, num_kv_heads, num_heads // num_kv_heads, block_size, interpreted=is_interpreted()
+        )
+        self.grid = (triton.cdiv(max_query_len, self.constants["BLOCK_Q"]), block_tables.shape[0], num_kv_heads)
+        self.strides = dict(
+            stride_q_token=query.stride(0), stride_q_head=query.stride(1), stride_table_seq=block_tables.stride(0)
+        )
+
+    def __call__(self, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, *, out):
+        kernels.paged_prefill_kernel[self.grid](
+            out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
+            float(scale) * kernels.LOG2E, stride_out_token=out.stride(0), stride_out_head=out.stride(1),
+            **self.strides, **self.constants,
+        )
 
 
 # ---------------------------------------------------------------------------- cache ops
@@ -418,21 +472,24 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,  # [num_tokens] int64; PAD_SLOT (-1) writes nothing
 ) -> None:
     """Write token i's key/value into slot `slot_mapping[i]`; the same contract as cache_ops."""
-    _check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    _check_can_launch(key.device)
-    _require(
-        key.stride(2) == 1 and value.stride(2) == 1,
-        f"key and value need a contiguous last dim, got strides {key.stride()} and {value.stride()}",
-    )
-    _require(key_cache.dtype in SUPPORTED_DTYPES, f"cache dtype {key_cache.dtype} is not one of {_dtype_names()}")
-    num_tokens, num_kv_heads, head_dim = key.shape
-    if num_tokens == 0:
-        return
-    kernels.reshape_and_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        **cache_write_constants(head_dim, num_kv_heads, key_cache.shape[1]),
-    )
+    _check_cache_write_inputs(key, value, key_cache, value_cache, slot_mapping)
+    if key.shape[0]:
+        _CacheWriteLaunch(key, value, key_cache)(key, value, key_cache, value_cache, slot_mapping)
+
+
+class _CacheWriteLaunch:
+    """reshape_and_cache_kernel's grid, strides and constants, planned once (per step in the backend)."""
+
+    def __init__(self, key, value, key_cache):
+        num_tokens, num_kv_heads, head_dim = key.shape
+        self.grid = (num_tokens,)
+        self.strides = (key.stride(0), key.stride(1), value.stride(0), value.stride(1))
+        self.constants = cache_write_constants(head_dim, num_kv_heads, key_cache.shape[1])
+
+    def __call__(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        kernels.reshape_and_cache_kernel[self.grid](
+            key, value, key_cache, value_cache, slot_mapping, *self.strides, **self.constants
+        )
 
 
 # ---------------------------------------------------------------------------- warm-up
@@ -454,7 +511,8 @@ def warm_up(
     device, dtype = key_cache.device, key_cache.dtype
     width = num_heads * head_dim
     stride = query_token_stride or (num_heads + 2 * num_kv_heads) * head_dim
-    _require(stride >= width, f"query_token_stride={stride} is below num_heads * head_dim = {width}")
+    if not (stride >= width):
+        raise ValueError(f"query_token_stride={stride} is below num_heads * head_dim = {width}")
     num_tokens = 2
     qkv = torch.zeros((num_tokens, stride + 2 * num_kv_heads * head_dim), dtype=dtype, device=device)
     query = qkv[:, :width].view(num_tokens, num_heads, head_dim)  # strided like the model's slices
@@ -484,6 +542,41 @@ def warm_up(
 # ---------------------------------------------------------------------------- checks
 
 
+def _check_decode_inputs(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int) -> None:
+    _check_attention_common(query, key_cache, value_cache, block_tables, "decode")
+    num_seqs = query.shape[0]
+    _check_index(seq_lens, "seq_lens", (num_seqs,), query.device)
+    if max_seq_len > block_tables.shape[1] * key_cache.shape[1]:
+        raise ValueError(
+            f"max_seq_len={max_seq_len} does not fit block_tables of {block_tables.shape[1]} blocks x "
+            f"{key_cache.shape[1]} tokens"
+        )
+    if num_seqs and max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be >= 1 for {num_seqs} sequences, got {max_seq_len}")
+
+
+def _check_prefill_inputs(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, max_query_len):
+    _check_attention_common(query, key_cache, value_cache, block_tables, "prefill")
+    num_prefills = block_tables.shape[0]
+    _check_index(query_start_loc, "query_start_loc", (num_prefills + 1,), query.device)
+    _check_index(context_lens, "context_lens", (num_prefills,), query.device)
+    if not (0 <= max_query_len <= query.shape[0]):
+        raise ValueError(f"max_query_len={max_query_len} must be in [0, num_prefill_tokens={query.shape[0]}]")
+
+
+def _check_cache_write_inputs(key, value, key_cache, value_cache, slot_mapping) -> None:
+    _check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    _check_can_launch(key.device)
+    if not (key.stride(2) == 1 and value.stride(2) == 1):
+        raise ValueError(f"key and value need a contiguous last dim, got strides {key.stride()} and {value.stride()}")
+    if key_cache.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"cache dtype {key_cache.dtype} is not one of {_dtype_names()}")
+
+
+def _no_launch(*args) -> None:
+    """The launch of a step part with nothing to compute."""
+
+
 def _check_can_launch(device: torch.device) -> None:
     if device.type == "cuda" or (device.type == "cpu" and is_interpreted()):
         return
@@ -494,58 +587,61 @@ def _check_can_launch(device: torch.device) -> None:
 
 
 def _check_attention_common(query, key_cache, value_cache, block_tables, part: str) -> None:
-    _require(query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
     _check_cache_pair(key_cache, value_cache)
     _check_can_launch(query.device)
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    _require(query.dtype in SUPPORTED_DTYPES, f"query dtype {query.dtype} is not one of {_dtype_names()}")
-    _require(key_cache.dtype == query.dtype, f"key_cache dtype {key_cache.dtype} != query dtype {query.dtype}")
-    _require(query.device == key_cache.device, f"query is on {query.device} but key_cache is on {key_cache.device}")
-    _require(query.stride(2) == 1, f"query needs a contiguous last dim, got strides {query.stride()}")
-    _require(cache_head_dim == head_dim, f"query head_dim={head_dim} != cache head_dim={cache_head_dim}")
-    _require(
-        MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM,
-        f"head_dim={head_dim} is outside the supported [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]",
-    )
-    _require(block_size in SUPPORTED_BLOCK_SIZES, f"block_size={block_size} is not one of {SUPPORTED_BLOCK_SIZES}")
-    _require(
-        num_heads % num_kv_heads == 0,
-        f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}",
-    )
-    _require(
-        block_tables.dim() == 2, f"{part} block_tables must be [num_seqs, max_blocks], got {tuple(block_tables.shape)}"
-    )
-    _require(
-        block_tables.dtype in _INDEX_DTYPES, f"{part} block_tables must be int32 or int64, got {block_tables.dtype}"
-    )
-    _require(
-        block_tables.device == query.device,
-        f"{part} block_tables is on {block_tables.device} but query is on {query.device}",
-    )
-    _require(
-        block_tables.shape[0] == 0 or block_tables.shape[1] == 0 or block_tables.stride(1) == 1,
-        f"{part} block_tables rows must be contiguous, got strides {block_tables.stride()}",
-    )
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"query dtype {query.dtype} is not one of {_dtype_names()}")
+    if key_cache.dtype != query.dtype:
+        raise ValueError(f"key_cache dtype {key_cache.dtype} != query dtype {query.dtype}")
+    if query.device != key_cache.device:
+        raise ValueError(f"query is on {query.device} but key_cache is on {key_cache.device}")
+    if query.stride(2) != 1:
+        raise ValueError(f"query needs a contiguous last dim, got strides {query.stride()}")
+    if cache_head_dim != head_dim:
+        raise ValueError(f"query head_dim={head_dim} != cache head_dim={cache_head_dim}")
+    if not (MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM):
+        raise ValueError(f"head_dim={head_dim} is outside the supported [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(f"block_size={block_size} is not one of {SUPPORTED_BLOCK_SIZES}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if block_tables.dim() != 2:
+        raise ValueError(f"{part} block_tables must be [num_seqs, max_blocks], got {tuple(block_tables.shape)}")
+    if block_tables.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{part} block_tables must be int32 or int64, got {block_tables.dtype}")
+    if block_tables.device != query.device:
+        raise ValueError(f"{part} block_tables is on {block_tables.device} but query is on {query.device}")
+    if not (block_tables.shape[0] == 0 or block_tables.shape[1] == 0 or block_tables.stride(1) == 1):
+        raise ValueError(f"{part} block_tables rows must be contiguous, got strides {block_tables.stride()}")
     if part == "decode":
-        _require(
-            block_tables.shape[0] == query.shape[0],
-            f"decode block_tables has {block_tables.shape[0]} rows for {query.shape[0]} query tokens",
-        )
+        if block_tables.shape[0] != query.shape[0]:
+            raise ValueError(f"decode block_tables has {block_tables.shape[0]} rows for {query.shape[0]} query tokens")
 
 
 def _check_index(tensor: torch.Tensor, name: str, shape: tuple[int, ...], device: torch.device) -> None:
-    _require(tuple(tensor.shape) == shape, f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
-    _require(tensor.dtype in _INDEX_DTYPES, f"{name} must be int32 or int64, got {tensor.dtype}")
-    _require(tensor.device == device, f"{name} is on {tensor.device} but query is on {device}")
-    _require(tensor.is_contiguous(), f"{name} must be contiguous")
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
+    if tensor.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64, got {tensor.dtype}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device} but query is on {device}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
 
 
 def _check_out(out: torch.Tensor, query: torch.Tensor) -> None:
-    _require(out.shape == query.shape, f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
-    _require(out.dtype == query.dtype, f"out dtype {out.dtype} != query dtype {query.dtype}")
-    _require(out.device == query.device, f"out is on {out.device} but query is on {query.device}")
-    _require(out.dim() != 3 or out.stride(2) == 1, f"out needs a contiguous last dim, got strides {out.stride()}")
+    if out.shape != query.shape:
+        raise ValueError(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
+    if out.dtype != query.dtype:
+        raise ValueError(f"out dtype {out.dtype} != query dtype {query.dtype}")
+    if out.device != query.device:
+        raise ValueError(f"out is on {out.device} but query is on {query.device}")
+    if not (out.dim() != 3 or out.stride(2) == 1):
+        raise ValueError(f"out needs a contiguous last dim, got strides {out.stride()}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -558,7 +654,3 @@ def _num_sms(device: torch.device) -> int:
 def _dtype_names() -> str:
     return ", ".join(str(dtype).removeprefix("torch.") for dtype in SUPPORTED_DTYPES)
 
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)

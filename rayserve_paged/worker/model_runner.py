@@ -25,8 +25,11 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device, sampler: Sampler | None):
+    def __init__(
+        self, model: torch.nn.Module, block_size: int, device: torch.device, sampler: Sampler | None, attn_backend=None
+    ):
         self.model = model
+        self.attn_backend = attn_backend  # begin_step(metadata) once per step, before the layers
         self.block_size = block_size
         self.device = device
         self.sampler = sampler  # only the rank that returns samples has one
@@ -97,6 +100,8 @@ class ModelRunner:
         if not out.groups:
             return SamplerOutput([]) if self.sampler is not None else None
         inputs = self.prepare(out)
+        if self.attn_backend is not None:
+            self.attn_backend.begin_step(inputs.metadata)  # checks and launch planning, once per step
         hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.metadata)  # [T, hidden]
         sampled = [(g, p) for g, p in zip(out.groups, group_params) if g.do_sample]
         if not sampled:  # only prefill chunks this step

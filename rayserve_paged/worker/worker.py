@@ -106,7 +106,7 @@ class Worker:
         model = load_model(self.model_path, self.dtype, self.device, backend, parallel=parallel)
         eos = tuple(self.model_config.eos_token_ids)
         sampler = Sampler(len(eos), eos) if self.rank == 0 else None
-        self.runner = ModelRunner(model, self.config.block_size, self.device, sampler)
+        self.runner = ModelRunner(model, self.config.block_size, self.device, sampler, backend)
         logger.info(
             "rank %d loaded %s (%s, %s, attention %s)", self.rank, self.model_path, self.dtype, self.device, backend.name
         )

@@ -207,7 +207,10 @@ BAD_FORWARDS = {
     "token count": (
         lambda i, m: (dataclasses.replace(i, key=i.key[:-1], value=i.value[:-1]), m), "does not match query"
     ),
-    "block size": (lambda i, m: (i, dataclasses.replace(m, block_size=8)), "block_size=8 != key_cache"),
+    "block size": (lambda i, m: (i, dataclasses.replace(m, block_size=32)), "block_size=32 != key_cache"),
+    "block size too small for the tables": (
+        lambda i, m: (i, dataclasses.replace(m, block_size=8)), "does not fit prefill_block_tables of 1 blocks x 8"
+    ),
     "narrow block table": (
         lambda i, m: (i, dataclasses.replace(m, max_decode_seq_len=200)),
         "max_decode_seq_len=200 does not fit",
@@ -585,3 +588,80 @@ def test_block_swapper_rejects_bad_mappings_before_copying(generator):
     with pytest.raises(ValueError, match="2 device layers but 1 host layers"):
         BlockSwapper(_swap_layers(generator, 6), _swap_layers(generator, 5, num_layers=1))
     assert swapper.pending == []
+
+
+# ---------------------------------------------------------------------------- checks once per step
+
+
+def _layers(batch, generator, num_layers, **kw):
+    return [
+        make_attention_inputs(batch, num_heads=4, num_kv_heads=2, head_dim=16, generator=generator, **kw)
+        for _ in range(num_layers)
+    ]
+
+
+def test_begin_step_rejects_bad_metadata_before_any_layer(generator):
+    batch = make_metadata(**CASES["mixed"], block_size=16, generator=generator)
+    backend = TorchReferenceBackend()
+    bad = dataclasses.replace(batch.metadata, decode_seq_lens_host=[5] * (batch.metadata.num_decodes + 1))
+    with pytest.raises(ValueError, match="decode_seq_lens_host=.* disagrees with num_decodes"):
+        backend.begin_step(bad)
+    with pytest.raises(ValueError, match="num_decode_tokens=2 != len"):
+        backend.begin_step(dataclasses.replace(batch.metadata, num_decode_tokens=2))
+
+
+def test_checks_run_once_per_step_not_per_layer(generator, monkeypatch):
+    from rayserve_paged.ops import paged_attention
+
+    calls = {"step": 0, "layer": 0}
+
+    def counted(name, check):
+        def wrapper(*args):
+            calls[name] += 1
+            return check(*args)
+
+        return wrapper
+
+    monkeypatch.setattr(paged_attention, "check_step_metadata", counted("step", paged_attention.check_step_metadata))
+    monkeypatch.setattr(paged_attention, "check_layer_inputs", counted("layer", paged_attention.check_layer_inputs))
+    batch = make_metadata(**CASES["mixed"], block_size=16, generator=generator)
+    layers = _layers(batch, generator, num_layers=4)
+    backend = TorchReferenceBackend()
+    for step in range(2):
+        metadata = dataclasses.replace(batch.metadata)  # each step builds a new metadata object
+        backend.begin_step(metadata)
+        for layer in layers:
+            backend.forward(layer.query, layer.key, layer.value, layer.key_cache, layer.value_cache, metadata, 0.25)
+        assert calls == {"step": step + 1, "layer": step + 1}
+    # a layer whose inputs differ from the checked ones (here: strided key/value) is checked in full
+    other = _layers(batch, generator, num_layers=1)[0]
+    kv = torch.cat((other.key, other.value), dim=1)  # [num_tokens, 2 * kv_heads, d]
+    backend.forward(other.query, kv[:, :2], kv[:, 2:], other.key_cache, other.value_cache, metadata, 0.25)
+    assert calls == {"step": 2, "layer": 3}
+
+
+def test_bad_layer_after_checked_layers_still_raises(generator):
+    batch = make_metadata(**CASES["mixed"], block_size=16, generator=generator)
+    good, bad = _layers(batch, generator, num_layers=2)
+    backend = TorchReferenceBackend()
+    backend.begin_step(batch.metadata)
+    backend.forward(good.query, good.key, good.value, good.key_cache, good.value_cache, batch.metadata, 0.25)
+    with pytest.raises(ValueError, match="query dtype torch.float64"):
+        backend.forward(bad.query.double(), bad.key, bad.value, bad.key_cache, bad.value_cache, batch.metadata, 0.25)
+
+
+def test_layers_sharing_one_step_plan_match_dense(generator):
+    batch = make_metadata(**CASES["mixed"], block_size=16, generator=generator)
+    layers = _layers(batch, generator, num_layers=3)
+    backend = TorchReferenceBackend()
+    backend.begin_step(batch.metadata)
+    for layer in layers:
+        expected = dense_attention(layer, batch, 0.25)
+        caches_after = expected_caches(layer, batch)
+        out = backend.forward(
+            layer.query, layer.key, layer.value, layer.key_cache, layer.value_cache, batch.metadata, 0.25
+        )
+        num_real = batch.num_real_tokens
+        torch.testing.assert_close(out[:num_real], expected[:num_real].float(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.key_cache, caches_after[0], atol=0, rtol=0, equal_nan=True)
+        torch.testing.assert_close(layer.value_cache, caches_after[1], atol=0, rtol=0, equal_nan=True)
