@@ -13,9 +13,9 @@ Backends and what is stubbed:
            reduce) is replaced by a no-op launcher, so the figure is the wrappers' Python:
            checks, launch planning, output/partition buffers (float16, CPU tensors; no
            GPU and no TRITON_INTERPRET needed)
-  torch    the compiled CPU decode kernel is replaced by a no-op (float32); the cache
-           write (index_copy_ of 256 tokens) is real, and timed alone as `write ops alone`
-           so that the backend's own overhead is the difference
+  torch    the compiled CPU decode kernel and the cache write's copies are replaced by
+           no-ops (float32; the write's input checks stay, where the code has them per
+           layer); q/k/v are contiguous here, so that the figure holds no copy of them
 
 Reported per backend: the median host time of the first layer of a step (what is done
 once per step), of every other layer, and of a whole step divided by NUM_LAYERS.
@@ -78,15 +78,17 @@ def build_metadata(seed: int) -> AttentionMetadata:
     )
 
 
-def layer_inputs(dtype: torch.dtype) -> list[tuple]:
-    """Per layer (query, key, value, key_cache, value_cache), the q/k/v strided views of one
-    QKV projection as in the models."""
+def layer_inputs(dtype: torch.dtype, fused: bool) -> list[tuple]:
+    """Per layer (query, key, value, key_cache, value_cache); fused: q/k/v are strided views
+    of one QKV projection as in the models, else contiguous tensors."""
     width = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
     q_end, k_end = NUM_HEADS * HEAD_DIM, (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM
     qkv = torch.randn((NUM_DECODES, width)).to(dtype)  # [T, (H + 2 Hkv) * D]
     query = qkv[:, :q_end].view(NUM_DECODES, NUM_HEADS, HEAD_DIM)
     key = qkv[:, q_end:k_end].view(NUM_DECODES, NUM_KV_HEADS, HEAD_DIM)
     value = qkv[:, k_end:].view(NUM_DECODES, NUM_KV_HEADS, HEAD_DIM)
+    if not fused:
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     cache_shape = (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     return [
         (query, key, value, torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
@@ -114,9 +116,19 @@ def triton_backend():
 
 
 def torch_backend():
-    """The torch reference backend with the compiled CPU decode kernel a no-op."""
+    """The torch reference backend with the compiled CPU decode kernel and the cache write's
+    copies no-ops (where the write checks its inputs in every layer, the checks stay)."""
+    from rayserve_paged.ops import cache_ops, paged_attention
     from rayserve_paged.ops.paged_attention import TorchReferenceBackend
 
+    if hasattr(paged_attention, "write_slots"):  # the unchecked write, after the step's checks
+        paged_attention.write_slots = _no_op
+    else:  # reshape_and_cache: its checks, then the copies
+
+        def checks_only(key, value, key_cache, value_cache, slot_mapping):
+            cache_ops._check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+        paged_attention.reshape_and_cache = checks_only
     backend = TorchReferenceBackend()
     backend._kernel, backend._kernel_checked = _no_op, True
     return backend
@@ -126,9 +138,9 @@ def _no_op(*args, **kwargs) -> None:
     return None
 
 
-def time_backend(backend, dtype: torch.dtype, steps: int, warmup: int, seed: int) -> dict:
+def time_backend(backend, dtype: torch.dtype, fused: bool, steps: int, warmup: int, seed: int) -> dict:
     base = build_metadata(seed)
-    layers = layer_inputs(dtype)
+    layers = layer_inputs(dtype, fused)
     begin_step = getattr(backend, "begin_step", None)
     first, rest, per_step = [], [], []
     clock = time.perf_counter_ns
@@ -156,22 +168,6 @@ def time_backend(backend, dtype: torch.dtype, steps: int, warmup: int, seed: int
     }
 
 
-def time_write_ops(steps: int, seed: int) -> float:
-    """The torch backend's CPU cache write alone (masked index_copy_ into key and value)."""
-    metadata = build_metadata(seed)
-    query, key, value, key_cache, value_cache = layer_inputs(torch.float32)[0]
-    flat_shape = (NUM_BLOCKS * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter_ns()
-        is_real = metadata.slot_mapping != -1
-        slots = metadata.slot_mapping[is_real]
-        key_cache.view(flat_shape).index_copy_(0, slots, key[is_real])
-        value_cache.view(flat_shape).index_copy_(0, slots, value[is_real])
-        times.append(time.perf_counter_ns() - start)
-    return round(statistics.median(times) / 1e3, 2)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rayserve-paged bench attention-host", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100, help="timed steps per backend")
@@ -184,12 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name in args.backends.split(","):
         if name == "triton":
-            results["triton"] = time_backend(triton_backend(), torch.float16, args.steps, args.warmup, args.seed)
+            backend, dtype, fused = triton_backend(), torch.float16, True
         elif name == "torch":
-            results["torch"] = time_backend(torch_backend(), torch.float32, args.steps, args.warmup, args.seed)
-            results["torch"]["write_ops_alone_us"] = time_write_ops(args.steps * NUM_LAYERS, args.seed)
+            backend, dtype, fused = torch_backend(), torch.float32, False
         else:
             parser.error(f"unknown backend {name!r}")
+        results[name] = time_backend(backend, dtype, fused, args.steps, args.warmup, args.seed)
     print(f"attention host time, {NUM_DECODES} decodes, {NUM_LAYERS} layers, kernels stubbed (median us)")
     for name, row in results.items():
         print(f"  {name:7s} " + "  ".join(f"{key}={value}" for key, value in row.items()))

@@ -123,16 +123,16 @@ class TorchReferenceBackend(AttentionBackend):
         plan = self._layer_plan(query, key, value, key_cache, value_cache, metadata)
         write_slots(key, value, key_cache, value_cache, metadata.slot_mapping)
         output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
-        num_prefill_tokens = metadata.num_prefill_tokens
-        num_real_tokens = num_prefill_tokens + metadata.num_decode_tokens
-        output[num_real_tokens:] = 0  # padding tokens
+        num_prefill_tokens, num_real_tokens = plan.num_prefill_tokens, plan.num_real_tokens
+        if num_real_tokens < plan.num_tokens:
+            output[num_real_tokens:] = 0  # padding tokens
         if metadata.num_prefills:
             _prefill_attention(
                 query, key, value, key_cache, value_cache, plan, scale, out=output[:num_prefill_tokens]
             )
         if metadata.num_decodes:
-            decode_query = query[num_prefill_tokens:num_real_tokens]  # [num_decodes, num_heads, d]
-            decode_out = output[num_prefill_tokens:num_real_tokens]
+            decode_query = plan.decode_rows(query)  # [num_decodes, num_heads, d]
+            decode_out = plan.decode_rows(output)
             kernel = self._cpu_kernel(query, key_cache)
             if kernel is not None:
                 tables, seq_lens = plan.kernel_inputs()
@@ -199,10 +199,19 @@ class StepPlan:
     def __init__(self, metadata: AttentionMetadata) -> None:
         self.metadata = metadata
         self.layer_signature: tuple | None = None  # of the last layer whose inputs were checked
+        self.num_prefill_tokens = metadata.num_prefill_tokens
+        self.num_real_tokens = metadata.num_prefill_tokens + metadata.num_decode_tokens
+        self.num_tokens = metadata.slot_mapping.shape[0]
+        self._decode_is_all = self.num_prefill_tokens == 0 and self.num_real_tokens == self.num_tokens
         self.prefill_query_lens, self.prefill_seq_lens = prefill_lengths_host(metadata)
         self._prefill_context_blocks: list[torch.Tensor | None] | None = None
         self._kernel_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self._decode_chunks: list[_DecodeChunk] | None = None
+
+    def decode_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The decode tokens' rows of a [num_tokens, ...] tensor (itself in a decode-only step
+        without padding: no slicing)."""
+        return tensor if self._decode_is_all else tensor[self.num_prefill_tokens : self.num_real_tokens]
 
     def prefill_context_blocks(self) -> list[torch.Tensor | None]:
         """Per prefill sequence: the block ids holding its cached context, or None without one."""

@@ -97,7 +97,7 @@ class TritonBackend(AttentionBackend):
         else:
             _check_out(out, query)
         num_prefill_tokens, num_real_tokens = plan.num_prefill_tokens, plan.num_real_tokens
-        if num_real_tokens < query.shape[0]:
+        if num_real_tokens < plan.num_tokens:
             out[num_real_tokens:].zero_()  # padding tokens
         if plan.prefill is not None:
             plan.prefill(
@@ -106,14 +106,9 @@ class TritonBackend(AttentionBackend):
                 out=out[:num_prefill_tokens],
             )
         if plan.decode is not None:
-            if num_prefill_tokens == 0 and num_real_tokens == query.shape[0]:
-                decode_query, decode_out = query, out  # a decode-only step without padding: no slicing
-            else:
-                decode_query = query[num_prefill_tokens:num_real_tokens]
-                decode_out = out[num_prefill_tokens:num_real_tokens]
             plan.decode(
-                decode_query, key_cache, value_cache, metadata.decode_block_tables, metadata.decode_seq_lens,
-                scale, out=decode_out,
+                plan.decode_rows(query), key_cache, value_cache, metadata.decode_block_tables,
+                metadata.decode_seq_lens, scale, out=plan.decode_rows(out),
             )
         return out
 
@@ -135,10 +130,7 @@ class TritonBackend(AttentionBackend):
             )
 
     def _plan_layer(self, plan: StepPlan, query, key, value, key_cache) -> None:
-        metadata = plan.metadata
-        num_prefill_tokens = metadata.num_prefill_tokens
-        plan.num_prefill_tokens = num_prefill_tokens
-        plan.num_real_tokens = num_real_tokens = num_prefill_tokens + metadata.num_decode_tokens
+        metadata, num_prefill_tokens = plan.metadata, plan.num_prefill_tokens
         plan.cache_write = _CacheWriteLaunch(key, value, key_cache) if key.shape[0] else _no_launch
         plan.prefill = None
         if metadata.num_prefills and metadata.max_prefill_query_len:
@@ -148,7 +140,7 @@ class TritonBackend(AttentionBackend):
         plan.decode = None
         if metadata.num_decodes:
             plan.decode = _DecodeLaunch(
-                query[num_prefill_tokens:num_real_tokens], key_cache, metadata.decode_block_tables,
+                plan.decode_rows(query), key_cache, metadata.decode_block_tables,
                 metadata.max_decode_seq_len,
             )
 

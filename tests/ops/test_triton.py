@@ -11,6 +11,7 @@ Shapes stay small: the interpreter costs ~0.1 s per (sequence, kv head) program.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import zlib
@@ -722,3 +723,48 @@ def test_gpu_check_cpu_parts_run_without_ray_or_pydantic(tmp_path):
     assert runner["swap_roundtrip_equal"] == {"float32": True} and runner["backend"] == "torch"
     assert "pydantic" in report["skipped"]["e2e"] and report["errors"] == {}
     assert report["step_seconds"]["runner"]["budget"] == 60
+
+
+# ---------------------------------------------------------------------------- one plan per step
+
+
+def test_layers_share_one_checked_plan_per_step(monkeypatch, generator):
+    """Two steps of two layers each (a prefill and a partitioned decode of 601 tokens): the
+    checks run once per step, not once per layer, every layer launches with the step's plan
+    (the partition buffers reused), and each layer's output and cache match the reference."""
+    calls = {"layer": 0, "decode": 0}
+
+    def counted(name, check):
+        def wrapper(*args):
+            calls[name] += 1
+            return check(*args)
+
+        return wrapper
+
+    monkeypatch.setattr(triton_backend, "check_layer_inputs", counted("layer", triton_backend.check_layer_inputs))
+    monkeypatch.setattr(triton_backend, "_check_decode_inputs", counted("decode", triton_backend._check_decode_inputs))
+    backend = TritonBackend()
+    batch = make_metadata(prefills=[(0, 5)], decodes=[600, 3], block_size=32, generator=generator, device=DEVICE)
+    for step in range(2):
+        metadata = dataclasses.replace(batch.metadata)  # each step builds a new metadata object
+        backend.begin_step(metadata)
+        for _ in range(2):
+            inputs = make_attention_inputs(batch, num_heads=4, num_kv_heads=2, head_dim=64, generator=generator)
+            reference_caches = (inputs.key_cache.clone(), inputs.value_cache.clone())
+            expected = TorchReferenceBackend().forward(
+                inputs.query, inputs.key, inputs.value, *reference_caches, metadata, 0.125
+            )
+            out = backend.forward(
+                inputs.query, inputs.key, inputs.value, inputs.key_cache, inputs.value_cache, metadata, 0.125
+            )
+            assert_forward_matches(batch, inputs, out, expected, reference_caches, torch.float32)
+        assert calls == {"layer": step + 1, "decode": step + 1}
+        assert backend._plan.decode.partition_size == 256
+
+
+def test_begin_step_rejects_bad_metadata(generator):
+    batch = make_metadata(decodes=[5, 9], block_size=16, generator=generator, device=DEVICE)
+    with pytest.raises(ValueError, match="metadata.decode_block_tables must be int32 or int64"):
+        TritonBackend().begin_step(
+            dataclasses.replace(batch.metadata, decode_block_tables=batch.metadata.decode_block_tables.float())
+        )
