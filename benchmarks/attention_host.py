@@ -31,6 +31,7 @@ import random
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -96,11 +97,23 @@ def layer_inputs(dtype: torch.dtype, fused: bool) -> list[tuple]:
     ]
 
 
-def triton_backend():
-    """The triton backend with every kernel launch a no-op."""
+@contextmanager
+def patched(*changes: tuple[object, str, object]):
+    """Set module attributes (module, name, value) for the block; restore them after."""
+    saved = [(module, name, getattr(module, name)) for module, name, _ in changes]
+    try:
+        for module, name, value in changes:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def triton_stubs() -> list[tuple]:
+    """Every Triton kernel a no-op launcher."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from rayserve_paged.ops import triton_backend as module
     from rayserve_paged.ops import triton_kernels
 
     class NoLaunch(InterpretedFunction):  # an InterpretedFunction: CPU tensors pass the launch check
@@ -110,28 +123,34 @@ def triton_backend():
         def __getitem__(self, grid):
             return _no_op
 
-    for name in TRITON_KERNELS:
-        setattr(triton_kernels, name, NoLaunch())
-    return module.TritonBackend()
+    return [(triton_kernels, name, NoLaunch()) for name in TRITON_KERNELS]
 
 
-def torch_backend():
-    """The torch reference backend with the compiled CPU decode kernel and the cache write's
-    copies no-ops (where the write checks its inputs in every layer, the checks stay)."""
+def torch_stubs() -> list[tuple]:
+    """The cache write's copies a no-op (where the write checks its inputs in every layer,
+    the checks stay)."""
     from rayserve_paged.ops import cache_ops, paged_attention
-    from rayserve_paged.ops.paged_attention import TorchReferenceBackend
 
     if hasattr(paged_attention, "write_slots"):  # the unchecked write, after the step's checks
-        paged_attention.write_slots = _no_op
-    else:  # reshape_and_cache: its checks, then the copies
+        return [(paged_attention, "write_slots", _no_op)]
 
-        def checks_only(key, value, key_cache, value_cache, slot_mapping):
-            cache_ops._check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    def checks_only(key, value, key_cache, value_cache, slot_mapping):
+        cache_ops._check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
-        paged_attention.reshape_and_cache = checks_only
+    return [(paged_attention, "reshape_and_cache", checks_only)]
+
+
+def make_backend(name: str):
+    """(backend, dtype, fused q/k/v, stubs); the torch backend's CPU decode kernel is a no-op."""
+    if name == "triton":
+        from rayserve_paged.ops.triton_backend import TritonBackend
+
+        return TritonBackend(), torch.float16, True, triton_stubs()
+    from rayserve_paged.ops.paged_attention import TorchReferenceBackend
+
     backend = TorchReferenceBackend()
     backend._kernel, backend._kernel_checked = _no_op, True
-    return backend
+    return backend, torch.float32, False, torch_stubs()
 
 
 def _no_op(*args, **kwargs) -> None:
@@ -179,13 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     results = {}
     for name in args.backends.split(","):
-        if name == "triton":
-            backend, dtype, fused = triton_backend(), torch.float16, True
-        elif name == "torch":
-            backend, dtype, fused = torch_backend(), torch.float32, False
-        else:
+        if name not in ("triton", "torch"):
             parser.error(f"unknown backend {name!r}")
-        results[name] = time_backend(backend, dtype, fused, args.steps, args.warmup, args.seed)
+        backend, dtype, fused, stubs = make_backend(name)
+        with patched(*stubs):
+            results[name] = time_backend(backend, dtype, fused, args.steps, args.warmup, args.seed)
     print(f"attention host time, {NUM_DECODES} decodes, {NUM_LAYERS} layers, kernels stubbed (median us)")
     for name, row in results.items():
         print(f"  {name:7s} " + "  ".join(f"{key}={value}" for key, value in row.items()))
