@@ -25,7 +25,7 @@ copy_blocks is cache_ops.copy_blocks (one gather and one scatter per cache tenso
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -83,6 +83,16 @@ def is_interpreted() -> bool:
 # ---------------------------------------------------------------------------- backend
 
 
+class TritonStepPlan(StepPlan):
+    """StepPlan plus the launches every layer of the step makes (planned at its first layer)."""
+
+    def __init__(self, metadata: AttentionMetadata) -> None:
+        super().__init__(metadata)
+        self.cache_write: _CacheWriteLaunch | Callable = _no_launch
+        self.prefill: _PrefillLaunch | None = None
+        self.decode: _DecodeLaunch | None = None
+
+
 class TritonBackend(AttentionBackend):
     """Paged attention in Triton kernels: CUDA, or CPU under TRITON_INTERPRET=1."""
 
@@ -129,7 +139,10 @@ class TritonBackend(AttentionBackend):
                 metadata.decode_seq_lens, metadata.max_decode_seq_len,
             )
 
-    def _plan_layer(self, plan: StepPlan, query, key, value, key_cache) -> None:
+    def _new_plan(self, metadata: AttentionMetadata) -> TritonStepPlan:
+        return TritonStepPlan(metadata)
+
+    def _plan_layer(self, plan: TritonStepPlan, query, key, value, key_cache) -> None:
         metadata, num_prefill_tokens = plan.metadata, plan.num_prefill_tokens
         plan.cache_write = _CacheWriteLaunch(key, value, key_cache) if key.shape[0] else _no_launch
         plan.prefill = None
