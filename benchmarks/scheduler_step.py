@@ -1,9 +1,15 @@
-"""The CPU cost of one scheduler step: `Scheduler.schedule()` plus the step's bookkeeping.
+"""The CPU cost of one scheduler step: `Scheduler.schedule()`, pickling what goes to the
+workers, and the step's bookkeeping.
 
 Timed per step (time.perf_counter_ns, after warm-up steps):
 
-    schedule()                          decode slots, admission, the SchedulerOutput
+    schedule()                          decode slots, admission, the step message
+    + pickle.dumps(the step message)    what the Ray executor sends to every worker
     + append one sampled token to every scheduled sequence (no sequence finishes)
+
+The step figure (median_us) is schedule + pickle; the bookkeeping is reported beside it.
+Run against an older checkout of the package (PYTHONPATH), the pickled object is that
+version's SchedulerOutput, which crossed to the workers whole.
 
 Cases, block size 16, a GPU pool big enough that nothing is ever preempted:
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import platform
 import random
 import statistics
@@ -48,7 +55,7 @@ NUM_ARRIVING = 64
 MIN_PROMPT, MAX_PROMPT = 128, 512
 VOCAB = 50_000
 TOKEN_POOL_SIZE = 1 << 16
-TARGET_MEDIAN_US = 500.0
+TARGET_MEDIAN_US = 200.0
 DEFAULT_SEED = 0
 
 
@@ -112,34 +119,40 @@ class StepBench:
         self.next_id += 1
         return request_id
 
-    def _step(self) -> tuple[int, int, int]:
-        """One step: schedule, then append a sampled token to every scheduled sequence.
-        Returns (groups scheduled, ns in schedule(), ns in the bookkeeping)."""
+    def _step(self) -> tuple[int, int, int, int, int]:
+        """One step: schedule, pickle the step message, then append a sampled token to
+        every scheduled sequence. Returns (groups scheduled, ns in schedule(), ns pickling,
+        ns in the bookkeeping, bytes pickled)."""
         t0 = time.perf_counter_ns()
         out = self.scheduler.schedule()
         t1 = time.perf_counter_ns()
+        wire = pickle.dumps(getattr(out, "message", out), protocol=pickle.HIGHEST_PROTOCOL)
+        t2 = time.perf_counter_ns()
         groups = self.scheduler.groups
         token = self.step_index % VOCAB
-        for scheduled in out.groups:
-            for seq in groups[scheduled.request_id].seqs:
+        request_ids = [g[0].request_id for g in out.scheduled] if hasattr(out, "scheduled") else [
+            g.request_id for g in out.groups
+        ]
+        for request_id in request_ids:
+            for seq in groups[request_id].seqs:
                 if seq.status is SequenceStatus.RUNNING:
                     seq.append_token(token)
                     token += 1
         self.step_index += 1
-        t2 = time.perf_counter_ns()
-        return len(out.groups), t1 - t0, t2 - t1
+        t3 = time.perf_counter_ns()
+        return len(request_ids), t1 - t0, t2 - t1, t3 - t2, len(wire)
 
-    def timed_step(self) -> tuple[int, int]:
-        """(ns in schedule(), ns in the bookkeeping) of one step; arrivals are added before
-        and aborted after, untimed."""
+    def timed_step(self) -> tuple[int, int, int, int]:
+        """(ns in schedule(), ns pickling, ns in the bookkeeping, bytes) of one step;
+        arrivals are added before and aborted after, untimed."""
         arrivals = [self._add_request() for _ in range(self.case.num_arriving)]
-        num_groups, schedule_ns, bookkeeping_ns = self._step()
+        num_groups, *timings = self._step()
         expected = NUM_RUNNING + self.case.num_arriving
         if num_groups != expected:
             raise RuntimeError(f"{self.case.name}: scheduled {num_groups} groups, expected {expected}")
         for request_id in arrivals:
             self.scheduler.abort(request_id)
-        return schedule_ns, bookkeeping_ns
+        return tuple(timings)
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -150,7 +163,7 @@ def run_case(case: Case, num_rounds: int, num_warmup: int, num_steps: int, seed:
     """`num_rounds` fresh schedulers (new prompts each), each warmed up then timed for
     `num_steps` steps, so sequences stay near their prompt lengths (prompt + at most
     num_warmup + num_steps tokens) rather than growing through one long run."""
-    samples: list[tuple[int, int]] = []
+    samples: list[tuple[int, int, int, int]] = []
     num_gpu_blocks = 0
     for round_index in range(num_rounds):
         bench = StepBench(case, num_warmup + num_steps, seed * 1000 + round_index)
@@ -161,7 +174,7 @@ def run_case(case: Case, num_rounds: int, num_warmup: int, num_steps: int, seed:
         if counters.preemptions_recompute or counters.preemptions_swap:
             raise RuntimeError(f"{case.name}: the pool was too small (a preemption happened)")
         num_gpu_blocks = bench.block_manager.gpu.num_blocks
-    step_us = sorted((a + b) / 1e3 for a, b in samples)
+    step_us = sorted((a + b) / 1e3 for a, b, _, _ in samples)
     return {
         "num_running": NUM_RUNNING,
         "num_arriving_per_step": case.num_arriving,
@@ -174,8 +187,10 @@ def run_case(case: Case, num_rounds: int, num_warmup: int, num_steps: int, seed:
         "mean_us": statistics.fmean(step_us),
         "min_us": step_us[0],
         "max_us": step_us[-1],
-        "median_schedule_us": statistics.median(a / 1e3 for a, _ in samples),
-        "median_bookkeeping_us": statistics.median(b / 1e3 for _, b in samples),
+        "median_schedule_us": statistics.median(a / 1e3 for a, _, _, _ in samples),
+        "median_pickle_us": statistics.median(b / 1e3 for _, b, _, _ in samples),
+        "median_bookkeeping_us": statistics.median(c / 1e3 for _, _, c, _ in samples),
+        "median_message_bytes": statistics.median(d for _, _, _, d in samples),
         "num_gpu_blocks": num_gpu_blocks,
     }
 
@@ -207,7 +222,8 @@ def run(num_rounds: int, num_warmup: int, num_steps: int, seed: int) -> dict:
             "seed": seed,
             "python": platform.python_version(),
             "machine": platform.machine(),
-            "timed": "Scheduler.schedule() + appending one token to each scheduled sequence",
+            "timed": "Scheduler.schedule() + pickling the step message (median_us); appending one token "
+            "to each scheduled sequence (bookkeeping, beside it)",
             "python_loop_ns_per_iteration": python_loop_ns(),
             "cpu_count": os.cpu_count(),
             "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
@@ -218,19 +234,20 @@ def run(num_rounds: int, num_warmup: int, num_steps: int, seed: int) -> dict:
 def format_report(result: dict) -> str:
     header = (
         f"{'case':28s} {'running':>7s} {'arriving':>8s} {'median us':>10s} {'p90 us':>9s} {'min us':>8s} "
-        f"{'schedule':>9s} {'bookkeep':>9s} {'steps':>6s}"
+        f"{'schedule':>9s} {'pickle':>7s} {'bytes':>7s} {'bookkeep':>9s} {'steps':>6s}"
     )
     lines = [header, "-" * len(header)]
     for name, c in result["cases"].items():
         lines.append(
             f"{name:28s} {c['num_running']:7d} {c['num_arriving_per_step']:8d} {c['median_us']:10.1f} "
-            f"{c['p90_us']:9.1f} {c['min_us']:8.1f} {c['median_schedule_us']:9.1f} "
-            f"{c['median_bookkeeping_us']:9.1f} {c['num_steps']:6d}"
+            f"{c['p90_us']:9.1f} {c['min_us']:8.1f} {c['median_schedule_us']:9.1f} {c['median_pickle_us']:7.1f} "
+            f"{c['median_message_bytes']:7.0f} {c['median_bookkeeping_us']:9.1f} {c['num_steps']:6d}"
         )
     cfg = result["config"]
     verdict = "PASS" if result["target_met"] else "FAIL"
     lines += [
-        "(schedule / bookkeep: medians of the two parts of the step, in us)",
+        "(median us = schedule + pickle; schedule / pickle / bookkeep: medians of each part, in us;",
+        " bytes: the pickled step message)",
         f"machine: {cfg['cpu_count']} CPUs, Python {cfg['python']}, empty Python loop "
         f"{cfg['python_loop_ns_per_iteration']:.1f} ns/iteration, 1-min load average {cfg['load_average_1min']}",
         "",

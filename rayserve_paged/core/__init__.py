@@ -1,7 +1,7 @@
 """The pure-Python heart: sequences, the paged block manager and the scheduler (stdlib only)."""
 
 from rayserve_paged.core.block_manager import AllocStatus, BlockCounters, BlockManager, BlockUsage, SlotUsage
-from rayserve_paged.core.outputs import ScheduledGroup, ScheduledSeq, SchedulerOutput
+from rayserve_paged.core.outputs import NewRequest, ScheduledGroup, ScheduledSeq, SchedulerOutput, StepMessage
 from rayserve_paged.core.scheduler import PreemptionMode, Scheduler, SchedulerConfig, SchedulerCounters
 from rayserve_paged.core.sequence import (
     SamplingParams,
@@ -16,6 +16,7 @@ __all__ = [
     "BlockCounters",
     "BlockManager",
     "BlockUsage",
+    "NewRequest",
     "PreemptionMode",
     "SamplingParams",
     "SamplingParamsError",
@@ -29,4 +30,5 @@ __all__ = [
     "SequenceGroup",
     "SequenceStatus",
     "SlotUsage",
+    "StepMessage",
 ]

@@ -213,6 +213,10 @@ class BlockManager:
     def has_gpu_blocks(self, seq: Sequence) -> bool:
         return seq.seq_id in self.gpu_tables
 
+    def has_blocks(self, seq: Sequence) -> bool:
+        """Whether the sequence holds blocks on either device."""
+        return seq.seq_id in self.gpu_tables or seq.seq_id in self.cpu_tables
+
     def num_free_gpu_blocks(self) -> int:
         return self.gpu.num_free_blocks
 

@@ -1,15 +1,32 @@
-"""What the scheduler hands to the workers each step: plain, picklable data.
+"""What one scheduler step produces.
 
-Only ids, token ids, positions, block tables and (src, dst) block lists cross the process
-boundary; never sequences, tensors or policy objects.
+Two objects, for two readers:
+
+  StepMessage      what crosses the process boundary to every worker rank: plain, columnar
+                   and a delta. Workers keep each request's state (parameters, block tables,
+                   token history where penalties need it) across steps, so a step carries
+                   only what changed: new requests, forks, freed sequences, block-table
+                   updates, this step's rows and the swap/copy lists. A decode of 256
+                   sequences with no block boundary crossed is three lists of 256 ints.
+  SchedulerOutput  the step as the engine sees it: the message plus, per scheduled group,
+                   the group itself (never pickled).
+
+    rows        seq_ids[i], start_positions[i], num_query_tokens[i]; the rows' new tokens
+                concatenated in `token_ids`. A group's rows are contiguous.
+    positions   0 .......... start-1 | start ........ start+num_query_tokens-1
+                K/V already cached   | computed this step (written, then attended)
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from rayserve_paged.core.sequence import SamplingParams
+
+if TYPE_CHECKING:
+    from rayserve_paged.core.sequence import SequenceGroup
 
 BlockMapping = list[tuple[int, int]]
 
@@ -30,56 +47,143 @@ def compact_pickle(cls):
 
 @compact_pickle
 @dataclass(slots=True)
-class ScheduledSeq:
-    """One sequence's work in a step.
+class NewRequest:
+    """Sent once, with the request's first scheduled step; workers keep it until the id
+    appears in `StepMessage.finished_request_ids`."""
 
-        positions   0 ........ start_pos-1 | start_pos ........ start_pos+len(token_ids)-1
-                    K/V already in cache   | computed this step (written, then attended)
-    """
+    request_id: str
+    seq_id: int  # its first sequence (the others arrive as forks)
+    sampling_params: SamplingParams
+    num_prompt_tokens: int
+    # the whole prompt, only when sampling needs the token history (penalties) and the
+    # first chunk may not carry all of it (a prefix-cache hit); else None
+    prompt_token_ids: list[int] | None = None
+
+
+@compact_pickle
+@dataclass(slots=True)
+class StepMessage:
+    """One step for the workers. They apply it in field order: forget finished requests,
+    add new ones, fork, free, update block tables; then swap out, swap in, copy; then run
+    the rows."""
+
+    finished_request_ids: list[str] = field(default_factory=list)
+    new_requests: list[NewRequest] = field(default_factory=list)
+    forks: list[tuple[int, int, int]] = field(default_factory=list)  # (parent, child, sample index)
+    freed_seq_ids: list[int] = field(default_factory=list)  # ended while their request goes on
+    # (seq_id, start, block ids): the worker's table becomes table[:start] + block ids
+    block_table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    blocks_to_swap_out: BlockMapping = field(default_factory=list)  # (gpu id, cpu id)
+    blocks_to_swap_in: BlockMapping = field(default_factory=list)  # (cpu id, gpu id)
+    blocks_to_copy: BlockMapping = field(default_factory=list)  # (src gpu id, dst gpu id)
+    # the rows: one per scheduled sequence
+    seq_ids: list[int] = field(default_factory=list)
+    start_positions: list[int] = field(default_factory=list)
+    num_query_tokens: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # every row's new tokens, concatenated
+    # rows that sample nothing (a prefill chunk ending before the prompt does)
+    unsampled_seq_ids: list[int] = field(default_factory=list)
+    # rows whose group samples for the first time: best_of draws (n > 1 forks from them)
+    first_step_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing for the workers to do (not even to forget something)."""
+        return not (
+            self.seq_ids or self.blocks_to_swap_out or self.finished_request_ids or self.freed_seq_ids
+            or self.forks
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seq_ids)
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """A readable view of one row (tests, debugging); the message holds the same facts."""
 
     seq_id: int
     token_ids: list[int]  # tokens computed this step (one for a decode)
     start_pos: int  # tokens of this sequence already in the cache before the step
     block_table: list[int]  # GPU block ids covering positions [0, start_pos + len(token_ids))
-    num_output_tokens: int  # output tokens so far (seeded sampling draws by this index)
-    sample_index: int  # the sequence's place in its group (seeded sampling draws by it too)
-    history: list[int] | None = None  # every token id, only when penalties need them
+    num_output_tokens: int  # output tokens after this step's tokens
+    sample_index: int  # the sequence's place in its group
 
 
-@compact_pickle
 @dataclass(slots=True)
 class ScheduledGroup:
     request_id: str
     seqs: list[ScheduledSeq]
-    # Sent with a request's first scheduled step only; None afterwards: workers keep it
-    # until the request id appears in SchedulerOutput.finished_request_ids.
-    sampling_params: SamplingParams | None
+    sampling_params: SamplingParams | None  # only with the request's first scheduled step
     num_prompt_tokens: int
-    is_first_step: bool  # no token sampled yet: the sampler draws best_of samples
-    # False for a chunk of a prefill that ends before the group's last token: computed,
-    # nothing sampled (the group samples in the step that computes its last chunk).
+    is_first_step: bool
     do_sample: bool = True
 
 
-@compact_pickle
 @dataclass(slots=True)
 class SchedulerOutput:
-    groups: list[ScheduledGroup] = field(default_factory=list)
-    # Workers apply these in this order, before the model runs: swap out, swap in, copy.
-    blocks_to_swap_out: BlockMapping = field(default_factory=list)  # (gpu id, cpu id)
-    blocks_to_swap_in: BlockMapping = field(default_factory=list)  # (cpu id, gpu id)
-    blocks_to_copy: BlockMapping = field(default_factory=list)  # (src gpu id, dst gpu id)
+    message: StepMessage = field(default_factory=StepMessage)
+    # per scheduled group, in row order: (group, first row, number of rows, do_sample,
+    # is_first_step); do_sample False: a prefill chunk that ends before the group's last
+    # token; is_first_step: no token sampled yet, the sampler draws best_of samples
+    scheduled: list[tuple[SequenceGroup, int, int, bool, bool]] = field(default_factory=list)
     num_batched_tokens: int = 0
     num_prefill_groups: int = 0
     preempted: list[str] = field(default_factory=list)  # request ids preempted this step
     ignored: list[str] = field(default_factory=list)  # request ids that can never run
-    finished_request_ids: list[str] = field(default_factory=list)  # workers forget these
+    block_tables: dict[int, list[int]] | None = None  # the block manager's (for `groups`)
 
     @property
     def is_empty(self) -> bool:
-        """Nothing for the workers to do (not even to forget finished requests)."""
-        return not (self.groups or self.blocks_to_swap_out or self.finished_request_ids)
+        return self.message.is_empty
 
     @property
     def num_seqs(self) -> int:
-        return sum(len(g.seqs) for g in self.groups)
+        return self.message.num_rows
+
+    # message fields the engine and tests read through the output
+    @property
+    def blocks_to_swap_out(self) -> BlockMapping:
+        return self.message.blocks_to_swap_out
+
+    @property
+    def blocks_to_swap_in(self) -> BlockMapping:
+        return self.message.blocks_to_swap_in
+
+    @property
+    def blocks_to_copy(self) -> BlockMapping:
+        return self.message.blocks_to_copy
+
+    @property
+    def finished_request_ids(self) -> list[str]:
+        return self.message.finished_request_ids
+
+    @property
+    def groups(self) -> list[ScheduledGroup]:
+        """The step as one object per group and sequence, built on demand from the message
+        and the live block tables (read it before the next step changes them)."""
+        msg = self.message
+        new = {r.request_id: r.sampling_params for r in msg.new_requests}
+        offsets = [0]
+        for n in msg.num_query_tokens:
+            offsets.append(offsets[-1] + n)
+        groups = []
+        for group, first_row, num_rows, do_sample, is_first_step in self.scheduled:
+            index = {s.seq_id: i for i, s in enumerate(group.seqs)}
+            num_prompt = group.seqs[0].num_prompt_tokens
+            seqs = []
+            for row in range(first_row, first_row + num_rows):
+                seq_id = msg.seq_ids[row]
+                start = msg.start_positions[row]
+                tokens = msg.token_ids[offsets[row] : offsets[row + 1]]
+                table = list(self.block_tables.get(seq_id, [])) if self.block_tables is not None else []
+                seqs.append(
+                    ScheduledSeq(seq_id, tokens, start, table, start + len(tokens) - num_prompt, index.get(seq_id, -1))
+                )
+            groups.append(
+                ScheduledGroup(
+                    group.request_id, seqs, new.get(group.request_id), num_prompt, is_first_step, do_sample
+                )
+            )
+        return groups

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from rayserve_paged.core.block_manager import AllocStatus, BlockManager
-from rayserve_paged.core.outputs import ScheduledGroup, ScheduledSeq, SchedulerOutput
+from rayserve_paged.core.outputs import NewRequest, SchedulerOutput, StepMessage
 from rayserve_paged.core.sequence import KV_CACHE_LIMIT, Sequence, SequenceGroup, SequenceStatus
 
 
@@ -79,8 +79,11 @@ class Scheduler:
         self.groups: dict[str, SequenceGroup] = {}  # every unfinished group, by request id
         self.counters = SchedulerCounters()
         self._has_finished_running = False
-        self._params_sent: set[str] = set()  # requests whose sampling params workers hold
+        # What the workers hold, and what changed since the last step (see StepMessage)
+        self._params_sent: set[str] = set()  # requests whose state workers hold
         self._finished_ids: list[str] = []  # ... and that ended since the last step
+        self._forks: list[tuple[int, int, int]] = []  # (parent, child, sample index)
+        self._freed_seq_ids: list[int] = []  # sequences that ended while their request goes on
 
     # ------------------------------------------------------------------ requests
 
@@ -107,15 +110,24 @@ class Scheduler:
             self.block_manager.free(seq)
         return group
 
-    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+    def fork_seq(self, group: SequenceGroup, parent: Sequence, child: Sequence) -> None:
+        """The child joins the group and shares the parent's blocks; workers copy the
+        parent's state to it (its place in the group seeds its sampling)."""
         self.block_manager.fork(parent, child)
+        self._forks.append((parent.seq_id, child.seq_id, len(group.seqs)))
+        group.seqs.append(child)
 
     def free_finished(self, group: SequenceGroup) -> None:
         """Release the blocks of the group's finished sequences (the engine has set their
         finished status); a group with none left unfinished leaves the scheduler."""
+        bm = self.block_manager
+        if not group.is_finished():
+            for seq in group.seqs:
+                if seq.status.is_finished and bm.has_blocks(seq):
+                    self._freed_seq_ids.append(seq.seq_id)
         for seq in group.seqs:
             if seq.status.is_finished:
-                self.block_manager.free(seq)
+                bm.free(seq)
         if group.is_finished():
             self.groups.pop(group.request_id, None)
             self._release_params(group.request_id)
@@ -136,13 +148,18 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        bm = self.block_manager
+        out = SchedulerOutput(block_tables=bm.gpu_tables)
+        msg = out.message
         if self._finished_ids:
-            out.finished_request_ids, self._finished_ids = self._finished_ids, []
+            msg.finished_request_ids, self._finished_ids = self._finished_ids, []
+        if self._forks:
+            msg.forks, self._forks = self._forks, []
+        if self._freed_seq_ids:
+            msg.freed_seq_ids, self._freed_seq_ids = self._freed_seq_ids, []
         if self._has_finished_running:
             self.running = [g for g in self.running if not g.is_finished()]
             self._has_finished_running = False
-        bm = self.block_manager
         budget = self.config.max_num_batched_tokens
         num_seqs = 0
         num_tokens = 0
@@ -152,20 +169,51 @@ class Scheduler:
         prefilling: list[SequenceGroup] = []  # running groups with a prefill chunk to come
         # Each sequence needs at most one new block per step: with that many free, no
         # group can run short and the per-group checks are skipped.
-        room = bm.num_free_gpu_blocks() >= sum(len(g.seqs) for g in running)
-        i = 0
-        while i < len(running):
-            group = running[i]
-            if not room and not bm.can_append_slots(group):
-                if not self._make_room(group, out):
-                    continue  # the group was preempted (it was the tail) or ended
+        room = bm.num_free_gpu_blocks() >= sum([len(g.seqs) for g in running])
+        # The common decode is inlined (one sequence, one new token): a row, and the block
+        # manager only when the step needs a new block, a copy-on-write or a full block
+        # registered for the prefix cache (1 step in 8 with 16-token blocks). Everything
+        # else takes _schedule_decode.
+        tables = bm.gpu_tables
+        blocks = bm.gpu.blocks
+        bs = bm.block_size
+        seq_ids = msg.seq_ids
+        add_seq_id = seq_ids.append
+        add_start = msg.start_positions.append
+        add_count = msg.num_query_tokens.append
+        add_token = msg.token_ids.append
+        scheduled = out.scheduled
+        add_scheduled = scheduled.append
+        is_running = SequenceStatus.RUNNING
+        for group in running if room else self._groups_with_room(out):
             if group.is_prefilling:
                 prefilling.append(group)
                 num_seqs += len(group.get_seqs(SequenceStatus.RUNNING))
-            else:
-                num_tokens += self._schedule_decode(group, out)
-                num_seqs += len(out.groups[-1].seqs)
-            i += 1
+                continue
+            seqs = group.seqs
+            if len(seqs) == 1:
+                seq = seqs[0]
+                end = len(seq.token_ids)
+                if seq.num_computed_tokens == end - 1 and seq.status is is_running:
+                    table = tables[seq.seq_id]
+                    if (
+                        end % bs == 0
+                        or len(table) * bs < end
+                        or seq.num_blocks_sent != len(table)
+                        or blocks[table[-1]].ref_count > 1
+                    ):
+                        self._append_slots(seq, msg)
+                    add_scheduled((group, len(seq_ids), 1, True, False))
+                    add_seq_id(seq.seq_id)
+                    add_start(end - 1)
+                    add_count(1)
+                    add_token(seq.token_ids[-1])
+                    seq.num_computed_tokens = end
+                    num_tokens += 1
+                    num_seqs += 1
+                    continue
+            num_tokens += self._schedule_decode(group, out)
+            num_seqs += scheduled[-1][2]
         preempted = bool(out.preempted)
 
         # -- prefill: the next chunk of each partly prefilled group, FCFS
@@ -186,7 +234,7 @@ class Scheduler:
             if not bm.can_swap_in(group, use_watermark=not alone):
                 break
             self.swapped.popleft()
-            out.blocks_to_swap_in.extend(bm.swap_in(group))
+            msg.blocks_to_swap_in.extend(bm.swap_in(group))
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             if alone and not group.is_prefilling and not bm.can_append_slots(group):
@@ -225,7 +273,7 @@ class Scheduler:
             # Without chunking, budget by uncomputed tokens without prefix hits (an upper
             # bound); the first group of an empty batch always goes, so a recomputed wide
             # group cannot starve.
-            elif out.groups and num_tokens + sum(len(s) for s in seqs) > budget:
+            elif out.scheduled and num_tokens + sum(len(s) for s in seqs) > budget:
                 break
             self.waiting.popleft()
             bm.allocate(group)
@@ -239,46 +287,62 @@ class Scheduler:
         out.num_batched_tokens = num_tokens
         return out
 
+    def _groups_with_room(self, out: SchedulerOutput):
+        """The running groups, oldest first, each once it can append its slots: newer
+        groups are preempted (or the oldest, alone, narrows) until it can."""
+        running = self.running
+        i = 0
+        while i < len(running):
+            group = running[i]
+            if not self.block_manager.can_append_slots(group) and not self._make_room(group, out):
+                continue  # the group was preempted (it was the tail) or ended
+            i += 1
+            yield group
+
     def _schedule_decode(self, group: SequenceGroup, out: SchedulerOutput) -> int:
         """Emit the group's decode (one token per running sequence, each given a slot first);
         returns the number of tokens it computes. Runs for every running group every step:
-        kept lean."""
-        bm = self.block_manager
-        copies = out.blocks_to_copy
-        needs_history = group.sampling_params.needs_history
+        kept lean (no object per sequence; a block-table update only when the table grew
+        or a copy-on-write replaced its last block)."""
+        msg = out.message
+        seq_ids = msg.seq_ids
+        starts = msg.start_positions
+        counts = msg.num_query_tokens
+        tokens = msg.token_ids
         running = SequenceStatus.RUNNING
-        scheduled = []
+        first_row = len(seq_ids)
         num_tokens = 0
-        for index, seq in enumerate(group.seqs):
+        for seq in group.seqs:
             if seq.status is not running:
                 continue
             token_ids = seq.token_ids
             start = seq.num_computed_tokens
             end = len(token_ids)
-            table = bm.append_slots(seq, copies)
-            scheduled.append(
-                ScheduledSeq(
-                    seq.seq_id,
-                    token_ids[start:],
-                    start,
-                    table.copy(),
-                    end - seq.num_prompt_tokens,
-                    index,
-                    token_ids.copy() if needs_history else None,
-                )
-            )
+            self._append_slots(seq, msg)
+            seq_ids.append(seq.seq_id)
+            starts.append(start)
+            counts.append(end - start)
+            if end - start == 1:
+                tokens.append(token_ids[-1])
+            else:
+                tokens.extend(token_ids[start:])
             num_tokens += end - start
             seq.num_computed_tokens = end
-        # (inlined _emit: this runs for every running group every step)
-        request_id = group.request_id
-        params = None
-        if request_id not in self._params_sent:
-            self._params_sent.add(request_id)
-            params = group.sampling_params
-        first = group.seqs[0]
-        is_first_step = len(group.seqs) == 1 and len(first.token_ids) == first.num_prompt_tokens
-        out.groups.append(ScheduledGroup(request_id, scheduled, params, first.num_prompt_tokens, is_first_step))
+        self._emit(group, first_row, out, True)
         return num_tokens
+
+    def _append_slots(self, seq: Sequence, msg: StepMessage) -> None:
+        """The block manager's slots for the sequence's new tokens, and the workers' copy of
+        its block table brought up to date: from the first entry they do not hold as is."""
+        copies = msg.blocks_to_copy
+        num_copies = len(copies)
+        table = self.block_manager.append_slots(seq, copies)
+        sent = seq.num_blocks_sent
+        if len(copies) != num_copies and sent == len(table):
+            sent = len(table) - 1  # copy-on-write replaced the last block
+        if sent != len(table):
+            msg.block_table_updates.append((seq.seq_id, sent, table[sent:]))
+            seq.num_blocks_sent = len(table)
 
     def _schedule_prefill(self, group: SequenceGroup, out: SchedulerOutput, budget: int) -> int:
         """Emit the group's next prefill chunk within `budget` tokens (everything left when it
@@ -293,15 +357,15 @@ class Scheduler:
             others                                   [ own tokens ........... ]
         """
         bm = self.block_manager
-        seqs = [(i, s) for i, s in enumerate(group.seqs) if s.status is SequenceStatus.RUNNING]
-        num_left = sum(len(s.token_ids) - s.num_computed_tokens for _, s in seqs)
+        msg = out.message
+        seqs = [s for s in group.seqs if s.status is SequenceStatus.RUNNING]
+        num_left = sum(len(s.token_ids) - s.num_computed_tokens for s in seqs)
         whole = num_left <= budget or not self.config.enable_chunked_prefill
-        first = seqs[0][1]
+        first = seqs[0]
         shared_end = first.num_prompt_tokens // bm.block_size * bm.block_size if len(seqs) > 1 else 0
-        needs_history = whole and group.sampling_params.needs_history
-        scheduled = []
+        first_row = len(msg.seq_ids)
         num_tokens = 0
-        for index, seq in seqs:
+        for seq in seqs:
             start = seq.num_computed_tokens
             end = len(seq.token_ids)
             if not whole:
@@ -311,40 +375,39 @@ class Scheduler:
                 if end <= start:
                     continue
             table = bm.mark_computed(seq, end)
-            scheduled.append(
-                ScheduledSeq(
-                    seq.seq_id,
-                    seq.token_ids[start:end],
-                    start,
-                    table.copy(),
-                    end - seq.num_prompt_tokens,
-                    index,
-                    seq.token_ids.copy() if needs_history else None,
-                )
-            )
+            sent = seq.num_blocks_sent
+            if sent != len(table):
+                msg.block_table_updates.append((seq.seq_id, sent, table[sent:]))
+                seq.num_blocks_sent = len(table)
+            msg.seq_ids.append(seq.seq_id)
+            msg.start_positions.append(start)
+            msg.num_query_tokens.append(end - start)
+            msg.token_ids.extend(seq.token_ids[start:end])
+            if not whole:
+                msg.unsampled_seq_ids.append(seq.seq_id)
             num_tokens += end - start
             seq.num_computed_tokens = end
         group.is_prefilling = not whole
-        if scheduled:
-            self._emit(group, scheduled, out, do_sample=whole)
+        if len(msg.seq_ids) > first_row:
+            self._emit(group, first_row, out, whole)
         return num_tokens
 
-    def _emit(self, group: SequenceGroup, scheduled: list[ScheduledSeq], out: SchedulerOutput, do_sample: bool) -> None:
+    def _emit(self, group: SequenceGroup, first_row: int, out: SchedulerOutput, do_sample: bool) -> None:
+        """Close the group's rows: its state for the workers on its first step, and the
+        engine's record (group, first row, number of rows, do_sample, is_first_step)."""
+        msg = out.message
         first = group.seqs[0]
-        params = None
-        if group.request_id not in self._params_sent:
-            self._params_sent.add(group.request_id)
+        request_id = group.request_id
+        if request_id not in self._params_sent:
+            self._params_sent.add(request_id)
             params = group.sampling_params
-        out.groups.append(
-            ScheduledGroup(
-                group.request_id,
-                scheduled,
-                params,
-                first.num_prompt_tokens,
-                len(group.seqs) == 1 and len(first.token_ids) == first.num_prompt_tokens,
-                do_sample,
-            )
-        )
+            prompt = first.prompt_token_ids if params.needs_history else None
+            msg.new_requests.append(NewRequest(request_id, first.seq_id, params, first.num_prompt_tokens, prompt))
+        is_first_step = len(group.seqs) == 1 and len(first.token_ids) == first.num_prompt_tokens
+        if is_first_step and do_sample:
+            msg.first_step_seq_ids.append(first.seq_id)
+        # a tuple, not an object: this runs for every scheduled group every step
+        out.scheduled.append((group, first_row, len(msg.seq_ids) - first_row, do_sample, is_first_step))
 
     # ------------------------------------------------------------------ preemption
 
@@ -381,6 +444,8 @@ class Scheduler:
                 return
             seq.status = SequenceStatus.FINISHED_LENGTH
             seq.stop_reason = KV_CACHE_LIMIT
+            if bm.has_blocks(seq):
+                self._freed_seq_ids.append(seq.seq_id)
             bm.free(seq)
         # nothing left that fits: the request ends here
         if group in self.running:
@@ -395,9 +460,10 @@ class Scheduler:
         seqs = group.get_seqs(SequenceStatus.RUNNING)
         wants_swap = mode is PreemptionMode.SWAP or (mode is PreemptionMode.AUTO and len(seqs) > 1)
         if wants_swap and self.block_manager.can_swap_out(group):
-            out.blocks_to_swap_out.extend(self.block_manager.swap_out(group))
+            out.message.blocks_to_swap_out.extend(self.block_manager.swap_out(group))
             for seq in seqs:
                 seq.status = SequenceStatus.SWAPPED
+                seq.num_blocks_sent = 0  # swap-in hands out new block ids
             self.swapped.appendleft(group)
             self.counters.preemptions_swap += 1
             return

@@ -185,6 +185,7 @@ class Sequence:
         "cumulative_logprob",
         "output_logprobs",
         "stop_reason",
+        "num_blocks_sent",
     )
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int]) -> None:
@@ -196,6 +197,9 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.output_logprobs: list = []
         self.stop_reason: int | str | None = None
+        # leading entries of its block table the workers hold as they are (the scheduler's
+        # bookkeeping for block-table updates in the step message)
+        self.num_blocks_sent = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -230,11 +234,13 @@ class Sequence:
         child.cumulative_logprob = self.cumulative_logprob
         child.output_logprobs = list(self.output_logprobs)
         child.stop_reason = self.stop_reason
+        child.num_blocks_sent = self.num_blocks_sent  # workers fork the parent's table
         return child
 
     def reset_for_recompute(self) -> None:
         """Preempted by recomputation: every token (prompt and output) is prefilled again."""
         self.num_computed_tokens = 0
+        self.num_blocks_sent = 0
         self.status = SequenceStatus.WAITING
 
     def __repr__(self) -> str:

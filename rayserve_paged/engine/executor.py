@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from rayserve_paged.config import EngineConfig
-from rayserve_paged.core.outputs import SchedulerOutput
+from rayserve_paged.core.outputs import StepMessage
 from rayserve_paged.models.sampler import SamplerOutput
 from rayserve_paged.worker.worker import CacheSizes, Worker
 
@@ -15,7 +15,7 @@ class Executor:
     def initialize(self) -> CacheSizes:
         raise NotImplementedError
 
-    def execute(self, out: SchedulerOutput) -> SamplerOutput:
+    def execute(self, msg: StepMessage) -> SamplerOutput:
         raise NotImplementedError
 
     def check_health(self) -> None:
@@ -46,8 +46,8 @@ class InProcessExecutor(Executor):
         self.worker.init_cache(sizes.num_gpu_blocks, sizes.num_cpu_blocks)
         return sizes
 
-    def execute(self, out: SchedulerOutput) -> SamplerOutput:
-        return self.worker.execute(out)
+    def execute(self, msg: StepMessage) -> SamplerOutput:
+        return self.worker.execute(msg)
 
     def gpu_snapshots(self) -> list[dict]:
         return [self.worker.gpu_snapshot()]

@@ -185,6 +185,7 @@ class LLMEngine:
         group = self.scheduler.abort(request_id)
         if group is not None:
             self._forget(group)
+            self._flush_worker_state()
         return group is not None
 
     def stop_sequences(self, request_id: str, stops: list[tuple[int, str]]) -> StepOutput | None:
@@ -202,6 +203,7 @@ class LLMEngine:
             self.scheduler.free_finished(group)
             return None
         self.scheduler.abort(request_id)  # out of every queue (it may be waiting or swapped)
+        self._flush_worker_state()
         stopped = [_delta(i, group.seqs[i], params, group.seqs[i].num_output_tokens) for i, _ in stops]
         out = StepOutput(request_id, stopped, finished=True, metrics=self._metrics.get(request_id))
         if out.metrics is not None:
@@ -225,38 +227,52 @@ class LLMEngine:
         if out.is_empty:
             return results
         try:
-            sampled = self.executor.execute(out)
+            sampled = self.executor.execute(out.message)
         except Exception:
             # the step's K/V may be missing: no cached prefix from it may be reused
             self.block_manager.reset_prefix_cache()
             raise
-        return results + self._process(out, sampled, now)
+        results += self._process(out, sampled, now)
+        self._flush_worker_state()
+        return results
+
+    def _flush_worker_state(self) -> None:
+        """When the last requests have ended, tell the workers now rather than with some
+        later request's first step, so that no request's state outlives it on a worker."""
+        if self.scheduler.has_unfinished_groups():
+            return
+        out = self.scheduler.schedule()
+        if not out.is_empty:
+            self.executor.execute(out.message)
 
     def _process(self, out: SchedulerOutput, sampled: SamplerOutput, now: float) -> list[StepOutput]:
-        samples = iter(sampled.samples)
+        samples = sampled.samples
+        msg = out.message
+        counts = msg.num_query_tokens
         results = []
-        for sg in out.groups:
-            group = self.scheduler.groups[sg.request_id]
-            metrics = self._metrics[sg.request_id]
+        next_sample = 0
+        for group, first_row, num_rows, do_sample, is_first_step in out.scheduled:
+            request_id = group.request_id
+            metrics = self._metrics[request_id]
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
                 # the prefix cache's hit, reported with the first output (after the last chunk)
-                self._num_cached[sg.request_id] = sg.seqs[0].start_pos
-            is_prompt = len(group.seqs) == 1 and group.seqs[0].num_output_tokens == 0
-            if is_prompt:
-                self.num_prompt_tokens += sum(len(s.token_ids) for s in sg.seqs)
-            if not sg.do_sample:  # a prefill chunk: nothing sampled, nothing to report
+                self._num_cached[request_id] = msg.start_positions[first_row]
+            if len(group.seqs) == 1 and group.seqs[0].num_output_tokens == 0:  # prompt tokens
+                self.num_prompt_tokens += sum(counts[first_row : first_row + num_rows])
+            if not do_sample:  # a prefill chunk: nothing sampled, nothing to report
                 continue
-            group_samples = [next(samples) for _ in sg.seqs]
+            group_samples = samples[next_sample : next_sample + num_rows]
+            next_sample += num_rows
             if group.sampling_params.use_beam_search:
                 self._process_beam(group, group_samples)
             else:
-                self._process_samples(group, group_samples, sg.is_first_step)
-            self.num_generation_tokens += len(group_samples)
+                self._process_samples(group, group_samples, is_first_step)
+            self.num_generation_tokens += num_rows
             if metrics.first_token_time is None:
                 metrics.first_token_time = time.monotonic()
             self.scheduler.free_finished(group)
-            result = self._step_output(group, self._num_cached.pop(sg.request_id, 0))
+            result = self._step_output(group, self._num_cached.pop(request_id, 0))
             if result is not None:
                 results.append(result)
             if group.is_finished():
@@ -269,8 +285,7 @@ class LLMEngine:
     def _new_child(self, group: SequenceGroup, parent: Sequence, with_blocks: bool = True) -> Sequence:
         child = parent.fork(next(self._seq_ids))
         if with_blocks:
-            self.scheduler.fork_seq(parent, child)
-            group.seqs.append(child)
+            self.scheduler.fork_seq(group, parent, child)
         return child
 
     # ------------------------------------------------------------------ sampling, best_of

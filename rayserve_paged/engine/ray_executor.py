@@ -8,7 +8,7 @@ where a replica's actors sit in that group.
                                            call per step), its GPU
 
 At TP > 1 the SchedulerActor drives the ranks through a Ray Compiled Graph compiled once at
-start-up: each step's SchedulerOutput is written once into a shared-memory channel that every
+start-up: each step's StepMessage is written once into a shared-memory channel that every
 rank reads, and rank 0's samples come back the same way (`worker_transport:
 compiled_graph`, the default); `actor_calls` keeps one `.remote()` call per rank per step
 (the object store carries the step). The ranks meet in torch.distributed (NCCL on GPU, gloo
@@ -25,7 +25,7 @@ from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayserve_paged.config import EngineConfig
-from rayserve_paged.core.outputs import SchedulerOutput
+from rayserve_paged.core.outputs import StepMessage
 from rayserve_paged.engine.executor import Executor
 from rayserve_paged.models.sampler import SamplerOutput
 from rayserve_paged.worker.worker import CacheSizes, Worker
@@ -143,12 +143,12 @@ class RayExecutor(Executor):
             self._graph = _compile_step_graph(self.workers)
         return CacheSizes(num_gpu, num_cpu, sizes[0].block_bytes)
 
-    def execute(self, out: SchedulerOutput) -> SamplerOutput:
+    def execute(self, msg: StepMessage) -> SamplerOutput:
         if self._graph is not None:
-            return ray.get(self._graph.execute(out), timeout=STEP_TIMEOUT_S)[0]
+            return ray.get(self._graph.execute(msg), timeout=STEP_TIMEOUT_S)[0]
         if len(self.workers) == 1:
-            return ray.get(self.workers[0].execute.remote(out))
-        ref = ray.put(out)  # serialised once, read by every rank
+            return ray.get(self.workers[0].execute.remote(msg))
+        ref = ray.put(msg)  # serialised once, read by every rank
         results = ray.get([w.execute.remote(ref) for w in self.workers])
         return results[0]
 
@@ -179,7 +179,7 @@ STEP_TIMEOUT_S = 600.0
 
 
 def _compile_step_graph(workers: list):
-    """The step as a compiled graph: one input (the SchedulerOutput) read by every rank,
+    """The step as a compiled graph: one input (the StepMessage) read by every rank,
     one output per rank (rank 0's samples; None from the others)."""
     from ray.dag import InputNode, MultiOutputNode
 

@@ -1,7 +1,9 @@
-"""SchedulerOutput -> model inputs -> logits -> samples, for one tensor-parallel rank.
+"""StepMessage -> model inputs -> logits -> samples, for one tensor-parallel rank.
 
-The step's tokens are packed prefill-first (see ops/attention.py); `logits_indices` picks
-each scheduled sequence's last new token, in SchedulerOutput order, for the sampler.
+The rank's persistent batch (worker/input_batch.py) holds each request's state; a step
+brings only its changes and this step's tokens. The step's tokens are packed
+prefill-first (see ops/attention.py); `logits_indices` picks each sampled row's last new
+token, in row order, for the sampler.
 """
 
 from __future__ import annotations
@@ -10,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rayserve_paged.core.outputs import ScheduledSeq, SchedulerOutput
-from rayserve_paged.core.sequence import SamplingParams
+from rayserve_paged.core.outputs import StepMessage
 from rayserve_paged.models.sampler import Sampler, SamplerOutput
 from rayserve_paged.ops.attention import AttentionMetadata
+from rayserve_paged.worker.input_batch import InputBatch, SeqState
 
 
 @dataclass(slots=True)
@@ -21,7 +23,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled] int64: last new token of each sampled seq
+    logits_indices: torch.Tensor  # [num_sampled] int64: last new token of each sampled row
 
 
 class ModelRunner:
@@ -33,83 +35,134 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler  # only the rank that returns samples has one
-        self.params: dict[str, SamplingParams] = {}  # request id -> its sampling parameters
+        self.batch = InputBatch()
 
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
-        seqs = [s for g in out.groups for s in g.seqs]
-        prefills = [s for s in seqs if len(s.token_ids) > 1]
-        decodes = [s for s in seqs if len(s.token_ids) == 1]
+    def prepare(self, msg: StepMessage, rows: list[SeqState]) -> StepInputs:
         bs = self.block_size
+        counts = msg.num_query_tokens
+        starts = msg.start_positions
+        tokens = msg.token_ids
+        offsets = [0] * (len(counts) + 1)  # row i's tokens: tokens[offsets[i]:offsets[i + 1]]
+        for i, n in enumerate(counts):
+            offsets[i + 1] = offsets[i] + n
+        for i, seq in enumerate(rows):  # the worker's copy of each token history
+            if seq.history is not None:
+                del seq.history[starts[i] :]
+                seq.history.extend(tokens[offsets[i] : offsets[i + 1]])
+        prefills = [i for i, n in enumerate(counts) if n > 1]
+        decodes = [i for i, n in enumerate(counts) if n == 1] if prefills else range(len(counts))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        last_index: dict[int, int] = {}
-        for s in prefills + decodes:
-            table = s.block_table
-            for pos in range(s.start_pos, s.start_pos + len(s.token_ids)):
-                slots.append(table[pos // bs] * bs + pos % bs)
-            positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
-            input_ids.extend(s.token_ids)
-            last_index[s.seq_id] = len(input_ids) - 1
+        last_index = [0] * len(counts)  # row -> its last token's place in the packed step
+        for i in prefills:
+            table = rows[i].block_table
+            start = starts[i]
+            end = start + counts[i]
+            slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
+            positions.extend(range(start, end))
+            input_ids.extend(tokens[offsets[i] : offsets[i + 1]])
+            last_index[i] = len(input_ids) - 1
+        num_prefill_tokens = len(input_ids)
+        for j, i in enumerate(decodes):
+            pos = starts[i]
+            slots.append(rows[i].block_table[pos // bs] * bs + pos % bs)
+            last_index[i] = num_prefill_tokens + j
+        if prefills:
+            input_ids.extend(tokens[offsets[i]] for i in decodes)
+            positions.extend(starts[i] for i in decodes)
+        else:  # decodes only: the message's columns are the inputs
+            input_ids = tokens
+            positions = starts
         device = self.device
-        query_lens = [len(s.token_ids) for s in prefills]
-        prefill_seq_lens = [s.start_pos + n for s, n in zip(prefills, query_lens)]
-        decode_seq_lens = [s.start_pos + 1 for s in decodes]
+        query_lens = [counts[i] for i in prefills]
+        prefill_seq_lens = [starts[i] + counts[i] for i in prefills]
+        decode_seq_lens = [starts[i] + 1 for i in decodes]
         query_start = [0]
         for n in query_lens:
             query_start.append(query_start[-1] + n)
+        unsampled = set(msg.unsampled_seq_ids)
         metadata = AttentionMetadata(
             slot_mapping=_long(slots, device),
-            num_prefill_tokens=query_start[-1],
+            num_prefill_tokens=num_prefill_tokens,
             num_decode_tokens=len(decodes),
             block_size=bs,
             prefill_query_start_loc=_int(query_start, device),
-            prefill_context_lens=_int([s.start_pos for s in prefills], device),
+            prefill_context_lens=_int([starts[i] for i in prefills], device),
             prefill_seq_lens=_int(prefill_seq_lens, device),
-            prefill_block_tables=_block_tables(prefills, device),
+            prefill_block_tables=_block_tables([rows[i].block_table for i in prefills], device),
             max_prefill_query_len=max(query_lens, default=0),
             max_prefill_seq_len=max(prefill_seq_lens, default=0),
             decode_seq_lens=_int(decode_seq_lens, device),
-            decode_block_tables=_block_tables(decodes, device),
+            decode_block_tables=_block_tables([rows[i].block_table for i in decodes], device),
             max_decode_seq_len=max(decode_seq_lens, default=0),
             prefill_query_lens_host=query_lens,
             prefill_seq_lens_host=prefill_seq_lens,
             decode_seq_lens_host=decode_seq_lens,
         )
+        sampled = last_index if not unsampled else [last_index[i] for i, s in enumerate(msg.seq_ids) if s not in unsampled]
         return StepInputs(
             input_ids=_long(input_ids, device),
             positions=_long(positions, device),
             metadata=metadata,
-            # a prefill chunk that ends before the group's last token samples nothing
-            logits_indices=_long([last_index[s.seq_id] for g in out.groups if g.do_sample for s in g.seqs], device),
+            logits_indices=_long(sampled, device),
         )
 
-    def _group_params(self, out: SchedulerOutput) -> list[SamplingParams]:
-        """Parameters arrive with a request's first step and stay until it finishes."""
-        for request_id in out.finished_request_ids:
-            self.params.pop(request_id, None)
-        params = self.params
-        for g in out.groups:
-            if g.sampling_params is not None:
-                params[g.request_id] = g.sampling_params
-        return [params[g.request_id] for g in out.groups]
-
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv_caches: list) -> SamplerOutput | None:
-        group_params = self._group_params(out)
-        if not out.groups:
+    def execute(self, msg: StepMessage, kv_caches: list) -> SamplerOutput | None:
+        self.batch.apply(msg)
+        if not msg.seq_ids:
             return SamplerOutput([]) if self.sampler is not None else None
-        inputs = self.prepare(out)
+        rows = self.batch.rows(msg)
+        inputs = self.prepare(msg, rows)
         if self.attn_backend is not None:
             self.attn_backend.begin_step(inputs.metadata)  # checks and launch planning, once per step
         hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.metadata)  # [T, hidden]
-        sampled = [(g, p) for g, p in zip(out.groups, group_params) if g.do_sample]
-        if not sampled:  # only prefill chunks this step
+        if inputs.logits_indices.numel() == 0:  # only prefill chunks this step
             return SamplerOutput([]) if self.sampler is not None else None
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # [num_sampled, vocab]
         if self.sampler is None:
             return None
-        return self.sampler(logits, [g for g, _ in sampled], [p for _, p in sampled])
+        return self.sampler(logits, *_sampler_groups(msg, rows))
+
+
+class _RowView:
+    __slots__ = ("seq_id", "sample_index", "num_output_tokens", "history")
+
+    def __init__(self, seq: SeqState, num_output_tokens: int) -> None:
+        self.seq_id = seq.seq_id
+        self.sample_index = seq.sample_index
+        self.num_output_tokens = num_output_tokens
+        self.history = seq.history
+
+
+class _GroupView:
+    __slots__ = ("seqs", "is_first_step", "num_prompt_tokens")
+
+    def __init__(self, is_first_step: bool, num_prompt_tokens: int) -> None:
+        self.seqs: list[_RowView] = []
+        self.is_first_step = is_first_step
+        self.num_prompt_tokens = num_prompt_tokens
+
+
+def _sampler_groups(msg: StepMessage, rows: list[SeqState]) -> tuple[list[_GroupView], list]:
+    """The sampled rows, grouped by request (a group's rows are contiguous)."""
+    unsampled = set(msg.unsampled_seq_ids)
+    first_step = set(msg.first_step_seq_ids)
+    groups: list[_GroupView] = []
+    params = []
+    last = None
+    for i, seq in enumerate(rows):
+        if seq.seq_id in unsampled:
+            continue
+        request = seq.request
+        if request is not last:
+            groups.append(_GroupView(seq.seq_id in first_step, request.num_prompt_tokens))
+            params.append(request.params)
+            last = request
+        num_output = msg.start_positions[i] + msg.num_query_tokens[i] - request.num_prompt_tokens
+        groups[-1].seqs.append(_RowView(seq, num_output))
+    return groups, params
 
 
 def _long(values: list[int], device) -> torch.Tensor:
@@ -120,7 +173,7 @@ def _int(values: list[int], device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
-def _block_tables(seqs: list[ScheduledSeq], device) -> torch.Tensor:
-    width = max((len(s.block_table) for s in seqs), default=0)
-    rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(seqs), width)  # [n, max_blocks]
+def _block_tables(tables: list[list[int]], device) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    rows = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(tables), width)  # [n, max_blocks]

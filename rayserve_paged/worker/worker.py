@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from rayserve_paged.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
-from rayserve_paged.core.outputs import SchedulerOutput
+from rayserve_paged.core.outputs import NewRequest, StepMessage
+from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.models.layers import ParallelState
 from rayserve_paged.models.loader import get_model_config, load_model
 from rayserve_paged.models.sampler import Sampler, SamplerOutput
@@ -155,9 +156,6 @@ class Worker:
         )
 
     def _profile_run(self) -> None:
-        from rayserve_paged.core.outputs import ScheduledGroup, ScheduledSeq
-        from rayserve_paged.core.sequence import SamplingParams
-
         max_len = self.config.max_model_len or self.model_config.max_model_len
         budget = self.config.resolved_max_num_batched_tokens(max_len)
         seq_len = min(max_len, budget)
@@ -166,12 +164,17 @@ class Worker:
         num_blocks = -(-seq_len // bs)
         self._allocate_caches(num_blocks, 0)
         params = SamplingParams(temperature=1.0, max_tokens=1)
-        groups = [
-            ScheduledGroup(f"profile-{i}", [ScheduledSeq(i, [0] * seq_len, 0, list(range(num_blocks)), 0, 0)], params, seq_len, True)
-            for i in range(num_seqs)
-        ]
-        self.runner.execute(SchedulerOutput(groups=groups), self.kv_caches)
-        self.runner.params.clear()
+        ids = [f"profile-{i}" for i in range(num_seqs)]
+        msg = StepMessage(
+            new_requests=[NewRequest(ids[i], i, params, seq_len) for i in range(num_seqs)],
+            block_table_updates=[(i, 0, list(range(num_blocks))) for i in range(num_seqs)],
+            seq_ids=list(range(num_seqs)),
+            start_positions=[0] * num_seqs,
+            num_query_tokens=[seq_len] * num_seqs,
+            token_ids=[0] * (seq_len * num_seqs),
+        )
+        self.runner.execute(msg, self.kv_caches)
+        self.runner.execute(StepMessage(finished_request_ids=ids), self.kv_caches)
         self.kv_caches = []
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
@@ -210,15 +213,15 @@ class Worker:
 
     # ------------------------------------------------------------------ the step
 
-    def execute(self, out: SchedulerOutput) -> SamplerOutput | None:
+    def execute(self, msg: StepMessage) -> SamplerOutput | None:
         start = time.perf_counter()
         try:
-            return self._execute(out)
+            return self._execute(msg)
         finally:
             self.num_steps += 1
             self.execute_s += time.perf_counter() - start
 
-    def _execute(self, out: SchedulerOutput) -> SamplerOutput | None:
+    def _execute(self, out: StepMessage) -> SamplerOutput | None:
         # Order matters: blocks swapped out this step may be handed to swap-ins and copies.
         # The swapper orders its side-stream copies against this stream with events: no sync
         # here; last step's swap-outs land in the host pool first (finish).
@@ -237,6 +240,11 @@ class Worker:
     def gpu_snapshot(self) -> dict:
         """GPU memory, allocator and KV pool figures of this rank, as plain data."""
         return self.gpu_probe.snapshot(self.kv_caches, self.cpu_caches).to_dict()
+
+    def batch_state(self) -> tuple[int, int]:
+        """(requests, sequences) this rank holds state for; (0, 0) once all have ended."""
+        batch = self.runner.batch
+        return batch.num_requests, batch.num_seqs
 
     def timing(self) -> tuple[int, float]:
         """(steps executed, seconds inside execute) since start-up."""

@@ -114,8 +114,7 @@ class LivenessMachine(RuleBasedStateMachine):
     def _fork(self, group, parent):
         child = parent.fork(next(self.ids))
         self.seqs[child.seq_id] = child
-        self.s.fork_seq(parent, child)
-        group.seqs.append(child)
+        self.s.fork_seq(group, parent, child)
 
     @rule(data=st.data())
     def step(self, data):

@@ -119,8 +119,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _fork(self, group, parent):
         child = parent.fork(next(self.ids))
         self.seqs[child.seq_id] = child
-        self.s.fork_seq(parent, child)
-        group.seqs.append(child)
+        self.s.fork_seq(group, parent, child)
 
     @precondition(lambda self: any(g.get_seqs(SequenceStatus.RUNNING) for g in self.s.running))
     @rule(data=st.data())

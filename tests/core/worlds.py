@@ -57,8 +57,7 @@ def fork_group(scheduler: Scheduler, group: SequenceGroup, num_children: int) ->
     children = []
     for _ in range(num_children):
         child = parent.fork(next(_seq_ids))
-        scheduler.fork_seq(parent, child)
-        group.seqs.append(child)
+        scheduler.fork_seq(group, parent, child)
         children.append(child)
     return children
 

@@ -11,13 +11,14 @@ from rayserve_paged.core.sequence import SamplingParamsError
 from rayserve_paged.models.sampler import Sampler
 
 
-def test_workers_forget_a_finished_request_even_when_the_next_step_runs_nothing(tiny_paths):
+def test_workers_forget_the_last_finished_request_without_a_further_step(tiny_paths):
     llm = LLM(model=tiny_paths["opt"], max_model_len=128, kv_cache_memory_gb=0.01)
+    batch = llm.engine.executor.worker.runner.batch
     llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=2), use_tqdm=False)
-    runner = llm.engine.executor.worker.runner
     assert not llm.engine.has_unfinished_requests()
-    llm.engine.step()  # nothing to run, but the finished id must reach the worker
-    assert runner.params == {}
+    assert (batch.num_requests, batch.num_seqs) == (0, 0)
+    llm.engine.step()  # nothing to run, nothing held
+    assert (batch.num_requests, batch.num_seqs) == (0, 0)
 
 
 def test_generate_leaves_the_engine_empty_when_a_step_fails(tiny_paths):

@@ -1,0 +1,103 @@
+"""The worker's persistent batch: what each rank keeps about its requests across steps.
+
+The scheduler sends each request's parameters once, each block-table change once and each
+step's new tokens once (core/outputs.py StepMessage); the worker keeps the rest:
+
+    requests   request id -> parameters, prompt length, its live sequences
+    seqs       seq id     -> its request, block table, place in the group, and its token
+                             history when sampling needs it (penalties)
+
+Forks copy the parent's state on the worker (n > 1, beam search); nothing of a sequence's
+history travels again. A request's state leaves with `finished_request_ids`, a sequence's
+with `freed_seq_ids`; `num_requests` / `num_seqs` are zero once every request has ended.
+"""
+
+from __future__ import annotations
+
+from rayserve_paged.core.outputs import StepMessage
+from rayserve_paged.core.sequence import SamplingParams
+
+
+class RequestState:
+    __slots__ = ("request_id", "params", "num_prompt_tokens", "seq_ids")
+
+    def __init__(self, request_id: str, params: SamplingParams, num_prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.num_prompt_tokens = num_prompt_tokens
+        self.seq_ids: set[int] = set()
+
+
+class SeqState:
+    __slots__ = ("seq_id", "request", "block_table", "sample_index", "history")
+
+    def __init__(
+        self, seq_id: int, request: RequestState, block_table: list[int], sample_index: int, history: list[int] | None
+    ) -> None:
+        self.seq_id = seq_id
+        self.request = request
+        self.block_table = block_table  # GPU block ids, as the scheduler's table
+        self.sample_index = sample_index  # its place in the group (seeded sampling)
+        self.history = history  # every token id known so far, when penalties need them
+
+
+class StepStateError(RuntimeError):
+    """The step message refers to state this worker does not hold (a scheduler bug)."""
+
+
+class InputBatch:
+    def __init__(self) -> None:
+        self.requests: dict[str, RequestState] = {}
+        self.seqs: dict[int, SeqState] = {}
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    def apply(self, msg: StepMessage) -> None:
+        """Bring the state up to this step (everything but the rows' tokens)."""
+        seqs = self.seqs
+        for parent_id, child_id, sample_index in msg.forks:
+            parent = self._seq(parent_id)
+            history = None if parent.history is None else list(parent.history)
+            seqs[child_id] = SeqState(child_id, parent.request, list(parent.block_table), sample_index, history)
+            parent.request.seq_ids.add(child_id)
+        for seq_id in msg.freed_seq_ids:
+            seq = seqs.pop(seq_id, None)
+            if seq is not None:
+                seq.request.seq_ids.discard(seq_id)
+        for request_id in msg.finished_request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is not None:
+                for seq_id in request.seq_ids:
+                    seqs.pop(seq_id, None)
+        for new in msg.new_requests:
+            request = RequestState(new.request_id, new.sampling_params, new.num_prompt_tokens)
+            self.requests[new.request_id] = request
+            history = None
+            if new.sampling_params.needs_history:
+                history = list(new.prompt_token_ids or ())
+            seqs[new.seq_id] = SeqState(new.seq_id, request, [], 0, history)
+            request.seq_ids.add(new.seq_id)
+        for seq_id, start, blocks in msg.block_table_updates:
+            table = self._seq(seq_id).block_table
+            del table[start:]
+            table.extend(blocks)
+
+    def _seq(self, seq_id: int) -> SeqState:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise StepStateError(f"the step refers to sequence {seq_id}, which this worker does not hold")
+        return seq
+
+    def rows(self, msg: StepMessage) -> list[SeqState]:
+        """The state of each row, in row order."""
+        seqs = self.seqs
+        try:
+            return [seqs[seq_id] for seq_id in msg.seq_ids]
+        except KeyError as e:
+            raise StepStateError(f"the step refers to sequence {e.args[0]}, which this worker does not hold") from None
