@@ -544,32 +544,37 @@ def runner_greedy(runner, caches, prompts, max_new, block_size, blocks_per_seq, 
     """Greedy decoding of every prompt in one batch through ModelRunner.execute. Sequence i
     owns blocks [1 + i * blocks_per_seq, ...); with a swapper, halfway through every
     sequence's blocks go out to the host pool and come back into the other half of the pool."""
-    from rayserve_paged.core.outputs import ScheduledGroup, ScheduledSeq, SchedulerOutput
+    from rayserve_paged.core.outputs import NewRequest, StepMessage
     from rayserve_paged.core.sequence import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(len(prompts))]
     outputs: list[list[int]] = [[] for _ in prompts]
     ids = [f"greedy-{i}-{id(outputs)}" for i in range(len(prompts))]
+    rows = list(range(len(prompts)))
     for step in range(max_new):
-        if swapper is not None and step == max_new // 2:
-            offset = len(prompts) * blocks_per_seq
-            swapper.swap_out([(block, block) for table in tables for block in table])
-            swapper.swap_in([(block, block + offset) for table in tables for block in table])
-            tables = [[block + offset for block in table] for table in tables]
-        groups = []
-        for i, prompt in enumerate(prompts):
-            if step == 0:
-                seq = ScheduledSeq(i, list(prompt), 0, tables[i], 0, 0)
-            else:
-                seq = ScheduledSeq(i, [outputs[i][-1]], len(prompt) + step - 1, tables[i], step, 0)
-            groups.append(ScheduledGroup(ids[i], [seq], params if step == 0 else None, len(prompt), step == 0))
-        finished = ids if step == max_new - 1 else []
-        samples = runner.execute(SchedulerOutput(groups=groups), caches).samples
+        msg = StepMessage(seq_ids=rows)
+        if step == 0:
+            msg.new_requests = [NewRequest(ids[i], i, params, len(prompt)) for i, prompt in enumerate(prompts)]
+            msg.block_table_updates = [(i, 0, tables[i]) for i in rows]
+            msg.start_positions = [0 for _ in rows]
+            msg.num_query_tokens = [len(prompt) for prompt in prompts]
+            msg.token_ids = [token for prompt in prompts for token in prompt]
+            msg.first_step_seq_ids = rows
+        else:
+            if swapper is not None and step == max_new // 2:
+                offset = len(prompts) * blocks_per_seq
+                swapper.swap_out([(block, block) for table in tables for block in table])
+                swapper.swap_in([(block, block + offset) for table in tables for block in table])
+                tables = [[block + offset for block in table] for table in tables]
+                msg.block_table_updates = [(i, 0, tables[i]) for i in rows]
+            msg.start_positions = [len(prompt) + step - 1 for prompt in prompts]
+            msg.num_query_tokens = [1 for _ in rows]
+            msg.token_ids = [out[-1] for out in outputs]
+        samples = runner.execute(msg, caches).samples
         for i, sample in enumerate(samples):
             outputs[i].append(sample.token_ids[0])
-        if finished:
-            runner.execute(SchedulerOutput(groups=[], finished_request_ids=finished), caches)
+    runner.execute(StepMessage(finished_request_ids=ids), caches)
     if swapper is not None:
         swapper.finish()
     return outputs

@@ -25,6 +25,10 @@ class Executor:
         """Each rank's GPU figures (telemetry)."""
         return []
 
+    def batch_states(self) -> list[tuple[int, int]]:
+        """Each rank's (requests, sequences) held in its persistent batch."""
+        return []
+
     def shutdown(self) -> None:
         """Release workers."""
 
@@ -51,3 +55,6 @@ class InProcessExecutor(Executor):
 
     def gpu_snapshots(self) -> list[dict]:
         return [self.worker.gpu_snapshot()]
+
+    def batch_states(self) -> list[tuple[int, int]]:
+        return [self.worker.batch_state()]

@@ -155,6 +155,9 @@ class RayExecutor(Executor):
     def gpu_snapshots(self) -> list[dict]:
         return ray.get([w.gpu_snapshot.remote() for w in self.workers], timeout=10)
 
+    def batch_states(self) -> list[tuple[int, int]]:
+        return [tuple(s) for s in ray.get([w.batch_state.remote() for w in self.workers], timeout=10)]
+
     def check_health(self, timeout_s: float = 10.0) -> None:
         ray.get([w.ping.remote() for w in self.workers], timeout=timeout_s)
 

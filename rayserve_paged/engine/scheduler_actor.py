@@ -130,6 +130,8 @@ class SchedulerActor:
             "step_s": self.timing.step_s,
             "preemptions_recompute": self.engine.scheduler.counters.preemptions_recompute,
             "preemptions_swap": self.engine.scheduler.counters.preemptions_swap,
+            # per rank, (requests, sequences) in its persistent batch: (0, 0) when idle
+            "worker_batch_states": self.engine.executor.batch_states(),
         }
 
     def engine_pressure(self) -> dict:

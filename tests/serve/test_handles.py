@@ -125,6 +125,7 @@ def test_executors_equal_the_offline_engine_under_preemption(serve_session, over
     stats = handle.stats.remote().result()
     assert stats["preemptions_" + overrides["preemption_mode"]] > 0
     assert stats["num_unfinished_requests"] == 0 and stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
+    assert stats["worker_batch_states"] == [(0, 0)] * tp  # no request's state outlives it on any rank
     handle.check_health.remote().result()  # the ranks still answer plain calls beside the step graph
     serve_session.delete("executors")
 
