@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from rayserve_paged.core.outputs import ScheduledSeq, SchedulerOutput
-from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.models.sampler import Sampler, SamplerOutput
 from rayserve_paged.ops.attention import AttentionMetadata
+from rayserve_paged.worker.sampling_inputs import RowTemplate, batch_from_groups, row_template
 
 
 @dataclass(slots=True)
@@ -33,7 +33,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler  # only the rank that returns samples has one
-        self.params: dict[str, SamplingParams] = {}  # request id -> its sampling parameters
+        self.params: dict[str, RowTemplate] = {}  # request id -> its sampling parameters, as sampler columns
+        self.eos_token_ids = sampler.eos_token_ids if sampler is not None else ()  # banned before min_tokens
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         seqs = [s for g in out.groups for s in g.seqs]
@@ -84,14 +85,14 @@ class ModelRunner:
             logits_indices=_long([last_index[s.seq_id] for g in out.groups if g.do_sample for s in g.seqs], device),
         )
 
-    def _group_params(self, out: SchedulerOutput) -> list[SamplingParams]:
+    def _group_params(self, out: SchedulerOutput) -> list[RowTemplate]:
         """Parameters arrive with a request's first step and stay until it finishes."""
         for request_id in out.finished_request_ids:
             self.params.pop(request_id, None)
         params = self.params
         for g in out.groups:
             if g.sampling_params is not None:
-                params[g.request_id] = g.sampling_params
+                params[g.request_id] = row_template(g.sampling_params, self.eos_token_ids)
         return [params[g.request_id] for g in out.groups]
 
     @torch.inference_mode()
@@ -109,7 +110,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # [num_sampled, vocab]
         if self.sampler is None:
             return None
-        return self.sampler(logits, [g for g, _ in sampled], [p for _, p in sampled])
+        return self.sampler(logits, batch_from_groups([g for g, _ in sampled], [p for _, p in sampled]))
 
 
 def _long(values: list[int], device) -> torch.Tensor:
