@@ -284,11 +284,10 @@ class Sampler:
 
 def _plain_greedy(logits: torch.Tensor, raw_logprobs: torch.Tensor, seq_ids: Sequence[int]) -> SamplerOutput:
     """Every row greedy with one draw, no logprobs, no controls: one argmax, one gather."""
-    tokens = logits.argmax(dim=-1)  # [num_rows]
-    chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [num_rows]
-    return SamplerOutput(
-        [SeqSample(s, [t], [lp]) for s, t, lp in zip(seq_ids, tokens.tolist(), chosen.tolist())]
-    )
+    tokens = logits.argmax(dim=-1, keepdim=True)  # [num_rows, 1]
+    chosen = raw_logprobs.gather(1, tokens)  # [num_rows, 1]
+    # tolist() of [num_rows, 1] gives each SeqSample its one-token lists, built in C
+    return SamplerOutput(list(map(SeqSample, seq_ids, tokens.tolist(), chosen.tolist())))
 
 
 def _top_logprobs(logprobs: torch.Tensor, token: int, token_logprob: float, k: int) -> dict[int, float]:
