@@ -137,6 +137,8 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """`batch` describes `logits`' rows, in order: one SeqSample per row."""
+        if logits.shape[0] != len(batch):
+            raise ValueError(f"the sampler got {logits.shape[0]} logits rows for a SamplingBatch of {len(batch)}")
         logits = logits.float()  # [num_rows, vocab]
         raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
         if batch.is_plain_greedy:

@@ -56,9 +56,11 @@ def test_flags_pick_the_fast_path_only_when_nothing_else_is_asked():
     assert _batch(0).is_plain_greedy and len(Sampler()(torch.zeros(0, 8), _batch(0)).samples) == 0
 
 
-def test_a_column_of_the_wrong_length_is_named():
+def test_a_column_or_logits_of_the_wrong_length_is_named():
     with pytest.raises(ValueError, match="top_ps has 2 rows, seq_ids has 3"):
         _batch(3, top_ps=[1.0, 1.0])
+    with pytest.raises(ValueError, match="3 logits rows for a SamplingBatch of 2"):
+        Sampler()(torch.zeros(3, 8), _batch(2))
 
 
 def test_greedy_rows_in_a_mixed_batch_take_the_argmax_of_their_controlled_logits():
