@@ -17,6 +17,7 @@ BENCHMARKS = {
     "ray-overhead": "benchmarks.ray_overhead",
     "telemetry": "benchmarks.telemetry_cost",
     "attention-host": "benchmarks.attention_host",
+    "sampler-host": "benchmarks.sampler_host",
     "serving": "benchmarks.serving",
     "smollm2": "benchmarks.smollm2",
 }

@@ -19,30 +19,16 @@ Two objects, for two readers:
 
 from __future__ import annotations
 
-import operator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rayserve_paged.core.sequence import SamplingParams
+from rayserve_paged.pickling import compact_pickle
 
 if TYPE_CHECKING:
     from rayserve_paged.core.sequence import SequenceGroup
 
 BlockMapping = list[tuple[int, int]]
-
-
-def compact_pickle(cls):
-    """Pickle a slots dataclass as its constructor call with the field values in order:
-    several times faster to dump and load than the generic slots state, and smaller. The
-    per-step payload between scheduler and workers uses it. (No __post_init__ allowed.)"""
-    names = tuple(f.name for f in fields(cls))
-    assert not hasattr(cls, "__post_init__"), cls
-    values = operator.attrgetter(*names)
-    if len(names) == 1:
-        cls.__reduce__ = lambda self: (type(self), (values(self),))
-    else:
-        cls.__reduce__ = lambda self: (type(self), values(self))
-    return cls
 
 
 @compact_pickle

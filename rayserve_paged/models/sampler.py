@@ -1,6 +1,9 @@
 """From last-token logits to sampled tokens: greedy, sampling (temperature, top-k, top-p,
 min-p, penalties, per-request seeds), logprobs, and beam-search candidates.
 
+The sampler knows tensors and per-row parameter columns (`SamplingBatch`), not requests or
+sequences: the worker builds the batch (worker/sampling_inputs.py).
+
 Logprobs are the model's own (log-softmax of the raw logits), as OpenAI reports them;
 beam search and best_of rank by their sums.
 
@@ -12,12 +15,12 @@ token i with probability p_i.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from rayserve_paged.core.outputs import ScheduledGroup, compact_pickle
-from rayserve_paged.core.sequence import SamplingParams
+from rayserve_paged.pickling import compact_pickle
 
 _MASK = float("-inf")
 
@@ -34,7 +37,77 @@ class SeqSample:
 @compact_pickle
 @dataclass(slots=True)
 class SamplerOutput:
-    samples: list[SeqSample]  # one per scheduled sequence, in SchedulerOutput order
+    samples: list[SeqSample]  # one per logits row, in row order
+
+
+@dataclass(slots=True)
+class RowPenalty:
+    """The penalties of one row and the tokens they count."""
+
+    history: Sequence[int] | torch.Tensor  # every token id of the sequence: prompt, then output
+    num_prompt_tokens: int  # frequency and presence count only what follows the prompt
+    repetition: float  # 1.0: off; applies to prompt and output tokens
+    frequency: float
+    presence: float
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """How to sample one step's logits: one entry per logits row, in row order.
+
+    Columns are lists or tuples with one value per row. Controls that few rows use are
+    sparse (row -> value, only for the rows that ask). A beam row (beam width > 0) reads
+    only its seq id, width and nothing else: it returns the best beam_factor * width
+    continuations. The flags below are derived once, at construction, from the columns
+    (C-speed scans); they pick the sampler's branches, and the common step (every row
+    greedy, one draw, no logprobs, no controls) costs one argmax and one gather.
+    """
+
+    seq_ids: Sequence[int]
+    temperatures: Sequence[float]  # 0.0: greedy (argmax)
+    top_ks: Sequence[int]  # -1: the whole vocabulary
+    top_ps: Sequence[float]  # 1.0: off
+    min_ps: Sequence[float]  # 0.0: off
+    seeds: Sequence[int | None]  # None: the global generator
+    sample_indices: Sequence[int]  # draw j of row r is seeded by sample index sample_indices[r] + j
+    output_indices: Sequence[int]  # output tokens the row's sequence has so far
+    num_draws: Sequence[int]  # best_of on a group's first step, else 1
+    beam_widths: Sequence[int]  # 0: not beam search
+    logprobs: Sequence[int | None]  # k: report the k most likely alternatives too
+    penalties: dict[int, RowPenalty] = field(default_factory=dict)
+    logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)  # row -> {token: added}
+    banned_tokens: dict[int, Sequence[int]] = field(default_factory=dict)  # row -> masked tokens (min_tokens)
+
+    is_all_greedy: bool = field(init=False)
+    has_top_k_or_p: bool = field(init=False)
+    has_min_p: bool = field(init=False)
+    has_seeds: bool = field(init=False)
+    has_logprobs: bool = field(init=False)
+    has_beams: bool = field(init=False)
+    has_multi_draws: bool = field(init=False)
+    has_controls: bool = field(init=False)  # penalties, logit_bias or banned tokens on some row
+    is_plain_greedy: bool = field(init=False)  # the fast path: argmax + gather, nothing else
+
+    def __post_init__(self) -> None:
+        n = len(self.seq_ids)
+        for name in ("temperatures", "top_ks", "top_ps", "min_ps", "seeds", "sample_indices", "output_indices",
+                     "num_draws", "beam_widths", "logprobs"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"SamplingBatch.{name} has {len(getattr(self, name))} rows, seq_ids has {n}")
+        self.is_all_greedy = not any(self.temperatures)
+        self.has_top_k_or_p = n > 0 and (self.top_ks.count(-1) != n or min(self.top_ps) < 1.0)
+        self.has_min_p = any(self.min_ps)
+        self.has_seeds = self.seeds.count(None) != n
+        self.has_logprobs = self.logprobs.count(None) != n
+        self.has_beams = any(self.beam_widths)
+        self.has_multi_draws = n > 0 and max(self.num_draws) > 1
+        self.has_controls = bool(self.penalties or self.logit_bias or self.banned_tokens)
+        self.is_plain_greedy = self.is_all_greedy and not (
+            self.has_logprobs or self.has_beams or self.has_multi_draws or self.has_controls
+        )
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
 
 
 @dataclass(slots=True)
@@ -57,98 +130,73 @@ class Sampler:
         # Beam search keeps (1 + #eos) * width candidates (at least 2 * width) per step, so
         # width of them survive even when the best all end in an EOS.
         self.beam_factor = max(2, 1 + num_eos_tokens)
-        self.eos_token_ids = tuple(eos_token_ids)  # masked before a request's min_tokens
+        # The model's EOS ids: whoever builds this sampler's batches bans them before a
+        # request's min_tokens (SamplingBatch.banned_tokens).
+        self.eos_token_ids = tuple(eos_token_ids)
 
     @torch.inference_mode()
-    def __call__(
-        self, logits: torch.Tensor, groups: list[ScheduledGroup], group_params: list[SamplingParams]
-    ) -> SamplerOutput:
-        """`group_params[i]` samples `groups[i]` (workers keep each request's parameters)."""
-        logits = logits.float()  # [num_seqs, vocab]
-        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_seqs, vocab]
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """`batch` describes `logits`' rows, in order: one SeqSample per row."""
+        if logits.shape[0] != len(batch):
+            raise ValueError(f"the sampler got {logits.shape[0]} logits rows for a SamplingBatch of {len(batch)}")
+        logits = logits.float()  # [num_rows, vocab]
+        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
+        if batch.is_plain_greedy:
+            return _plain_greedy(logits, raw_logprobs, batch.seq_ids)
         samples: list[SeqSample] = []
         draws: list[_Row] = []  # non-beam rows to draw, expanded for best_of
         owners: list[tuple[int, int]] = []  # (samples index, copies) for each draw group
-        row_params = [p for g, p in zip(groups, group_params) for _ in g.seqs]  # per logits row
-        row = 0
-        penalised = self._apply_penalties(logits, groups, group_params)
-        penalised = self._apply_logit_controls(penalised, groups, group_params)
-        for group, params in zip(groups, group_params):
-            for seq in group.seqs:
-                if params.use_beam_search:
-                    samples.append(self._beam_candidates(seq.seq_id, raw_logprobs[row], params.best_of))
-                else:
-                    copies = params.best_of if group.is_first_step else 1
-                    owners.append((len(samples), copies))
-                    samples.append(SeqSample(seq.seq_id, [], []))
-                    for i in range(copies):
-                        index = i if group.is_first_step else seq.sample_index
-                        draws.append(_Row(row, params.seed, index, seq.num_output_tokens))
-                row += 1
+        penalised = self._apply_controls(logits, batch)
+        seeds, sample_indices, output_indices = batch.seeds, batch.sample_indices, batch.output_indices
+        for row, (seq_id, width, copies) in enumerate(zip(batch.seq_ids, batch.beam_widths, batch.num_draws)):
+            if width:
+                samples.append(self._beam_candidates(seq_id, raw_logprobs[row], width))
+                continue
+            owners.append((len(samples), copies))
+            samples.append(SeqSample(seq_id, [], []))
+            first = sample_indices[row]
+            for j in range(copies):
+                draws.append(_Row(row, seeds[row], first + j, output_indices[row]))
         if draws:
-            tokens = self._draw(penalised, draws, row_params)
-            self._fill(samples, owners, draws, tokens, raw_logprobs, row_params)
+            tokens = self._draw(penalised, draws, batch)
+            self._fill(samples, owners, draws, tokens, raw_logprobs, batch.logprobs)
         return SamplerOutput(samples)
 
-    # ------------------------------------------------------------------ penalties
+    # ------------------------------------------------------------------ penalties and controls
 
-    def _apply_penalties(self, logits: torch.Tensor, groups: list[ScheduledGroup], group_params) -> torch.Tensor:
-        rows = []
-        row = 0
-        for group, params in zip(groups, group_params):
-            for seq in group.seqs:
-                if seq.history is not None and not params.use_beam_search:
-                    rows.append((row, group, params, seq))
-                row += 1
-        if not rows:
+    def _apply_controls(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Penalties, then logit_bias added to its tokens, then the banned tokens (EOS and
+        stop tokens before min_tokens) masked. Only the rows that ask are touched."""
+        if not batch.has_controls:
             return logits
         logits = logits.clone()
         vocab = logits.shape[-1]
-        for row, group, p, seq in rows:
-            history = torch.tensor(seq.history, dtype=torch.long, device=logits.device)
-            output = history[group.num_prompt_tokens :]
+        for row, p in batch.penalties.items():
+            history = torch.as_tensor(p.history, dtype=torch.long, device=logits.device)
+            output = history[p.num_prompt_tokens :]
             counts = torch.bincount(output.clamp(0, vocab - 1), minlength=vocab).to(logits.dtype)  # [vocab]
-            if p.repetition_penalty != 1.0:
+            if p.repetition != 1.0:
                 seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
                 seen[history.clamp(0, vocab - 1)] = True
                 x = logits[row]
-                penalised = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+                penalised = torch.where(x > 0, x / p.repetition, x * p.repetition)
                 logits[row] = torch.where(seen, penalised, x)
-            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-        return logits
-
-    def _apply_logit_controls(self, logits: torch.Tensor, groups: list[ScheduledGroup], group_params) -> torch.Tensor:
-        """logit_bias added to its tokens; EOS and stop tokens masked while a sequence has
-        fewer than min_tokens output tokens. Only rows that ask are touched."""
-        rows = []
-        row = 0
-        for group, params in zip(groups, group_params):
-            for seq in group.seqs:
-                is_short = seq.num_output_tokens < params.min_tokens
-                if (params.logit_bias or is_short) and not params.use_beam_search:
-                    rows.append((row, params, is_short))
-                row += 1
-        if not rows:
-            return logits
-        logits = logits.clone()
-        vocab = logits.shape[-1]
-        for row, params, is_short in rows:
-            if params.logit_bias:
-                ids = [t for t in params.logit_bias if t < vocab]
-                bias = torch.tensor([params.logit_bias[t] for t in ids], dtype=logits.dtype, device=logits.device)
-                logits[row, ids] += bias
-            if is_short:
-                banned = [t for t in (*self.eos_token_ids, *params.stop_token_ids) if t < vocab]
-                logits[row, banned] = float("-inf")
+            logits[row] -= p.frequency * counts + p.presence * (counts > 0).to(logits.dtype)
+        for row, logit_bias in batch.logit_bias.items():
+            ids = [t for t in logit_bias if t < vocab]
+            bias = torch.tensor([logit_bias[t] for t in ids], dtype=logits.dtype, device=logits.device)
+            logits[row, ids] += bias
+        for row, tokens in batch.banned_tokens.items():
+            logits[row, [t for t in tokens if t < vocab]] = _MASK
         return logits
 
     # ------------------------------------------------------------------ drawing
 
-    def _draw(self, logits: torch.Tensor, draws: list[_Row], row_params: list) -> list[int]:
+    def _draw(self, logits: torch.Tensor, draws: list[_Row], batch: SamplingBatch) -> list[int]:
         index = torch.tensor([d.row for d in draws], device=logits.device)
         x = logits.index_select(0, index)  # [num_draws, vocab]
-        params = [row_params[d.row] for d in draws]
-        greedy = [p.is_greedy for p in params]
+        temperatures = batch.temperatures
+        greedy = [temperatures[d.row] == 0.0 for d in draws]
         result = torch.empty(len(draws), dtype=torch.long, device=logits.device)
         if any(greedy):
             g = torch.tensor(greedy, device=logits.device)
@@ -157,7 +205,14 @@ class Sampler:
             return result.tolist()
         sampled = [i for i, is_g in enumerate(greedy) if not is_g]
         s_index = torch.tensor(sampled, device=logits.device)
-        probs = self._truncated_probs(x[s_index], [params[i] for i in sampled])  # [num_sampled, vocab]
+        rows = [draws[i].row for i in sampled]
+        probs = self._truncated_probs(
+            x[s_index],
+            [temperatures[r] for r in rows],
+            [batch.top_ks[r] for r in rows] if batch.has_top_k_or_p else None,
+            [batch.top_ps[r] for r in rows] if batch.has_top_k_or_p else None,
+            [batch.min_ps[r] for r in rows] if batch.has_min_p else None,
+        )  # [num_sampled, vocab]
         q = torch.empty_like(probs)
         for j, i in enumerate(sampled):
             d = draws[i]
@@ -170,15 +225,22 @@ class Sampler:
         result[s_index] = (probs / q).argmax(dim=-1)
         return result.tolist()
 
-    def _truncated_probs(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+    def _truncated_probs(
+        self,
+        logits: torch.Tensor,
+        temperatures: Sequence[float],
+        top_ks: Sequence[int] | None,
+        top_ps: Sequence[float] | None,
+        min_ps: Sequence[float] | None,
+    ) -> torch.Tensor:
+        """Probabilities after temperature, top-k then top-p, then min-p; one row per entry
+        of the parameter lists (None: off for every row; top_ks and top_ps go together)."""
         device = logits.device
-        temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+        temperature = torch.tensor(temperatures, device=device).unsqueeze(1)
         logits = logits / temperature
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        if any(k != -1 for k in top_k) or any(p < 1.0 for p in top_p):
+        if top_ks is not None and (any(k != -1 for k in top_ks) or any(p < 1.0 for p in top_ps)):
             vocab = logits.shape[-1]
-            k = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_k], device=device)
+            k = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_ks], device=device)
             sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, vocab]
             ranks = torch.arange(vocab, device=device).unsqueeze(0)
             drop = ranks >= k.unsqueeze(1)
@@ -186,20 +248,19 @@ class Sampler:
             # smallest prefix whose mass reaches top_p (the first token always stays)
             sorted_probs = sorted_logits.masked_fill(drop, _MASK).softmax(dim=-1)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop |= mass_before >= torch.tensor(top_p, device=device).unsqueeze(1)
+            drop |= mass_before >= torch.tensor(top_ps, device=device).unsqueeze(1)
             drop[:, 0] = False
             sorted_logits = sorted_logits.masked_fill(drop, _MASK)
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
-        min_p = [p.min_p for p in params]
-        if any(m > 0 for m in min_p):
-            threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        if min_ps is not None and any(m > 0 for m in min_ps):
+            threshold = torch.tensor(min_ps, device=device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
         return probs
 
     # ------------------------------------------------------------------ results
 
-    def _fill(self, samples, owners, draws, tokens, raw_logprobs, row_params) -> None:
+    def _fill(self, samples, owners, draws, tokens, raw_logprobs, logprobs_k: Sequence[int | None]) -> None:
         device = raw_logprobs.device
         rows = torch.tensor([d.row for d in draws], device=device)
         chosen = raw_logprobs[rows, torch.tensor(tokens, device=device)].tolist()  # one gather
@@ -210,7 +271,7 @@ class Sampler:
                 draw = draws[d]
                 sample.token_ids.append(tokens[d])
                 sample.logprobs.append(chosen[d])
-                k = row_params[draw.row].logprobs
+                k = logprobs_k[draw.row]
                 if k is not None:
                     if sample.top_logprobs is None:
                         sample.top_logprobs = []
@@ -221,6 +282,14 @@ class Sampler:
         """The best beam_factor * width continuations of one beam, best first."""
         values, indices = logprobs.topk(min(self.beam_factor * width, logprobs.shape[-1]))
         return SeqSample(seq_id, indices.tolist(), values.tolist())
+
+
+def _plain_greedy(logits: torch.Tensor, raw_logprobs: torch.Tensor, seq_ids: Sequence[int]) -> SamplerOutput:
+    """Every row greedy with one draw, no logprobs, no controls: one argmax, one gather."""
+    tokens = logits.argmax(dim=-1, keepdim=True)  # [num_rows, 1]
+    chosen = raw_logprobs.gather(1, tokens)  # [num_rows, 1]
+    # tolist() of [num_rows, 1] gives each SeqSample its one-token lists, built in C
+    return SamplerOutput(list(map(SeqSample, seq_ids, tokens.tolist(), chosen.tolist())))
 
 
 def _top_logprobs(logprobs: torch.Tensor, token: int, token_logprob: float, k: int) -> dict[int, float]:

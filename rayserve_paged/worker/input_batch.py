@@ -16,14 +16,16 @@ from __future__ import annotations
 
 from rayserve_paged.core.outputs import StepMessage
 from rayserve_paged.core.sequence import SamplingParams
+from rayserve_paged.worker.sampling_inputs import RowTemplate, row_template
 
 
 class RequestState:
-    __slots__ = ("request_id", "params", "num_prompt_tokens", "seq_ids")
+    __slots__ = ("request_id", "params", "template", "num_prompt_tokens", "seq_ids")
 
-    def __init__(self, request_id: str, params: SamplingParams, num_prompt_tokens: int) -> None:
+    def __init__(self, request_id: str, params: SamplingParams, template: RowTemplate, num_prompt_tokens: int) -> None:
         self.request_id = request_id
         self.params = params
+        self.template = template  # its rows' sampler columns, derived once
         self.num_prompt_tokens = num_prompt_tokens
         self.seq_ids: set[int] = set()
 
@@ -46,7 +48,8 @@ class StepStateError(RuntimeError):
 
 
 class InputBatch:
-    def __init__(self) -> None:
+    def __init__(self, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.eos_token_ids = eos_token_ids  # masked before a request's min_tokens
         self.requests: dict[str, RequestState] = {}
         self.seqs: dict[int, SeqState] = {}
 
@@ -76,7 +79,8 @@ class InputBatch:
                 for seq_id in request.seq_ids:
                     seqs.pop(seq_id, None)
         for new in msg.new_requests:
-            request = RequestState(new.request_id, new.sampling_params, new.num_prompt_tokens)
+            template = row_template(new.sampling_params, self.eos_token_ids)
+            request = RequestState(new.request_id, new.sampling_params, template, new.num_prompt_tokens)
             self.requests[new.request_id] = request
             history = None
             if new.sampling_params.needs_history:

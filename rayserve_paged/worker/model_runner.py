@@ -16,6 +16,7 @@ from rayserve_paged.core.outputs import StepMessage
 from rayserve_paged.models.sampler import Sampler, SamplerOutput
 from rayserve_paged.ops.attention import AttentionMetadata
 from rayserve_paged.worker.input_batch import InputBatch, SeqState
+from rayserve_paged.worker.sampling_inputs import batch_from_step
 
 
 @dataclass(slots=True)
@@ -35,7 +36,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler  # only the rank that returns samples has one
-        self.batch = InputBatch()
+        self.batch = InputBatch(sampler.eos_token_ids if sampler is not None else ())
 
     def prepare(self, msg: StepMessage, rows: list[SeqState]) -> StepInputs:
         bs = self.block_size
@@ -123,46 +124,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # [num_sampled, vocab]
         if self.sampler is None:
             return None
-        return self.sampler(logits, *_sampler_groups(msg, rows))
-
-
-class _RowView:
-    __slots__ = ("seq_id", "sample_index", "num_output_tokens", "history")
-
-    def __init__(self, seq: SeqState, num_output_tokens: int) -> None:
-        self.seq_id = seq.seq_id
-        self.sample_index = seq.sample_index
-        self.num_output_tokens = num_output_tokens
-        self.history = seq.history
-
-
-class _GroupView:
-    __slots__ = ("seqs", "is_first_step", "num_prompt_tokens")
-
-    def __init__(self, is_first_step: bool, num_prompt_tokens: int) -> None:
-        self.seqs: list[_RowView] = []
-        self.is_first_step = is_first_step
-        self.num_prompt_tokens = num_prompt_tokens
-
-
-def _sampler_groups(msg: StepMessage, rows: list[SeqState]) -> tuple[list[_GroupView], list]:
-    """The sampled rows, grouped by request (a group's rows are contiguous)."""
-    unsampled = set(msg.unsampled_seq_ids)
-    first_step = set(msg.first_step_seq_ids)
-    groups: list[_GroupView] = []
-    params = []
-    last = None
-    for i, seq in enumerate(rows):
-        if seq.seq_id in unsampled:
-            continue
-        request = seq.request
-        if request is not last:
-            groups.append(_GroupView(seq.seq_id in first_step, request.num_prompt_tokens))
-            params.append(request.params)
-            last = request
-        num_output = msg.start_positions[i] + msg.num_query_tokens[i] - request.num_prompt_tokens
-        groups[-1].seqs.append(_RowView(seq, num_output))
-    return groups, params
+        return self.sampler(logits, batch_from_step(msg, rows))
 
 
 def _long(values: list[int], device) -> torch.Tensor:

@@ -46,16 +46,14 @@ def test_top_p_is_measured_on_what_top_k_leaves_as_hf_does():
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
     logits = torch.tensor([[3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0]])
-    params = SamplingParams(temperature=1.0, top_k=3, top_p=0.6)
-    probs = Sampler()._truncated_probs(logits.clone(), [params])
+    probs = Sampler()._truncated_probs(logits.clone(), temperatures=[1.0], top_ks=[3], top_ps=[0.6], min_ps=None)
     hf = TopPLogitsWarper(0.6)(None, TopKLogitsWarper(3)(None, logits.clone())).softmax(dim=-1)
     # over the whole vocabulary token 0 alone holds < 0.6 and token 1 would be kept; over
     # the top 3 tokens 0 and 1 reach 0.6 ... either way the kept set must be HF's
     assert (probs > 0).tolist() == (hf > 0).tolist()
     torch.testing.assert_close(probs, hf)
     logits = torch.tensor([[2.0, 1.9, 1.8, 1.7, 1.6, 1.5, 1.4, 1.3]])
-    params = SamplingParams(temperature=1.0, top_k=4, top_p=0.5)
-    probs = Sampler()._truncated_probs(logits.clone(), [params])
+    probs = Sampler()._truncated_probs(logits.clone(), temperatures=[1.0], top_ks=[4], top_ps=[0.5], min_ps=None)
     hf = TopPLogitsWarper(0.5)(None, TopKLogitsWarper(4)(None, logits.clone())).softmax(dim=-1)
     assert (probs > 0).tolist() == (hf > 0).tolist()  # 2 kept of the top 4, not 4 of 8
     torch.testing.assert_close(probs, hf)

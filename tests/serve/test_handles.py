@@ -76,8 +76,9 @@ def _alive(class_name: str) -> list[dict]:
     return [a for a in actors if a.get("ActorClassName", "").endswith(class_name)]
 
 
-# A pool of 12 blocks for 10 sequences of ~3 blocks each: every executor preempts.
-PRESSURE = dict(max_model_len=128, num_gpu_blocks_override=12)
+# A pool of 12 blocks for 10 sequences of ~3 blocks each: every executor preempts. A token
+# budget of 16 for ten prompts arriving together: their prefills go in chunks.
+PRESSURE = dict(max_model_len=128, num_gpu_blocks_override=12, max_num_batched_tokens=16, max_num_seqs=16)
 
 
 def _pressure_workload():

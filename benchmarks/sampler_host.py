@@ -1,0 +1,174 @@
+"""Host time of sampling one step: building the sampler's batch plus the sampler call.
+
+One step of NUM_ROWS running decodes, one sequence per request, parameters cached per
+request (the worker keeps them), logits [NUM_ROWS, vocab] float32 on CPU. Timed per step
+(time.perf_counter_ns, after warm-up), Python's garbage collector enabled:
+
+    build   worker/sampling_inputs.batch_from_step(step message, rows of the worker's
+            persistent batch, where each request's row template is cached)
+    sample  Sampler(logits, batch)
+    total   both
+
+The vocabulary is small by default (256) so that the figure is the host's Python and
+torch dispatch, not the CPU doing a GPU's arithmetic; pass --vocab for a real one.
+
+Cases:
+
+  greedy_256   every row greedy, no logprobs: the sampler's fast path
+  sampled_256  temperature 0.8, top-p 0.9, each request seeded: the general path
+
+--baseline-sampler FILE times, interleaved step by step with the current code, a
+sampler module from FILE with the call shape it had before SamplingBatch:
+Sampler()(logits, groups, group_params), e.g. the file as of commit a4299eb:
+
+    git show a4299eb:rayserve_paged/models/sampler.py > /tmp/sampler_before.py
+    rayserve-paged bench sampler-host --baseline-sampler /tmp/sampler_before.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from rayserve_paged.core.outputs import NewRequest, StepMessage
+from rayserve_paged.core.sequence import SamplingParams
+from rayserve_paged.models.sampler import Sampler
+from rayserve_paged.worker.input_batch import InputBatch
+from rayserve_paged.worker.sampling_inputs import batch_from_step
+
+NUM_ROWS = 256
+EOS = (2,)
+CASES = {
+    "greedy_256": dict(temperature=0.0, max_tokens=None),
+    "sampled_256": dict(temperature=0.8, top_p=0.9, max_tokens=None),
+}
+
+
+class _OldSeq:
+    """A scheduled sequence as the sampler before SamplingBatch read it."""
+
+    __slots__ = ("seq_id", "num_output_tokens", "sample_index", "history")
+
+    def __init__(self, seq_id: int, num_output_tokens: int) -> None:
+        self.seq_id = seq_id
+        self.num_output_tokens = num_output_tokens
+        self.sample_index = 0
+        self.history = None
+
+
+class _OldGroup:
+    __slots__ = ("seqs", "is_first_step", "num_prompt_tokens")
+
+    def __init__(self, seq: _OldSeq) -> None:
+        self.seqs = [seq]
+        self.is_first_step = False
+        self.num_prompt_tokens = PROMPT_LEN
+
+
+PROMPT_LEN = 100
+
+
+def build_step(case: str, seed: int) -> tuple[InputBatch, StepMessage, list[_OldGroup], list[SamplingParams]]:
+    """A worker's batch holding NUM_ROWS requests, one decode step of all of them, and the
+    same step in the old sampler's shape."""
+    rng = random.Random(seed)
+    params = []
+    for _ in range(NUM_ROWS):
+        extra = {"seed": rng.randrange(1 << 30)} if case == "sampled_256" else {}
+        params.append(SamplingParams(**CASES[case], **extra))
+    batch = InputBatch(EOS)
+    batch.apply(StepMessage(
+        new_requests=[NewRequest(f"r{i}", i, p, PROMPT_LEN) for i, p in enumerate(params)],
+        block_table_updates=[(i, 0, [i]) for i in range(NUM_ROWS)],
+    ))
+    starts = [PROMPT_LEN + rng.randint(0, 199) for _ in range(NUM_ROWS)]
+    msg = StepMessage(
+        seq_ids=list(range(NUM_ROWS)), start_positions=starts, num_query_tokens=[1] * NUM_ROWS,
+        token_ids=[rng.randrange(1000) for _ in range(NUM_ROWS)],
+    )
+    old_groups = [_OldGroup(_OldSeq(i, start + 1 - PROMPT_LEN)) for i, start in enumerate(starts)]
+    return batch, msg, old_groups, params
+
+
+def load_baseline(path: str):
+    spec = importlib.util.spec_from_file_location("sampler_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.Sampler(len(EOS), EOS)
+
+
+def time_case(case: str, vocab: int, steps: int, warmup: int, seed: int, baseline) -> dict:
+    state, msg, groups, params = build_step(case, seed)  # row templates cached per request
+    logits = torch.randn(NUM_ROWS, vocab, generator=torch.Generator().manual_seed(seed))  # [rows, vocab]
+    sampler = Sampler(len(EOS), EOS)
+    build_ns, total_ns, before_ns = [], [], []
+    for step in range(warmup + steps):
+        start = time.perf_counter_ns()
+        batch = batch_from_step(msg, state.rows(msg))
+        built = time.perf_counter_ns()
+        out = sampler(logits, batch)
+        done = time.perf_counter_ns()
+        if baseline is not None:
+            b_start = time.perf_counter_ns()
+            before = baseline(logits, groups, params)
+            b_done = time.perf_counter_ns()
+            if case == "greedy_256" and [s.token_ids for s in before.samples] != [s.token_ids for s in out.samples]:
+                raise AssertionError("the baseline sampler chose other greedy tokens")
+        if step >= warmup:
+            build_ns.append(built - start)
+            total_ns.append(done - start)
+            if baseline is not None:
+                before_ns.append(b_done - b_start)
+    us = lambda values: round(statistics.median(values) / 1000, 1)  # noqa: E731
+    row = {"build_us": us(build_ns), "sample_us": us([t - b for t, b in zip(total_ns, build_ns)]), "total_us": us(total_ns)}
+    if baseline is not None:
+        row["baseline_total_us"] = us(before_ns)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rayserve-paged bench sampler-host", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300, help="timed steps per case")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated: {', '.join(CASES)}")
+    parser.add_argument("--baseline-sampler", help="a sampler.py with the old call shape, timed alongside")
+    parser.add_argument("--out", help="directory for sampler_host.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    baseline = load_baseline(args.baseline_sampler) if args.baseline_sampler else None
+    results = {}
+    for case in args.cases.split(","):
+        if case not in CASES:
+            parser.error(f"unknown case {case!r}")
+        results[case] = time_case(case, args.vocab, args.steps, args.warmup, args.seed, baseline)
+    print(f"sampler host time, {NUM_ROWS} rows, vocab {args.vocab} (median us per step)")
+    for case, row in results.items():
+        print(f"  {case:12s} " + "  ".join(f"{key}={value}" for key, value in row.items()))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        record = {
+            "benchmark": "sampler-host",
+            "machine": platform.platform(),
+            "loadavg": open("/proc/loadavg").read().strip() if os.path.exists("/proc/loadavg") else None,
+            "vocab": args.vocab,
+            "results": results,
+        }
+        with open(os.path.join(args.out, "sampler_host.json"), "w") as f:
+            json.dump(record, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
