@@ -14,6 +14,7 @@ from rayserve_paged.core.outputs import ScheduledSeq, SchedulerOutput
 from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.models.sampler import Sampler, SamplerOutput
 from rayserve_paged.ops.attention import AttentionMetadata
+from rayserve_paged.worker.static_decode import StaticDecode, decode_rows
 
 
 @dataclass(slots=True)
@@ -26,7 +27,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, block_size: int, device: torch.device, sampler: Sampler | None, attn_backend=None
+        self, model: torch.nn.Module, block_size: int, device: torch.device, sampler: Sampler | None, attn_backend=None,
+        static_decode: StaticDecode | None = None,
     ):
         self.model = model
         self.attn_backend = attn_backend  # begin_step(metadata) once per step, before the layers
@@ -34,6 +36,8 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler  # only the rank that returns samples has one
         self.params: dict[str, SamplingParams] = {}  # request id -> its sampling parameters
+        self.static_decode = static_decode  # decode-only steps within its buckets: padded, CUDA graphs
+        self.last_path = ""  # the last step's: "eager", "static-graph" or "static-eager" (padded, no graph)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         seqs = [s for g in out.groups for s in g.seqs]
@@ -99,14 +103,20 @@ class ModelRunner:
         group_params = self._group_params(out)
         if not out.groups:
             return SamplerOutput([]) if self.sampler is not None else None
-        inputs = self.prepare(out)
-        if self.attn_backend is not None:
-            self.attn_backend.begin_step(inputs.metadata)  # checks and launch planning, once per step
-        hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.metadata)  # [T, hidden]
+        rows = decode_rows(out, self.block_size) if self.static_decode is not None else None
+        if self.static_decode is not None and self.static_decode.fits(rows):
+            hidden = self.static_decode.forward(rows, kv_caches)  # [num_decodes, hidden]
+            logits_indices, self.last_path = _long(rows.sampled, self.device), f"static-{self.static_decode.last_path}"
+        else:
+            inputs = self.prepare(out)
+            if self.attn_backend is not None:
+                self.attn_backend.begin_step(inputs.metadata)  # checks and launch planning, once per step
+            hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.metadata)  # [T, hidden]
+            logits_indices, self.last_path = inputs.logits_indices, "eager"
         sampled = [(g, p) for g, p in zip(out.groups, group_params) if g.do_sample]
         if not sampled:  # only prefill chunks this step
             return SamplerOutput([]) if self.sampler is not None else None
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # [num_sampled, vocab]
+        logits = self.model.compute_logits(hidden.index_select(0, logits_indices))  # [num_sampled, vocab]
         if self.sampler is None:
             return None
         return self.sampler(logits, [g for g, _ in sampled], [p for _, p in sampled])
