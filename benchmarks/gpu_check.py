@@ -639,8 +639,11 @@ def runner_throughput(torch, runner, caches, mc, block_size, quick: bool, backen
 
 
 def kv_sizing(torch, runner, mc, backend, block_size, dtype) -> dict:
-    """Blocks the KV cache gets from gpu_memory_utilization=0.9 after a 2048-token profile step."""
+    """Blocks the KV cache gets from gpu_memory_utilization=0.9 after a 2048-token profile step,
+    with the decode workspace and the CUDA graphs of max_num_seqs=256 reserved (as the worker
+    does)."""
     from rayserve_paged.worker.kv_sizing import kv_cache_budget_bytes
+    from rayserve_paged.worker.static_decode import StaticDecode
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -648,10 +651,10 @@ def kv_sizing(torch, runner, mc, backend, block_size, dtype) -> dict:
     caches = _caches(torch, mc, 2048 // block_size, block_size, getattr(torch, dtype), "cuda")
     runner_greedy(runner, caches, [[7] * 2047], 1, block_size, 2048 // block_size)
     torch.cuda.synchronize()
+    allocated, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
     workspace = backend.decode_workspace_bytes(256, mc.num_heads, mc.num_kv_heads, mc.head_dim, 2048, "cuda")
-    budget = kv_cache_budget_bytes(
-        total, free_before, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), 0.9, workspace
-    )
+    graphs = StaticDecode(runner.model, block_size, 256, 2048, "cuda", backend).profile_bytes(caches)
+    budget = kv_cache_budget_bytes(total, free_before, allocated, peak, 0.9, workspace, cuda_graph_bytes=graphs)
     element_size = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     block_bytes = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * element_size
     num_blocks = max(budget // block_bytes, 0)
@@ -662,7 +665,8 @@ def kv_sizing(torch, runner, mc, backend, block_size, dtype) -> dict:
     del allocated
     torch.cuda.empty_cache()
     return {"gpu_memory_utilization": 0.9, "budget_gib": budget / 2**30, "num_blocks": num_blocks,
-            "decode_workspace_mib": workspace / 2**20, "free_after_allocation_gib": used[0] / 2**30}
+            "decode_workspace_mib": workspace / 2**20, "cuda_graph_reserve_mib": graphs / 2**20,
+            "free_after_allocation_gib": used[0] / 2**30}
 
 
 def compiled_variants() -> int | None:

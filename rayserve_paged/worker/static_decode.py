@@ -280,8 +280,9 @@ class StaticDecode:
 
 
 def capture_graphs(static: StaticDecode | None, kv_caches: list, rank: int = 0) -> list[int]:
-    """static.capture(kv_caches) with its time and memory logged; [] without a static path."""
-    if static is None or not static.can_capture:
+    """static.capture(kv_caches) with its time and memory logged; [] without a static path
+    or without a block to read (padding rows read block 0)."""
+    if static is None or not static.can_capture or not kv_caches or kv_caches[0][0].shape[0] == 0:
         return []
     before = torch.cuda.memory_allocated(static.device)
     started = time.perf_counter()
