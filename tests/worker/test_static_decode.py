@@ -245,3 +245,18 @@ def test_captured_graphs_replay_the_eager_tokens(tiny_paths, arch):
             eager = static.forward(rows, list(caches))  # other list: not the captured caches -> eager
             assert static.last_path == "eager"
         torch.testing.assert_close(replayed, eager)
+
+
+def test_decode_rows_from_a_scheduler_output():
+    groups = [
+        ScheduledGroup("beam", [ScheduledSeq(0, [11], 9, [4, 7], 1, 0), ScheduledSeq(1, [12], 9, [4, 8], 1, 1)],
+                       None, 5, False),
+        ScheduledGroup("chunk", [ScheduledSeq(2, [13], 16, [1, 2, 3], 0, 0)], None, 30, True, do_sample=False),
+        ScheduledGroup("one", [ScheduledSeq(3, [14], 0, [9], 0, 0)], None, 1, True),
+    ]
+    rows = decode_rows(SchedulerOutput(groups=groups), BLOCK_SIZE)
+    assert rows.token_ids == [11, 12, 13, 14] and rows.positions == [9, 9, 16, 0]
+    assert rows.seq_lens == [10, 10, 17, 1] and rows.block_tables == [[4, 7], [4, 8], [1, 2, 3], [9]]
+    assert rows.slot_mapping == [7 * BLOCK_SIZE + 1, 8 * BLOCK_SIZE + 1, 3 * BLOCK_SIZE, 9 * BLOCK_SIZE]
+    assert rows.sampled == [0, 1, 3]  # the chunk that ends before its group's last token samples nothing
+    assert decode_rows(SchedulerOutput(groups=[]), BLOCK_SIZE) is None
