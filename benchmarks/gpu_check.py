@@ -13,15 +13,19 @@ With CUDA (sized for one H200, under 8 minutes; --quick does less of each):
   prefill  paged prefill attention with and without cached context: time, TFLOP/s, vs SDPA
   runner   the same model through load_model + ModelRunner (no engine: no pydantic, no ray):
            greedy tokens equal to HF in float32; a swap out / swap in round trip halfway
-           (tokens unchanged) in fp32 / fp16 / bf16; KV sizing from gpu_memory_utilization;
-           no kernel compile after warm-up; fp16 / bf16 decode tokens/s
+           (tokens unchanged) in fp32 / fp16 / bf16; the static-shape decode path (padded
+           buckets, one CUDA graph per bucket) against the eager path's tokens; KV sizing
+           from gpu_memory_utilization; no kernel compile after warm-up (graph captures
+           included); fp16 / bf16 decode tokens/s with CUDA graphs off and on, and the memory
+           the graphs hold against the KV sizing's reserve for them
   e2e      (needs pydantic) a random-weight OPT-1.3B-shaped checkpoint (hidden 2048, 24 layers, ffn 8192,
            32 heads; the tiny 512-token vocabulary) in float16: the engine's greedy tokens with
            attention_backend="triton" against HF generate in float16 (match rate), and engine
-           tokens/s with the triton and the torch backends
+           tokens/s with the triton backend (CUDA graphs, and enforce_eager) and the torch backend
 Without CUDA it runs what a CPU can: the interpreter tests (TRITON_INTERPRET=1; the `quick`
-subset with --quick) and a tiny end-to-end run (tiny OPT, torch backend and the interpreted
-triton backend, against HF), and lists the GPU parts as skipped.
+subset with --quick), the runner check on the tiny OPT (HF parity, swap round trip, the
+static-shape decode path run eagerly) and a tiny end-to-end run (tiny OPT, torch backend and
+the interpreted triton backend, against HF), and lists the GPU parts as skipped.
 
 Writes OUT_DIR/gpu_check.json (every figure) and prints a short table last.
 Timing: CUDA graph replay (eager when capture fails) between torch.cuda.Event pairs, after
@@ -57,8 +61,8 @@ BENCH_BUDGET_S = {"quick": 90.0, "full": 150.0}
 # The plan, step by step (seconds on one H200; full run). Each step's time is recorded next
 # to its budget; the total leaves a 15-minute GPU slot room for a rerun.
 STEP_BUDGET_S = {
-    "tests": 240, "copy_bandwidth": 10, "decode": 110, "prefill": 40, "runner": 60, "e2e": 20,
-}  # 470 s: under 8 minutes
+    "tests": 240, "copy_bandwidth": 10, "decode": 85, "prefill": 40, "runner": 75, "e2e": 30,
+}  # 480 s: 8 minutes
 DECODE_BATCHES = (1, 16, 64, 256)
 DECODE_CONTEXTS = (512, 2048, 8192)
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -450,6 +454,7 @@ def runner_check(torch, has_cuda: bool, quick: bool, cpu_backend: str = "triton"
     from rayserve_paged.ops.backends import get_attention_backend
     from rayserve_paged.ops.cache_ops import BlockSwapper
     from rayserve_paged.worker.model_runner import ModelRunner
+    from rayserve_paged.worker.static_decode import StaticDecode
 
     device = "cuda" if has_cuda else "cpu"
     backend_name = "triton" if has_cuda or (cpu_backend == "triton" and triton_backend.is_interpreted()) else "torch"
@@ -487,6 +492,18 @@ def runner_check(torch, has_cuda: bool, quick: bool, cpu_backend: str = "triton"
                 compiled_before = compiled_variants()
             ours = [_cut_at_eos(tokens, eos_ids) for tokens in
                     runner_greedy(runner, caches, tokenizer_ids, max_new, block_size, blocks_per_seq)]
+            # the static-shape decode path: 4 prompts in buckets 1, 2, 4 (graphs on CUDA)
+            runner.static_decode = StaticDecode(
+                model, block_size, len(tokenizer_ids), mc.max_model_len, device, backend
+            )
+            result.setdefault("static_decode_graphs", {})[dtype] = runner.static_decode.capture(caches)
+            static = [_cut_at_eos(tokens, eos_ids) for tokens in
+                      runner_greedy(runner, caches, tokenizer_ids, max_new, block_size, blocks_per_seq)]
+            result.setdefault("static_decode_runs", {})[dtype] = dict(runner.static_decode.runs)
+            runner.static_decode = None
+            result.setdefault("static_decode_equal", {})[dtype] = static == ours
+            if static != ours and dtype == "float32":
+                result["failures"].append("float32: the static-shape decode path's tokens differ from the eager path's")
             swapper = BlockSwapper(caches, host)
             swapped = [_cut_at_eos(tokens, eos_ids) for tokens in
                        runner_greedy(runner, caches, tokenizer_ids, max_new, block_size, blocks_per_seq, swapper)]
@@ -500,7 +517,7 @@ def runner_check(torch, has_cuda: bool, quick: bool, cpu_backend: str = "triton"
                 result["failures"].append(f"{dtype}: tokens after a swap-out / swap-in differ")
             if has_cuda:
                 result.setdefault("decode_tokens_per_s", {})[dtype] = runner_throughput(
-                    torch, runner, caches, mc, block_size, quick
+                    torch, runner, caches, mc, block_size, quick, backend
                 )
                 compiled_after = compiled_variants()
                 result.setdefault("compiles_after_warm_up", {})[dtype] = (
@@ -512,7 +529,6 @@ def runner_check(torch, has_cuda: bool, quick: bool, cpu_backend: str = "triton"
             del model, runner, caches, host
             _free_memory(torch)
     result["model"] = "random-weight OPT-1.3B-shaped" if has_cuda else "tiny OPT (CPU)"
-    result["cuda_graphs"] = "not implemented yet (needs the static-shape decode path); eager only"
     return result
 
 
@@ -580,9 +596,15 @@ def runner_greedy(runner, caches, prompts, max_new, block_size, blocks_per_seq, 
     return outputs
 
 
-def runner_throughput(torch, runner, caches, mc, block_size, quick: bool) -> dict:
-    """Decode tokens per second of the runner for a batch of random prompts (eager)."""
+def runner_throughput(torch, runner, caches, mc, block_size, quick: bool, backend) -> dict:
+    """Tokens per second of the runner for a batch of random prompts (one prefill step, then
+    decode steps), with CUDA graphs off (eager on the exact batch) and on (StaticDecode with
+    a graph per bucket up to the batch, captured on these caches), the tokens of the two
+    runs compared, and the memory the graphs hold against StaticDecode.profile_bytes (what
+    the worker's KV sizing reserves for them)."""
     import random
+
+    from rayserve_paged.worker.static_decode import StaticDecode
 
     rng = random.Random(0)
     batch, prompt_len, steps = (16, 128, 16) if quick else (64, 256, 32)
@@ -592,18 +614,41 @@ def runner_throughput(torch, runner, caches, mc, block_size, quick: bool) -> dic
         bigger = _caches(torch, mc, 1 + batch * blocks_per_seq, block_size, caches[0][0].dtype, "cuda")
     else:
         bigger = caches
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    runner_greedy(runner, bigger, prompts, steps, block_size, blocks_per_seq)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - started
-    return {"batch": batch, "prompt_len": prompt_len, "new_tokens": steps, "seconds": round(seconds, 3),
-            "tokens_per_s": round(batch * steps / seconds, 1)}
+    result: dict = {"batch": batch, "prompt_len": prompt_len, "new_tokens": steps}
+    tokens = {}
+    for mode in ("graphs_off", "graphs_on"):
+        runner.static_decode = None
+        if mode == "graphs_on":
+            static = StaticDecode(runner.model, block_size, batch, mc.max_model_len, "cuda", backend)
+            reserved = static.profile_bytes(bigger)
+            torch.cuda.synchronize()
+            before, started = torch.cuda.memory_allocated(), time.perf_counter()
+            result["graph_buckets"] = static.capture(bigger)
+            result["capture_seconds"] = round(time.perf_counter() - started, 2)
+            held = torch.cuda.memory_allocated() - before
+            result["graph_memory_mib"] = {"held": round(held / 2**20, 1), "reserved": round(reserved / 2**20, 1)}
+            result["graph_reserve_covers_capture"] = held <= reserved
+            runner.static_decode = static
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        tokens[mode] = runner_greedy(runner, bigger, prompts, steps, block_size, blocks_per_seq)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        result[mode] = {"seconds": round(seconds, 3), "tokens_per_s": round(batch * steps / seconds, 1)}
+        if mode == "graphs_on":
+            result["graph_replays"] = runner.static_decode.runs["graph"]
+    runner.static_decode = None
+    result["graphs_on_over_off"] = round(result["graphs_off"]["seconds"] / result["graphs_on"]["seconds"], 3)
+    result["tokens_equal_rows"] = sum(a == b for a, b in zip(tokens["graphs_off"], tokens["graphs_on"]))
+    return result
 
 
 def kv_sizing(torch, runner, mc, backend, block_size, dtype) -> dict:
-    """Blocks the KV cache gets from gpu_memory_utilization=0.9 after a 2048-token profile step."""
+    """Blocks the KV cache gets from gpu_memory_utilization=0.9 after a 2048-token profile step,
+    with the decode workspace and the CUDA graphs of max_num_seqs=256 reserved (as the worker
+    does)."""
     from rayserve_paged.worker.kv_sizing import kv_cache_budget_bytes
+    from rayserve_paged.worker.static_decode import StaticDecode
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -611,10 +656,10 @@ def kv_sizing(torch, runner, mc, backend, block_size, dtype) -> dict:
     caches = _caches(torch, mc, 2048 // block_size, block_size, getattr(torch, dtype), "cuda")
     runner_greedy(runner, caches, [[7] * 2047], 1, block_size, 2048 // block_size)
     torch.cuda.synchronize()
+    allocated, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
     workspace = backend.decode_workspace_bytes(256, mc.num_heads, mc.num_kv_heads, mc.head_dim, 2048, "cuda")
-    budget = kv_cache_budget_bytes(
-        total, free_before, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), 0.9, workspace
-    )
+    graphs = StaticDecode(runner.model, block_size, 256, 2048, "cuda", backend).profile_bytes(caches)
+    budget = kv_cache_budget_bytes(total, free_before, allocated, peak, 0.9, workspace, cuda_graph_bytes=graphs)
     element_size = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     block_bytes = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * element_size
     num_blocks = max(budget // block_bytes, 0)
@@ -625,7 +670,8 @@ def kv_sizing(torch, runner, mc, backend, block_size, dtype) -> dict:
     del allocated
     torch.cuda.empty_cache()
     return {"gpu_memory_utilization": 0.9, "budget_gib": budget / 2**30, "num_blocks": num_blocks,
-            "decode_workspace_mib": workspace / 2**20, "free_after_allocation_gib": used[0] / 2**30}
+            "decode_workspace_mib": workspace / 2**20, "cuda_graph_reserve_mib": graphs / 2**20,
+            "free_after_allocation_gib": used[0] / 2**30}
 
 
 def compiled_variants() -> int | None:
@@ -718,16 +764,21 @@ def e2e_gpu(torch, quick: bool) -> dict:
         started = time.monotonic()
         make_tiny_model("opt", path, **shape)
         checkpoint_seconds = time.monotonic() - started
+        num_prompts = 16 if quick else 64
         result = e2e_run(
-            torch, path, device="cuda", dtype="float16", backends=("triton", "torch"),
+            torch, path, device="cuda", dtype="float16", backends=("triton", "triton:eager", "torch"),
             parity_tokens=16 if quick else 32,
             load=dict(num_prompts=16, prompt_len=128, max_tokens=64) if quick
             else dict(num_prompts=64, prompt_len=256, max_tokens=128),
-            engine_options=dict(kv_cache_memory_gb=16, max_model_len=2048, swap_space_gb=1),
+            # max_num_seqs = the load's batch: graphs for buckets 1..num_prompts only
+            engine_options=dict(kv_cache_memory_gb=16, max_model_len=2048, swap_space_gb=1, max_num_seqs=num_prompts),
         )
     result |= {"model": name, "config": shape, "checkpoint_seconds": checkpoint_seconds}
     result["triton_over_torch_tokens_per_s"] = (
         result["throughput_triton"]["output_tokens_per_s"] / result["throughput_torch"]["output_tokens_per_s"]
+    )
+    result["cuda_graphs_over_eager_tokens_per_s"] = (
+        result["throughput_triton"]["output_tokens_per_s"] / result["throughput_triton:eager"]["output_tokens_per_s"]
     )
     return result
 
@@ -752,7 +803,8 @@ def e2e_cpu(torch) -> dict:
 
 
 def e2e_run(torch, path, *, device, dtype, backends, parity_tokens, load, engine_options) -> dict:
-    """Greedy parity with HF (same dtype) and throughput, for each attention backend."""
+    """Greedy parity with HF (same dtype) and throughput, for each attention backend
+    ("NAME:eager": that backend with enforce_eager, no CUDA graphs)."""
     from transformers import AutoModelForCausalLM
 
     from rayserve_paged import LLM
@@ -761,7 +813,9 @@ def e2e_run(torch, path, *, device, dtype, backends, parity_tokens, load, engine
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     result: dict = {"dtype": dtype, "device": device}
     for backend in backends:
-        llm = LLM(model=path, attention_backend=backend, dtype=dtype, device=device, **engine_options)
+        name, _, mode = backend.partition(":")
+        llm = LLM(model=path, attention_backend=name, dtype=dtype, device=device, enforce_eager=mode == "eager",
+                  **engine_options)
         result[f"hf_parity_{backend}"] = compare_with_hf(llm, hf_model, torch, max_tokens=parity_tokens)
         result[f"throughput_{backend}"] = throughput(llm, **load, sync=sync)
         del llm
@@ -811,6 +865,7 @@ def format_table(report: dict) -> str:
                 f"                  {row['dtype']:<9} {row['num_seqs']:>4} {row['context']:>7} {row['new_tokens']:>5}"
                 f" {row['ms']:>8.3f} {row['tflops']:>8.1f} {row.get('paged_over_dense', float('nan')):>8.2f}"
             )
+    lines += _runner_lines(report.get("runner"))
     lines += _e2e_lines(report.get("e2e"))
     for name, why in report["skipped"].items():
         lines.append(f"SKIPPED           {name}: {why}")
@@ -842,6 +897,29 @@ def _e2e_lines(e2e: dict | None) -> list[str]:
             )
     if "triton_over_torch_tokens_per_s" in e2e:
         lines.append(f"  triton / torch  {e2e['triton_over_torch_tokens_per_s']:.2f}x output tokens/s")
+    if "cuda_graphs_over_eager_tokens_per_s" in e2e:
+        lines.append(f"  graphs / eager  {e2e['cuda_graphs_over_eager_tokens_per_s']:.2f}x output tokens/s (triton)")
+    return lines
+
+
+def _runner_lines(runner: dict | None) -> list[str]:
+    if not runner:
+        return []
+    lines = [f"runner            {runner.get('model')}, {runner['backend']} on {runner['device']}"]
+    parity = runner.get("hf_parity_float32")
+    if parity:
+        lines.append(f"  vs HF greedy    float32: {parity['exact']} of {parity['prompts']} prompts exact")
+    for dtype, equal in runner.get("static_decode_equal", {}).items():
+        graphs = runner.get("static_decode_graphs", {}).get(dtype) or "none (eager on padded rows)"
+        lines.append(f"  static decode   {dtype}: tokens {'equal to' if equal else 'DIFFER from'} eager; graphs {graphs}")
+    for dtype, row in runner.get("decode_tokens_per_s", {}).items():
+        lines.append(
+            f"  tokens/s        {dtype}: graphs off {row['graphs_off']['tokens_per_s']:.0f}, on "
+            f"{row['graphs_on']['tokens_per_s']:.0f} ({row['graphs_on_over_off']:.2f}x; batch {row['batch']}); "
+            f"graph memory {row['graph_memory_mib']['held']} MiB held, {row['graph_memory_mib']['reserved']} reserved"
+        )
+    for failure in runner.get("failures", []):
+        lines.append(f"  FAILED          {failure}")
     return lines
 
 

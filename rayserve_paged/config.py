@@ -57,6 +57,12 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "torch", "triton", "flash"] = Field(
         "auto", description="auto = triton on CUDA, torch on CPU."
     )
+    enforce_eager: bool = Field(
+        False,
+        description="Run every step eagerly on its exact batch: no CUDA graphs and no padded static-shape "
+        "decode path (vLLM's name). Off: decode-only steps run padded to a bucket size, replaying one CUDA "
+        "graph per bucket on CUDA with the triton backend.",
+    )
     seed: int = Field(0, description="Seed for unseeded sampling and random weights.")
     max_logprobs: int = Field(20, ge=0, description="Largest logprobs a request may ask for.")
     trust_remote_code: bool = Field(False, description="Allow model code from the hub (off by default).")

@@ -33,6 +33,10 @@ class AttentionBackend:
     """
 
     name: str = "abstract"
+    # Whether a whole step's forward may be captured in a CUDA graph: no host read of a
+    # device tensor, no host-side value baked into a launch that differs between steps of
+    # the same shapes (worker/static_decode.py plans decode at max_model_len for it).
+    supports_cuda_graphs: bool = False
     _plan: StepPlan | None = None
 
     def begin_step(self, metadata: AttentionMetadata) -> None:

@@ -97,6 +97,7 @@ class TritonBackend(AttentionBackend):
     """Paged attention in Triton kernels: CUDA, or CPU under TRITON_INTERPRET=1."""
 
     name = "triton"
+    supports_cuda_graphs = True  # launches depend on shapes and max_decode_seq_len only
 
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale, out=None):
         """`out` (optional, [num_tokens, num_heads, head_dim]) receives the result in place."""

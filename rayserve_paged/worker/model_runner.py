@@ -17,6 +17,7 @@ from rayserve_paged.models.sampler import Sampler, SamplerOutput
 from rayserve_paged.ops.attention import AttentionMetadata
 from rayserve_paged.worker.input_batch import InputBatch, SeqState
 from rayserve_paged.worker.sampling_inputs import batch_from_step
+from rayserve_paged.worker.static_decode import StaticDecode, decode_rows
 
 
 @dataclass(slots=True)
@@ -29,7 +30,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, block_size: int, device: torch.device, sampler: Sampler | None, attn_backend=None
+        self, model: torch.nn.Module, block_size: int, device: torch.device, sampler: Sampler | None, attn_backend=None,
+        static_decode: StaticDecode | None = None,
     ):
         self.model = model
         self.attn_backend = attn_backend  # begin_step(metadata) once per step, before the layers
@@ -37,6 +39,8 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler  # only the rank that returns samples has one
         self.batch = InputBatch(sampler.eos_token_ids if sampler is not None else ())
+        self.static_decode = static_decode  # decode-only steps within its buckets: padded, CUDA graphs
+        self.last_path = ""  # the last step's: "eager", "static-graph" or "static-eager" (padded, no graph)
 
     def prepare(self, msg: StepMessage, rows: list[SeqState]) -> StepInputs:
         bs = self.block_size
@@ -46,10 +50,6 @@ class ModelRunner:
         offsets = [0] * (len(counts) + 1)  # row i's tokens: tokens[offsets[i]:offsets[i + 1]]
         for i, n in enumerate(counts):
             offsets[i + 1] = offsets[i] + n
-        for i, seq in enumerate(rows):  # the worker's copy of each token history
-            if seq.history is not None:
-                del seq.history[starts[i] :]
-                seq.history.extend(tokens[offsets[i] : offsets[i + 1]])
         prefills = [i for i, n in enumerate(counts) if n > 1]
         decodes = [i for i, n in enumerate(counts) if n == 1] if prefills else range(len(counts))
         input_ids: list[int] = []
@@ -115,16 +115,35 @@ class ModelRunner:
         if not msg.seq_ids:
             return SamplerOutput([]) if self.sampler is not None else None
         rows = self.batch.rows(msg)
-        inputs = self.prepare(msg, rows)
-        if self.attn_backend is not None:
-            self.attn_backend.begin_step(inputs.metadata)  # checks and launch planning, once per step
-        hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.metadata)  # [T, hidden]
-        if inputs.logits_indices.numel() == 0:  # only prefill chunks this step
+        _record_history(msg, rows)
+        decode = decode_rows(msg, rows, self.block_size) if self.static_decode is not None else None
+        if decode is not None and self.static_decode.fits(decode):
+            hidden = self.static_decode.forward(decode, kv_caches)  # [num_decodes, hidden]
+            logits_indices, self.last_path = _long(decode.sampled, self.device), f"static-{self.static_decode.last_path}"
+        else:
+            inputs = self.prepare(msg, rows)
+            if self.attn_backend is not None:
+                self.attn_backend.begin_step(inputs.metadata)  # checks and launch planning, once per step
+            hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.metadata)  # [T, hidden]
+            logits_indices, self.last_path = inputs.logits_indices, "eager"
+        if logits_indices.numel() == 0:  # only prefill chunks this step
             return SamplerOutput([]) if self.sampler is not None else None
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # [num_sampled, vocab]
+        logits = self.model.compute_logits(hidden.index_select(0, logits_indices))  # [num_sampled, vocab]
         if self.sampler is None:
             return None
         return self.sampler(logits, batch_from_step(msg, rows))
+
+
+def _record_history(msg: StepMessage, rows: list[SeqState]) -> None:
+    """The worker's copy of each token history (kept only where penalties need it) gains
+    the step's tokens; a recomputed sequence starts over from its start position."""
+    offset = 0
+    for i, seq in enumerate(rows):
+        count = msg.num_query_tokens[i]
+        if seq.history is not None:
+            del seq.history[msg.start_positions[i] :]
+            seq.history.extend(msg.token_ids[offset : offset + count])
+        offset += count
 
 
 def _long(values: list[int], device) -> torch.Tensor:

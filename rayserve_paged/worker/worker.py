@@ -25,6 +25,7 @@ from rayserve_paged.ops.backends import get_attention_backend
 from rayserve_paged.telemetry import GpuProbe
 from rayserve_paged.worker.kv_sizing import kv_cache_budget_bytes
 from rayserve_paged.worker.model_runner import ModelRunner
+from rayserve_paged.worker.static_decode import StaticDecode, capture_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class Worker:
         self.gpu_probe = GpuProbe(rank, self.device)
         self.backend = None  # the attention backend, once the model is loaded
         self.warmed_up: list[str] = []  # kernel variants compiled at start-up
+        self.cuda_graphs: list[int] = []  # decode buckets captured at start-up
 
     # ------------------------------------------------------------------ start-up
 
@@ -107,10 +109,17 @@ class Worker:
         model = load_model(self.model_path, self.dtype, self.device, backend, parallel=parallel)
         eos = tuple(self.model_config.eos_token_ids)
         sampler = Sampler(len(eos), eos) if self.rank == 0 else None
-        self.runner = ModelRunner(model, self.config.block_size, self.device, sampler, backend)
+        static = None if self.config.enforce_eager else StaticDecode(
+            model, self.config.block_size, self.config.max_num_seqs, self.max_model_len, self.device, backend
+        )
+        self.runner = ModelRunner(model, self.config.block_size, self.device, sampler, backend, static)
         logger.info(
             "rank %d loaded %s (%s, %s, attention %s)", self.rank, self.model_path, self.dtype, self.device, backend.name
         )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len or self.model_config.max_model_len
 
     def block_bytes(self) -> int:
         mc = self.model_config
@@ -139,24 +148,40 @@ class Worker:
         self._profile_run()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        graph_bytes = self._profile_cuda_graphs()
         budget = kv_cache_budget_bytes(
-            total, free_before, torch.cuda.memory_allocated(self.device), peak,
-            self.config.gpu_memory_utilization, self.decode_workspace_bytes(),
+            total, free_before, allocated, peak, self.config.gpu_memory_utilization, self.decode_workspace_bytes(),
+            cuda_graph_bytes=graph_bytes,
         )
         torch.cuda.empty_cache()
         return max(budget // block_bytes, 0)
 
+    def _profile_cuda_graphs(self) -> int:
+        """What the decode CUDA graphs captured after the KV cache is allocated will hold
+        (reserved from the KV budget; 0 when none will be captured), estimated on a one-block
+        cache by StaticDecode.profile_bytes."""
+        static = self.runner.static_decode
+        if static is None or not static.can_capture:
+            return 0
+        self._allocate_caches(1, 0)
+        try:
+            return static.profile_bytes(self.kv_caches)
+        finally:
+            self.kv_caches = []
+            self.swapper = BlockSwapper([], [])
+
     def decode_workspace_bytes(self) -> int:
         """The attention backend's largest per-layer decode buffers at max_num_seqs x max_model_len."""
         mc = self.model_config
-        max_len = self.config.max_model_len or mc.max_model_len
+        max_len = self.max_model_len
         return self.backend.decode_workspace_bytes(
             self.config.max_num_seqs, mc.num_heads // self.world_size, self.num_kv_heads, mc.head_dim, max_len,
             self.device,
         )
 
     def _profile_run(self) -> None:
-        max_len = self.config.max_model_len or self.model_config.max_model_len
+        max_len = self.max_model_len
         budget = self.config.resolved_max_num_batched_tokens(max_len)
         seq_len = min(max_len, budget)
         num_seqs = max(1, budget // seq_len)
@@ -180,6 +205,8 @@ class Worker:
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self._allocate_caches(num_gpu_blocks, num_cpu_blocks)
         self.warm_up()
+        # after the warm-up (no kernel compiles inside a capture); the KV sizing reserved their memory
+        self.cuda_graphs = capture_graphs(self.runner.static_decode, self.kv_caches, self.rank)
 
     def warm_up(self) -> list[str]:
         """Compile every attention kernel variant now, before the engine reports ready, so

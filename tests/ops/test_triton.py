@@ -474,6 +474,55 @@ def test_warm_up_launches_every_variant_and_leaves_the_cache_alone(monkeypatch, 
     assert_bitwise_equal(value_cache, before[1])
 
 
+def test_the_static_decode_path_launches_only_warmed_up_variants(monkeypatch, generator):
+    """Decode steps of two buckets on the static-shape path (worker/static_decode.py) launch
+    every kernel with a specialization key warm_up launched too, so capturing or replaying
+    them compiles nothing after start-up; each bucket is planned for max_model_len (the same
+    partition count whatever the step's lengths), which is what lets a graph replay it."""
+    from rayserve_paged.worker.static_decode import DecodeRows, StaticDecode
+
+    num_heads, num_kv_heads, head_dim, block_size, max_model_len = 2, 1, 16, 16, 600
+    width, stride = num_heads * head_dim, (num_heads + 2 * num_kv_heads) * head_dim
+    launches: list = []
+    for name in KERNEL_NAMES:
+        monkeypatch.setattr(triton_kernels, name, ArgumentRecorder(getattr(triton_kernels, name), launches, name))
+    monkeypatch.setattr(triton_backend, "is_interpreted", lambda: DEVICE == "cpu")
+    caches = [(randn(generator, 8, block_size, num_kv_heads, head_dim).to(DEVICE),
+               randn(generator, 8, block_size, num_kv_heads, head_dim).to(DEVICE))]
+    triton_backend.warm_up(*caches[0], num_heads, query_token_stride=stride)
+    warmed = {(name, specialization_key(named, NOT_SPECIALIZED[name])) for name, named in launches}
+    launches.clear()
+    backend = TritonBackend()
+
+    class OneLayer(torch.nn.Module):
+        """Queries, keys and values as slices of one QKV projection, as in the models."""
+
+        def forward(self, input_ids, positions, kv_caches, metadata):
+            qkv = randn(generator, input_ids.shape[0], stride).to(DEVICE)  # [T, (H + 2 Hkv) D]
+            query = qkv[:, :width].view(-1, num_heads, head_dim)
+            key = qkv[:, width : width + num_kv_heads * head_dim].view(-1, num_kv_heads, head_dim)
+            value = qkv[:, width + num_kv_heads * head_dim :].view(-1, num_kv_heads, head_dim)
+            return backend.forward(query, key, value, *kv_caches[0], metadata, 0.25).reshape(-1, width)
+
+    static = StaticDecode(OneLayer(), block_size, 4, max_model_len, DEVICE, backend)
+    steps = [
+        DecodeRows([5], [4], [5], [[3]], [3 * block_size + 4], [0]),  # bucket 1
+        DecodeRows([5, 6, 7], [39, 6, 0], [40, 7, 1], [[1, 2, 3], [4], [5]],
+                   [3 * block_size + 7, 4 * block_size + 6, 5 * block_size], [0, 1, 2]),  # bucket 4
+    ]
+    with torch.inference_mode():
+        for rows in steps:
+            hidden = static.forward(rows, caches)
+            assert hidden.shape == (len(rows), width) and torch.isfinite(hidden).all()
+    assert static.runs == {"graph": 0, "eager": 2}
+    launched = {(name, specialization_key(named, NOT_SPECIALIZED[name])) for name, named in launches}
+    assert {name for name, _ in launched} == {"reshape_and_cache_kernel", "paged_decode_partition_kernel",
+                                              "paged_decode_reduce_kernel"}
+    assert launched <= warmed, launched - warmed
+    grids = {named["max_partitions"] for name, named in launches if name == "paged_decode_reduce_kernel"}
+    assert grids == {-(-max_model_len // triton_backend.PARTITION_SIZES[0])}  # 3 partitions at both buckets
+
+
 # ---------------------------------------------------------------------------- prefill (direct)
 
 
@@ -721,8 +770,11 @@ def test_gpu_check_cpu_parts_run_without_ray_or_pydantic(tmp_path):
     runner = report["runner"]
     assert runner["failures"] == [] and runner["hf_parity_float32"] == {"prompts": 4, "exact": 4}
     assert runner["swap_roundtrip_equal"] == {"float32": True} and runner["backend"] == "torch"
+    # the static-shape decode path ran (padded, eagerly: no CUDA here) and gave the eager tokens
+    assert runner["static_decode_equal"] == {"float32": True} and runner["static_decode_graphs"] == {"float32": []}
+    assert runner["static_decode_runs"]["float32"]["eager"] > 0 == runner["static_decode_runs"]["float32"]["graph"]
     assert "pydantic" in report["skipped"]["e2e"] and report["errors"] == {}
-    assert report["step_seconds"]["runner"]["budget"] == 60
+    assert report["step_seconds"]["runner"]["budget"] == 75
 
 
 # ---------------------------------------------------------------------------- one plan per step
