@@ -548,6 +548,12 @@ def with_http_port(config: dict, port: int) -> dict:
     return {**config, "http_options": {**config.get("http_options", {}), "host": "127.0.0.1", "port": port}}
 
 
+def with_app_args(config: dict, **app_args) -> dict:
+    """The config with these arguments set on its (first) application."""
+    first, *rest = config["applications"]
+    return {**config, "applications": [{**first, "args": {**first.get("args", {}), **app_args}}, *rest]}
+
+
 def engine_options(config: dict) -> dict:
     """EngineConfig fields of the (single) application in a Serve config, as its worker
     runs them: without `num_cpu_threads` the worker actor's torch uses the OMP_NUM_THREADS
@@ -571,13 +577,19 @@ class LaunchedServer:
     process group (gcs, raylet, agents: `ray start` runs in a session of its own) with
     SIGTERM and, after SHUTDOWN_GRACE_S, SIGKILL; the Ray workers die with their raylet."""
 
-    def __init__(self, config: dict, log_dir: Path, num_cpus: int = LAUNCH_NUM_CPUS) -> None:
+    def __init__(self, config: dict, log_dir: Path, num_cpus: int = LAUNCH_NUM_CPUS,
+                 serve_env: dict[str, str] | None = None, direct_ingress: bool = False) -> None:
         self.port = free_port()
         self.config = with_http_port(config, self.port)
         self.log_dir = log_dir
         self.num_cpus = num_cpus
+        self.env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", **(serve_env or {}))
+        if direct_ingress:  # the replica listens itself, on a port pinned here; the proxy is off the path
+            replica_port = free_port()
+            self.env.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1", RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(replica_port),
+                            RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(replica_port + 1))
+            self.port = replica_port
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
         self.ray_pgid: int | None = None
         self.serve: subprocess.Popen | None = None
         self._logs: list = []
@@ -886,11 +898,14 @@ def run(args, workload: Workload, log=print) -> dict:
             url = args.url
         else:
             serve_config, model_shape = _launch_config(args.launch, tmp, workload, args.threads, args.seed)
+            if args.stream_interval is not None:
+                serve_config = with_app_args(serve_config, stream_interval=args.stream_interval)
             engine = None
             if args.compare_in_process:  # before the server starts and after it stops
                 engine = InProcessEngine(engine_options(serve_config), args.seed)
                 in_process_runs.append(_measure_in_process(engine, requests, log))
-            with LaunchedServer(serve_config, Path(args.out) / "launch", args.num_cpus) as server:
+            with LaunchedServer(serve_config, Path(args.out) / "launch", args.num_cpus, dict(args.serve_env or []),
+                                args.direct_ingress) as server:
                 server.start(args.launch_timeout, log)
                 model, runs = asyncio.run(measure_http(server.base_url, args.model, requests, specs, args.seed,
                                                        args.timeout, args.api_key, server.ray_pgid, log))
@@ -908,6 +923,8 @@ def run(args, workload: Workload, log=print) -> dict:
         "model_shape": model_shape,
         "launch": args.launch,
         "serve_config": serve_config,
+        "serve_env": dict(args.serve_env or []),
+        "direct_ingress": args.direct_ingress,
         "engine_options": engine_options(serve_config) if serve_config else None,
         "workload": asdict(workload),
         "length_distribution": "prompt and max_tokens uniform on [min, max] inclusive; random token ids in "
@@ -944,6 +961,13 @@ def _positive_rate(text: str) -> float:
     return rate
 
 
+def _env_pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (got {text!r})")
+    return name, value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rayserve-paged bench serving", description=__doc__.splitlines()[0])
     target = parser.add_mutually_exclusive_group(required=True)
@@ -965,6 +989,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                         help=f"num_cpu_threads of the generated {SMALL_OPT} config (default {DEFAULT_THREADS})")
     parser.add_argument("--num-cpus", type=int, default=LAUNCH_NUM_CPUS, help="CPUs of the launched Ray head")
+    parser.add_argument("--serve-env", type=_env_pair, action="append", metavar="NAME=VALUE",
+                        help="with --launch: an environment variable for the launched Ray cluster (repeat), "
+                             "e.g. RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0")
+    parser.add_argument("--stream-interval", type=int, default=None,
+                        help="with --launch: the app's stream_interval (tokens per SSE event; default: the config's)")
+    parser.add_argument("--direct-ingress", action="store_true",
+                        help="with --launch: RAY_SERVE_ENABLE_DIRECT_INGRESS=1, and the load goes to the replica's "
+                             "own HTTP port instead of Serve's proxy")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per request")
     parser.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for /health")
     parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
@@ -979,6 +1011,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-concurrency must be >= 1")
     if args.compare_in_process and args.launch is None:
         parser.error("--compare-in-process needs --launch (the engine options come from its config)")
+    if args.stream_interval is not None and args.stream_interval < 1:
+        parser.error("--stream-interval must be >= 1")
     if args.threads < 1 or args.timeout <= 0:
         parser.error("--threads and --timeout must be positive")
     if args.launch == CEILING and not args.rate and not args.max_concurrency:

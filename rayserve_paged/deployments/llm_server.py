@@ -87,6 +87,7 @@ class LLMServer:
         telemetry: dict | None = None,
         http: dict | None = None,
         tokenizer=None,
+        stream_interval: int = 1,
     ) -> None:
         config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
         self.config = config
@@ -104,7 +105,7 @@ class LLMServer:
         self._http = dict(http or {})
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
         self._info = ray.get(self.actor.model_info.remote())  # waits for the model to load
-        self.frontend = EngineFrontend(ActorCore(self.actor), self.tokenizer)
+        self.frontend = EngineFrontend(ActorCore(self.actor), self.tokenizer, stream_interval)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
     def __serve_build_asgi_app__(self):

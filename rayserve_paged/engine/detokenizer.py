@@ -29,6 +29,17 @@ class DecodeState:
 class Detokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        # (skip_special_tokens, token id) -> its token strings: the tokenizer's own lookup costs
+        # tens of microseconds per call, a dict hit well under one; bounded by twice the vocab
+        self._pieces: dict[tuple[bool, int], list[str]] = {}
+
+    def _token_pieces(self, token_id: int, skip_special_tokens: bool) -> list[str]:
+        key = (skip_special_tokens, token_id)
+        pieces = self._pieces.get(key)
+        if pieces is None:
+            converted = self.tokenizer.convert_ids_to_tokens([token_id], skip_special_tokens=skip_special_tokens)
+            pieces = self._pieces[key] = [p for p in converted if p is not None]  # ids past the vocab: no text
+        return pieces
 
     def start(self, prompt_token_ids: list[int], skip_special_tokens: bool) -> DecodeState:
         tail = prompt_token_ids[-_PROMPT_CONTEXT:]
@@ -38,8 +49,7 @@ class Detokenizer:
 
     def decode_next(self, state: DecodeState, token_id: int, skip_special_tokens: bool) -> str:
         """The text `token_id` adds after the tokens already decoded into `state`."""
-        pieces = self.tokenizer.convert_ids_to_tokens([token_id], skip_special_tokens=skip_special_tokens)
-        pieces = [p for p in pieces if p is not None]  # ids past the tokenizer's vocab have no text
+        pieces = self._token_pieces(token_id, skip_special_tokens)
         if not pieces:
             return ""
         state.tokens_text.extend(pieces)

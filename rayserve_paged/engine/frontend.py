@@ -7,7 +7,9 @@
 
 A stop string found by the processor is sent back as `stop_sequences` at once. A slow
 reader never slows the pump: its buffer holds one item and coalesces the steps it has not
-read yet into it (`merge_deltas`), so memory grows only with the unread tokens.
+read yet into it (`merge_deltas`), so memory grows only with the unread tokens. With a
+`stream_interval` of N tokens, a stream's reader wakes once per N tokens (the first token
+and the end at once), so each delta crosses the path to the client with up to N tokens.
 """
 
 from __future__ import annotations
@@ -44,18 +46,26 @@ class EngineCore(Protocol):
 
 
 class DeltaBuffer:
-    """At most one pending item: a new delta merges into an unread one."""
+    """At most one pending item: a new delta merges into an unread one.
 
-    def __init__(self) -> None:
+    With `stream_interval` N > 1 a reader is woken only once some choice has N unread
+    tokens, a choice or the request finishes, or it fails; the first output (the first
+    token) wakes it at once. Fewer, larger items then cross the path to the client.
+    """
+
+    def __init__(self, stream_interval: int = 1) -> None:
         self._item: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
+        self._interval = stream_interval
+        self._min_tokens = 1  # the first output is never held
 
     def put(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException) or self._item is None:
             self._item = item
         elif isinstance(self._item, RequestOutput):
             self._item = merge_deltas(self._item, item)
-        self._ready.set()
+        if self._interval == 1 or _is_due(self._item, self._min_tokens):
+            self._ready.set()
 
     async def get(self) -> RequestOutput:
         await self._ready.wait()
@@ -63,12 +73,22 @@ class DeltaBuffer:
         self._ready.clear()
         if isinstance(item, BaseException):
             raise item
+        self._min_tokens = self._interval
         return item
 
 
+def _is_due(item: RequestOutput | BaseException, min_tokens: int) -> bool:
+    if isinstance(item, BaseException) or item.finished or item.error is not None:
+        return True
+    return any(c.finish_reason is not None or len(c.token_ids) >= min_tokens for c in item.outputs)
+
+
 class EngineFrontend:
-    def __init__(self, core: EngineCore, tokenizer) -> None:
+    def __init__(self, core: EngineCore, tokenizer, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1 (got {stream_interval})")
         self.core = core
+        self.stream_interval = stream_interval
         self.tokenizer = tokenizer
         self.processor = OutputProcessor(tokenizer)
         self.failure: BaseException | None = None
@@ -100,7 +120,7 @@ class EngineFrontend:
             raise RuntimeError(f"the engine is unavailable: {self.failure!r}")
         if request_id in self._buffers:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        buffer = self._buffers[request_id] = DeltaBuffer()
+        buffer = self._buffers[request_id] = DeltaBuffer(self.stream_interval if kind is OutputKind.DELTA else 1)
         self.processor.add_request(request_id, prompt, prompt_token_ids, params, kind)
         finished = False
         try:

@@ -72,8 +72,8 @@ class InProcessCore:
 
 
 class InProcessEngineClient(EngineFrontend):
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
-        super().__init__(InProcessCore(engine), engine.tokenizer)
+    def __init__(self, engine: LLMEngine, model_name: str, stream_interval: int = 1) -> None:
+        super().__init__(InProcessCore(engine), engine.tokenizer, stream_interval)
         self.engine = engine
         self.model_name = model_name
         self.is_healthy = True

@@ -52,7 +52,8 @@ def _joined(events: list[dict], key) -> dict[int, dict]:
     return joined
 
 
-async def test_streamed_completion_equals_the_whole_one(http):
+async def assert_streamed_completion_equals_the_whole_one(http) -> tuple[list[dict], dict]:
+    """n > 1, logprobs, a stop string and include_usage; (the stream's chunks, the whole answer)."""
     stop = await _a_stop_string(http)
     body = {**SEEDED, "prompt": [PROMPT, "Hello world"], "n": 2, "logprobs": 2, "stop": [stop]}
     whole = await _post(http, "/v1/completions", body)
@@ -70,8 +71,13 @@ async def test_streamed_completion_equals_the_whole_one(http):
         assert (got["finish_reason"], got["stop_reason"]) == (choice["finish_reason"], choice["stop_reason"])
         assert got["tokens"] == choice["logprobs"]["tokens"]
     assert any(c["stop_reason"] == stop and stop not in c["text"] for c in whole["choices"])
-    # one event per request per step: no event carries a choice index twice
+    # no event carries a choice index twice
     assert all(len({c["index"] for c in e["choices"]}) == len(e["choices"]) for e in chunks)
+    return chunks, whole
+
+
+async def test_streamed_completion_equals_the_whole_one(http):
+    await assert_streamed_completion_equals_the_whole_one(http)
 
 
 async def test_streamed_chat_equals_the_whole_one(http):

@@ -1,0 +1,72 @@
+"""stream_interval N: a stream sends an event once a choice has N new tokens. The first
+token still comes at once, the joined stream still equals the whole answer (n > 1,
+logprobs, stop strings, usage), and a finish is never held back."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from rayserve_paged.core.sequence import SamplingParams
+from rayserve_paged.deployments.openai_ingress import create_openai_app
+from rayserve_paged.engine.frontend import EngineFrontend
+from tests.deployments.conftest import MODEL
+from tests.deployments.engine_client import InProcessEngineClient
+from tests.deployments.test_streaming import PROMPT, assert_streamed_completion_equals_the_whole_one
+
+pytestmark = pytest.mark.anyio
+
+INTERVAL = 4
+
+
+@pytest.fixture
+async def interval_client(engine):
+    client = InProcessEngineClient(engine, MODEL, stream_interval=INTERVAL)
+    yield client
+    await client.close()
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_gpu_blocks() == engine.block_manager.gpu.num_blocks
+
+
+@pytest.fixture
+async def interval_http(interval_client, engine):
+    app = create_openai_app(interval_client, engine.tokenizer, MODEL)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        yield client
+
+
+async def test_deltas_carry_interval_tokens_and_the_first_comes_alone(interval_client, engine):
+    params = SamplingParams(temperature=0, max_tokens=22, ignore_eos=True)
+    ids = engine.tokenizer(PROMPT).input_ids
+    outs = [out async for out in interval_client.generate_stream(ids, params, "interval")]
+    sizes = [len(out.outputs[0].token_ids) for out in outs]
+    assert sizes[0] == 1  # the first token is not held for the interval
+    assert all(size >= INTERVAL for size in sizes[1:-1]), sizes
+    assert 1 <= sizes[-1] and outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+    assert sum(sizes) == 22 and len(outs) <= 1 + -(-21 // INTERVAL)
+    whole = await interval_client.generate(ids, params, "whole")
+    assert [t for out in outs for t in out.outputs[0].token_ids] == whole.outputs[0].token_ids
+    assert "".join(out.outputs[0].text for out in outs) == whole.outputs[0].text
+
+
+async def test_a_stop_string_ends_the_stream_without_waiting_for_the_interval(interval_client, engine):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ids = engine.tokenizer(PROMPT).input_ids
+    whole = await interval_client.generate(ids, params, "whole")
+    stop = whole.outputs[0].text[5:7]  # met after a few tokens
+    stopped = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    outs = [out async for out in interval_client.generate_stream(ids, stopped, "stopped")]
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "stop"
+    assert "".join(out.outputs[0].text for out in outs) == whole.outputs[0].text[: whole.outputs[0].text.find(stop)]
+
+
+async def test_streamed_completion_with_an_interval_equals_the_whole_one(interval_http):
+    chunks, whole = await assert_streamed_completion_equals_the_whole_one(interval_http)
+    # fewer events than tokens (one event per step would be about one per token per prompt)
+    num_tokens = sum(len(c["logprobs"]["tokens"]) for c in whole["choices"])
+    assert len(chunks) < num_tokens / 2
+
+
+def test_the_interval_must_be_positive():
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineFrontend(core=None, tokenizer=None, stream_interval=0)
