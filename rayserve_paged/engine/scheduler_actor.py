@@ -12,7 +12,7 @@ call; at TP > 1 the executor drives worker actors (ray_executor.py).
 The engine is not thread-safe, so only the step thread touches it; requests and aborts
 wait in a queue and are applied between steps, so they never block the loop. Outputs leave
 as one batch per step on a single stream (one object per step, not one per token per
-request); each carries only what the step added (token ids and counts: no text, no
+request; steps that queued while the stream was busy leave together); each carries only what the step added (token ids and counts: no text, no
 history). The owner detokenizes, checks stop strings (sending back `stop_sequences`) and
 dispatches them to its requests.
 """
@@ -92,13 +92,23 @@ class SchedulerActor:
         self._submit(("stop", (request_id, stops), None))
 
     async def outputs(self):
-        """Streaming: one list of StepOutputs (deltas) per step in which any request advanced."""
+        """Streaming: one list of StepOutputs (deltas) per step in which any request advanced;
+        steps published while the stream was busy travel together, in step order, as one item."""
         self._attach_loop()
         while True:
             batch = await self._batches.get()
             if isinstance(batch, BaseException):
                 raise batch
+            failure = None
+            while failure is None and not self._batches.empty():
+                more = self._batches.get_nowait()
+                if isinstance(more, BaseException):
+                    failure = more
+                else:
+                    batch = [*batch, *more]
             yield batch
+            if failure is not None:
+                raise failure
 
     async def check_health(self) -> None:
         if self._error is not None:

@@ -70,3 +70,16 @@ async def test_streamed_completion_with_an_interval_equals_the_whole_one(interva
 def test_the_interval_must_be_positive():
     with pytest.raises(ValueError, match="stream_interval"):
         EngineFrontend(core=None, tokenizer=None, stream_interval=0)
+
+
+def test_the_app_argument_reaches_the_replica(monkeypatch):
+    from pydantic import ValidationError
+
+    from rayserve_paged.app import AppArgs
+    from tests.deployments.conftest import record_binds
+
+    assert AppArgs(model="tiny-opt", device="cpu").stream_interval == 1  # vLLM's default: every step
+    bound = record_binds(monkeypatch, AppArgs(model="tiny-opt", device="cpu", stream_interval=8))
+    assert bound["LLMServer"]["kwargs"]["stream_interval"] == 8
+    with pytest.raises(ValidationError, match="stream_interval"):
+        AppArgs(model="tiny-opt", device="cpu", stream_interval=0)
