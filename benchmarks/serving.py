@@ -35,7 +35,11 @@ worker 1.0 CPU, scheduler and replica 0.1 CPU each, `num_cpu_threads` = --thread
 `--launch ceiling` does the same with a one-layer OPT of hidden size 16 (a step costs almost
 nothing: the serving path is what is measured), 256 requests of 16 prompt and exactly 256
 output tokens, at 16 and 64 in flight and all at once, compared in-process; it also writes
-serving_concurrency.png (output tokens/s against requests in flight).
+serving_concurrency.png (output tokens/s against requests in flight). With --launch:
+`--stream-interval N` sets the app's stream_interval; `--direct-ingress` starts the cluster
+with RAY_SERVE_ENABLE_DIRECT_INGRESS=1 and the replica's HTTP port pinned to a free one, and
+sends the load there (Serve's proxy off the path); `--serve-env NAME=VALUE` sets any other
+variable in the launched cluster's environment.
 
 --compare-in-process (with --launch) runs the same requests all at once through
 `LLM.generate` in this process, with the config's engine options (a config without

@@ -343,3 +343,21 @@ def test_a_rejected_request_is_a_failure(fake_server):
 def test_compare_in_process_needs_launch(tmp_path):
     with pytest.raises(SystemExit):
         cli.main(["bench", "serving", "--url", "http://127.0.0.1:1", "--compare-in-process", "--out", str(tmp_path)])
+
+
+def test_launch_options_reach_the_config_and_the_cluster_environment(tmp_path):
+    from benchmarks.serving import LaunchedServer, _parser, with_app_args
+
+    args = _parser().parse_args(["--launch", "ceiling", "--out", str(tmp_path), "--direct-ingress",
+                                 "--stream-interval", "4", "--serve-env", "RAY_SERVE_X=1", "--serve-env", "Y=a=b"])  # fmt: skip
+    assert args.serve_env == [("RAY_SERVE_X", "1"), ("Y", "a=b")] and args.stream_interval == 4
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--launch", "ceiling", "--out", str(tmp_path), "--serve-env", "NOVALUE"])
+    config = {"applications": [{"name": "llm", "args": {"model": "m"}}]}
+    assert with_app_args(config, stream_interval=4)["applications"][0]["args"] == {"model": "m", "stream_interval": 4}
+    assert config["applications"][0]["args"] == {"model": "m"}  # the given config is left alone
+    server = LaunchedServer(config, tmp_path, serve_env=dict(args.serve_env), direct_ingress=True)
+    pinned = server.env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]
+    assert server.env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1" and server.env["RAY_SERVE_X"] == "1"
+    assert server.base_url == f"http://127.0.0.1:{pinned}"  # the load goes to the replica, not the proxy
+    assert server.config["http_options"]["port"] != int(pinned)
