@@ -4,7 +4,7 @@ The same requests run through LLMEngine in each mode: in this process (the basel
 Ray actor with rank 0 in that actor's process (the TP=1 Serve path: the SchedulerActor hosts
 rank 0), and with worker actors driven by plain actor calls or by the compiled step graph, at
 TP=1 and TP=2 (gloo on CPU). For each, the time a step spends outside rank 0's execute()
-(scheduling, processing outputs, and for worker actors sending the SchedulerOutput and
+(scheduling, processing outputs, and for worker actors sending the step message and
 returning the samples) is its control overhead.
 
     rayserve-paged bench ray-overhead --out DIR [--quick] [--max-tp 1|2]

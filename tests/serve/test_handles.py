@@ -101,8 +101,9 @@ def _tokens(out) -> list[list[int]]:
         dict(preemption_mode="recompute"),  # TP=1: rank 0 inside the scheduler actor
         dict(preemption_mode="swap", tensor_parallel_size=2, worker_transport="compiled_graph"),
         dict(preemption_mode="recompute", tensor_parallel_size=2, worker_transport="actor_calls"),
+        dict(preemption_mode="swap", tensor_parallel_size=2, worker_transport="compiled_graph", model="tiny-opt"),
     ],
-    ids=["tp1-in-scheduler", "tp2-compiled-graph-swap", "tp2-actor-calls"],
+    ids=["tp1-in-scheduler", "tp2-compiled-graph-swap", "tp2-actor-calls", "tp2-compiled-graph-opt"],
 )
 def test_executors_equal_the_offline_engine_under_preemption(serve_session, overrides):
     """Greedy, seeded parallel sampling and beam search through a replica under KV pressure
@@ -111,7 +112,7 @@ def test_executors_equal_the_offline_engine_under_preemption(serve_session, over
     from rayserve_paged import LLM
 
     workload = _pressure_workload()
-    offline = LLM(model="tiny-llama", device="cpu", max_model_len=128, kv_cache_memory_gb=0.05)
+    offline = LLM(model=overrides.get("model", "tiny-llama"), device="cpu", max_model_len=128, kv_cache_memory_gb=0.05)
     expected = [_tokens(o) for o in offline.generate([p for p, _ in workload], [s for _, s in workload], use_tqdm=False)]
 
     handle = _deploy(serve_session, "executors", **(PRESSURE | overrides))
