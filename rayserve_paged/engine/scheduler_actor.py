@@ -12,8 +12,8 @@ call; at TP > 1 the executor drives worker actors (ray_executor.py).
 The engine is not thread-safe, so only the step thread touches it; requests and aborts
 wait in a queue and are applied between steps, so they never block the loop. Outputs leave
 as one batch per step on a single stream (one object per step, not one per token per
-request; steps that queued while the stream was busy leave together); each carries only what the step added (token ids and counts: no text, no
-history). The owner detokenizes, checks stop strings (sending back `stop_sequences`) and
+request; steps that queued while the stream was busy leave together); each carries only
+what the step added (token ids and counts: no text, no history). The owner detokenizes, checks stop strings (sending back `stop_sequences`) and
 dispatches them to its requests.
 """
 
