@@ -13,8 +13,8 @@ The engine is not thread-safe, so only the step thread touches it; requests and 
 wait in a queue and are applied between steps, so they never block the loop. Outputs leave
 as one batch per step on a single stream (one object per step, not one per token per
 request; steps that queued while the stream was busy leave together); each carries only
-what the step added (token ids and counts: no text, no history). The owner detokenizes, checks stop strings (sending back `stop_sequences`) and
-dispatches them to its requests.
+what the step added (token ids and counts: no text, no history). The owner detokenizes,
+checks stop strings (sending back `stop_sequences`) and dispatches them to its requests.
 """
 
 from __future__ import annotations
