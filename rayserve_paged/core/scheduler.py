@@ -168,8 +168,10 @@ class Scheduler:
         running = self.running
         prefilling: list[SequenceGroup] = []  # running groups with a prefill chunk to come
         # Each sequence needs at most one new block per step: with that many free, no
-        # group can run short and the per-group checks are skipped.
-        room = bm.num_free_gpu_blocks() >= sum([len(g.seqs) for g in running])
+        # group can run short and the per-group checks are skipped. (At most max_num_seqs
+        # sequences run: admission and swap-in count them.)
+        num_free = bm.num_free_gpu_blocks()
+        room = num_free >= self.config.max_num_seqs or num_free >= sum([len(g.seqs) for g in running])
         # The common decode is inlined (one sequence, one new token): a row, and the block
         # manager only when the step needs a new block, a copy-on-write or a full block
         # registered for the prefix cache (1 step in 8 with 16-token blocks). Everything
@@ -193,13 +195,15 @@ class Scheduler:
             seqs = group.seqs
             if len(seqs) == 1:
                 seq = seqs[0]
-                end = len(seq.token_ids)
+                token_ids = seq.token_ids
+                end = len(token_ids)
                 if seq.num_computed_tokens == end - 1 and seq.status is is_running:
                     table = tables[seq.seq_id]
+                    num_blocks = len(table)
                     if (
                         end % bs == 0
-                        or len(table) * bs < end
-                        or seq.num_blocks_sent != len(table)
+                        or num_blocks * bs < end
+                        or seq.num_blocks_sent != num_blocks
                         or blocks[table[-1]].ref_count > 1
                     ):
                         self._append_slots(seq, msg)
@@ -207,7 +211,7 @@ class Scheduler:
                     add_seq_id(seq.seq_id)
                     add_start(end - 1)
                     add_count(1)
-                    add_token(seq.token_ids[-1])
+                    add_token(token_ids[-1])
                     seq.num_computed_tokens = end
                     num_tokens += 1
                     num_seqs += 1
