@@ -248,18 +248,18 @@ class Worker:
             self.num_steps += 1
             self.execute_s += time.perf_counter() - start
 
-    def _execute(self, out: StepMessage) -> SamplerOutput | None:
+    def _execute(self, msg: StepMessage) -> SamplerOutput | None:
         # Order matters: blocks swapped out this step may be handed to swap-ins and copies.
         # The swapper orders its side-stream copies against this stream with events: no sync
         # here; last step's swap-outs land in the host pool first (finish).
         self.swapper.finish()
-        if out.blocks_to_swap_out:
-            self.swapper.swap_out(out.blocks_to_swap_out)
-        if out.blocks_to_swap_in:
-            self.swapper.swap_in(out.blocks_to_swap_in)
-        if out.blocks_to_copy:
-            copy_blocks(self.kv_caches, out.blocks_to_copy)
-        return self.runner.execute(out, self.kv_caches)
+        if msg.blocks_to_swap_out:
+            self.swapper.swap_out(msg.blocks_to_swap_out)
+        if msg.blocks_to_swap_in:
+            self.swapper.swap_in(msg.blocks_to_swap_in)
+        if msg.blocks_to_copy:
+            copy_blocks(self.kv_caches, msg.blocks_to_copy)
+        return self.runner.execute(msg, self.kv_caches)
 
     def ping(self) -> int:
         return os.getpid()
