@@ -24,9 +24,6 @@ once per step), of every other layer, and of a whole step divided by NUM_LAYERS.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -36,6 +33,7 @@ from dataclasses import replace
 
 import torch
 
+from benchmarks.records import write_record
 from rayserve_paged.ops.attention import AttentionMetadata
 
 NUM_DECODES = 256
@@ -208,15 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:7s} " + "  ".join(f"{key}={value}" for key, value in row.items()))
     print(f"  goal: other layers under {TARGET_LAYER_US} us")
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        record = {
-            "benchmark": "attention-host",
-            "machine": platform.platform(),
-            "loadavg": open("/proc/loadavg").read().strip() if os.path.exists("/proc/loadavg") else None,
-            "results": results,
-        }
-        with open(os.path.join(args.out, "attention_host.json"), "w") as f:
-            json.dump(record, f, indent=2)
+        write_record(args.out, "attention-host", results)
     return 0
 
 

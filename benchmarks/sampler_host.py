@@ -29,9 +29,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -39,6 +36,7 @@ import time
 
 import torch
 
+from benchmarks.records import write_record
 from rayserve_paged.core.outputs import NewRequest, StepMessage
 from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.models.sampler import Sampler
@@ -157,16 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     for case, row in results.items():
         print(f"  {case:12s} " + "  ".join(f"{key}={value}" for key, value in row.items()))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        record = {
-            "benchmark": "sampler-host",
-            "machine": platform.platform(),
-            "loadavg": open("/proc/loadavg").read().strip() if os.path.exists("/proc/loadavg") else None,
-            "vocab": args.vocab,
-            "results": results,
-        }
-        with open(os.path.join(args.out, "sampler_host.json"), "w") as f:
-            json.dump(record, f, indent=2)
+        write_record(args.out, "sampler-host", results, vocab=args.vocab)
     return 0
 
 
