@@ -104,4 +104,4 @@ class InputBatch:
         try:
             return [seqs[seq_id] for seq_id in msg.seq_ids]
         except KeyError as e:
-            raise StepStateError(f"the step refers to sequence {e.args[0]}, which this worker does not hold") from None
+            return [self._seq(e.args[0])]  # raises StepStateError, naming the sequence

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from rayserve_paged.core.outputs import StepMessage
@@ -38,9 +37,6 @@ class RowTemplate:
     min_tokens: int  # the banned tokens are masked while a sequence has fewer output tokens
     banned_tokens: tuple[int, ...]  # EOS and stop token ids
     has_controls: bool  # penalties, logit_bias or min_tokens: a per-row look is needed
-
-    def num_draws(self, is_first_step: bool) -> int:
-        return self.num_first_draws if is_first_step else 1
 
 
 # (template, seq_id, sample_index, output_index, num_draws, history or None, num_prompt_tokens)
@@ -73,7 +69,7 @@ def row_template(params: SamplingParams, eos_token_ids: Sequence[int] = ()) -> R
 
 def sampling_batch(rows: Sequence[SamplingRow]) -> SamplingBatch:
     """One SamplingBatch row per entry, in order. On a group's first step a row draws
-    num_draws = template.num_draws(True) tokens seeded by sample indices 0, 1, ...: pass
+    num_draws = template.num_first_draws tokens seeded by sample indices 0, 1, ...: pass
     sample_index 0 there, the sequence's own index afterwards."""
     if not rows:
         return SamplingBatch((), (), (), (), (), (), (), (), (), (), ())
