@@ -49,9 +49,11 @@ class NewRequest:
 @compact_pickle
 @dataclass(slots=True)
 class StepMessage:
-    """One step for the workers. They apply it in field order: forget finished requests,
-    add new ones, fork, free, update block tables; then swap out, swap in, copy; then run
-    the rows."""
+    """One step for the workers. They apply it in this order (InputBatch.apply, then the
+    worker): fork (the parents exist before anything ends), free ended sequences, forget
+    finished requests (with their sequences), add new requests (an id that ended may come
+    back as a new request in the same step: forgotten first), update block tables; then
+    swap out, swap in, copy; then run the rows."""
 
     finished_request_ids: list[str] = field(default_factory=list)
     new_requests: list[NewRequest] = field(default_factory=list)
@@ -76,8 +78,17 @@ class StepMessage:
     def is_empty(self) -> bool:
         """Nothing for the workers to do (not even to forget something)."""
         return not (
-            self.seq_ids or self.blocks_to_swap_out or self.finished_request_ids or self.freed_seq_ids
+            self.seq_ids
+            or self.finished_request_ids
+            or self.new_requests
             or self.forks
+            or self.freed_seq_ids
+            or self.block_table_updates
+            or self.blocks_to_swap_out
+            or self.blocks_to_swap_in
+            or self.blocks_to_copy
+            or self.unsampled_seq_ids
+            or self.first_step_seq_ids
         )
 
     @property

@@ -115,6 +115,7 @@ class Scheduler:
         parent's state to it (its place in the group seeds its sampling)."""
         self.block_manager.fork(parent, child)
         self._forks.append((parent.seq_id, child.seq_id, len(group.seqs)))
+        child.is_on_workers = True
         group.seqs.append(child)
 
     def free_finished(self, group: SequenceGroup) -> None:
@@ -123,8 +124,8 @@ class Scheduler:
         bm = self.block_manager
         if not group.is_finished():
             for seq in group.seqs:
-                if seq.status.is_finished and bm.has_blocks(seq):
-                    self._freed_seq_ids.append(seq.seq_id)
+                if seq.status.is_finished:
+                    self._release_seq(seq)
         for seq in group.seqs:
             if seq.status.is_finished:
                 bm.free(seq)
@@ -132,6 +133,13 @@ class Scheduler:
             self.groups.pop(group.request_id, None)
             self._release_params(group.request_id)
             self._has_finished_running = True
+
+    def _release_seq(self, seq: Sequence) -> None:
+        """The workers forget an ended sequence of a request that goes on, whether or not it
+        holds blocks (it may end while its group waits to be recomputed)."""
+        if seq.is_on_workers:
+            seq.is_on_workers = False
+            self._freed_seq_ids.append(seq.seq_id)
 
     def _release_params(self, request_id: str) -> None:
         if request_id in self._params_sent:
@@ -167,9 +175,15 @@ class Scheduler:
         # -- decode: one slot per running sequence, oldest group first; preempt from the tail
         running = self.running
         prefilling: list[SequenceGroup] = []  # running groups with a prefill chunk to come
-        # Each sequence needs at most one new block per step: with that many free, no
-        # group can run short and the per-group checks are skipped. (At most max_num_seqs
-        # sequences run: admission and swap-in count them.)
+        # The fast path skips the per-group checks when no group can run short. It is safe
+        # because (1) a decoding sequence needs at most one new block per step (a full last
+        # block: one new block; a shared last block: one copy-on-write), prefill chunks need
+        # none (admission and swap-in allocate the prompt's blocks), and (2) the running
+        # groups' widths, each counted as max_num_running_seqs() (a fresh group at best_of,
+        # before it forks), sum to at most max_num_seqs: admission and swap-in check it.
+        # So max_num_seqs free blocks cover every sequence that can decode this step.
+        # (Every sequence that can decode is in some running group's `seqs`: that many free
+        # blocks is enough too.)
         num_free = bm.num_free_gpu_blocks()
         room = num_free >= self.config.max_num_seqs or num_free >= sum([len(g.seqs) for g in running])
         # The common decode is inlined (one sequence, one new token): a row, and the block
@@ -190,7 +204,7 @@ class Scheduler:
         for group in running if room else self._groups_with_room(out):
             if group.is_prefilling:
                 prefilling.append(group)
-                num_seqs += len(group.get_seqs(SequenceStatus.RUNNING))
+                num_seqs += group.max_num_running_seqs()  # its width once it forks
                 continue
             seqs = group.seqs
             if len(seqs) == 1:
@@ -217,7 +231,7 @@ class Scheduler:
                     num_seqs += 1
                     continue
             num_tokens += self._schedule_decode(group, out)
-            num_seqs += scheduled[-1][2]
+            num_seqs += group.max_num_running_seqs()
         preempted = bool(out.preempted)
 
         # -- prefill: the next chunk of each partly prefilled group, FCFS
@@ -230,7 +244,8 @@ class Scheduler:
         while self.swapped and not preempted:
             group = self.swapped[0]
             seqs = group.get_seqs(SequenceStatus.SWAPPED)
-            if num_seqs + len(seqs) > self.config.max_num_seqs:
+            width = group.max_num_running_seqs()  # a group swapped while prefilling forks later
+            if num_seqs + width > self.config.max_num_seqs:
                 break
             if num_tokens + len(seqs) > budget:
                 break
@@ -246,7 +261,7 @@ class Scheduler:
                 if group.is_finished():
                     continue
             _insert_by_arrival(running, group)
-            num_seqs += len(group.get_seqs(SequenceStatus.RUNNING))
+            num_seqs += group.max_num_running_seqs()
             if group.is_prefilling:
                 num_tokens += self._schedule_prefill(group, out, budget - num_tokens)
             else:
@@ -364,7 +379,10 @@ class Scheduler:
         msg = out.message
         seqs = [s for s in group.seqs if s.status is SequenceStatus.RUNNING]
         num_left = sum(len(s.token_ids) - s.num_computed_tokens for s in seqs)
-        whole = num_left <= budget or not self.config.enable_chunked_prefill
+        # Without chunked prefill a sequence is prefilled whole (it fits: max_model_len <=
+        # the budget); only a recomputed group of several sequences, more than one step's
+        # budget together, still goes in chunks: no step exceeds the budget.
+        whole = num_left <= budget or (not self.config.enable_chunked_prefill and len(seqs) == 1)
         first = seqs[0]
         shared_end = first.num_prompt_tokens // bm.block_size * bm.block_size if len(seqs) > 1 else 0
         first_row = len(msg.seq_ids)
@@ -407,6 +425,7 @@ class Scheduler:
             params = group.sampling_params
             prompt = first.prompt_token_ids if params.needs_history else None
             msg.new_requests.append(NewRequest(request_id, first.seq_id, params, first.num_prompt_tokens, prompt))
+            first.is_on_workers = True
         is_first_step = len(group.seqs) == 1 and len(first.token_ids) == first.num_prompt_tokens
         if is_first_step and do_sample:
             msg.first_step_seq_ids.append(first.seq_id)
@@ -448,8 +467,7 @@ class Scheduler:
                 return
             seq.status = SequenceStatus.FINISHED_LENGTH
             seq.stop_reason = KV_CACHE_LIMIT
-            if bm.has_blocks(seq):
-                self._freed_seq_ids.append(seq.seq_id)
+            self._release_seq(seq)
             bm.free(seq)
         # nothing left that fits: the request ends here
         if group in self.running:

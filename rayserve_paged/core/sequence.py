@@ -186,6 +186,7 @@ class Sequence:
         "output_logprobs",
         "stop_reason",
         "num_blocks_sent",
+        "is_on_workers",
     )
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int]) -> None:
@@ -200,6 +201,9 @@ class Sequence:
         # leading entries of its block table the workers hold as they are (the scheduler's
         # bookkeeping for block-table updates in the step message)
         self.num_blocks_sent = 0
+        # whether the workers hold this sequence's state (sent as a new request's first
+        # sequence or as a fork, not yet released): the scheduler's bookkeeping
+        self.is_on_workers = False
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -235,6 +239,7 @@ class Sequence:
         child.output_logprobs = list(self.output_logprobs)
         child.stop_reason = self.stop_reason
         child.num_blocks_sent = self.num_blocks_sent  # workers fork the parent's table
+        child.is_on_workers = False  # until the scheduler sends the fork
         return child
 
     def reset_for_recompute(self) -> None:

@@ -15,12 +15,16 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rayserve_paged.core.sequence import SamplingParamsError
+from rayserve_paged.engine.frontend import EngineUnavailable
 from rayserve_paged.deployments.protocol import ErrorInfo, ErrorResponse, param_of
 from rayserve_paged.deployments.sse import json_response
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # the Retry-After of an overloaded answer, unless Serve gives its own
+# the Retry-After when this replica's engine died: Serve replaces the replica (its health
+# check fails) in about 20 s on a small model; other replicas of a fleet serve meanwhile
+ENGINE_RETRY_AFTER_S = 5
 
 class OpenAIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -43,6 +47,14 @@ class OpenAIError(Exception):
 
     def response(self) -> Response:
         return json_response(ErrorResponse(error=self.info), self.status_code, self.headers or None)
+
+
+def engine_unavailable(message: str) -> OpenAIError:
+    """503 + Retry-After: this replica's engine is gone until Serve replaces the replica."""
+    return OpenAIError(
+        503, message, type="server_error", code="engine_unavailable",
+        headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)},
+    )  # fmt: skip
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
@@ -75,11 +87,14 @@ def internal_error() -> OpenAIError:
 
 
 def to_openai_error(exc: Exception, renames: dict[str, str] | None = None) -> OpenAIError:
-    """OpenAIError as is; Serve's back-pressure -> 503 overloaded; engine ValueErrors
+    """OpenAIError as is; a dead engine -> 503 + Retry-After; Serve's back-pressure -> 503
+    overloaded; engine ValueErrors
     (RequestError, SamplingParamsError, possibly wrapped in a RayTaskError that is still a
     ValueError) -> 400; anything else -> 500."""
     if isinstance(exc, OpenAIError):
         return exc
+    if isinstance(exc, EngineUnavailable):  # also through a RayTaskError, which subclasses it
+        return engine_unavailable(f"the engine of this replica is unavailable; retry later ({exc})")
     if isinstance(exc, BackPressureError):
         return overloaded(
             "the server is overloaded: the engine's request queue is full; retry later",

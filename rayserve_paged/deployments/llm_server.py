@@ -26,6 +26,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
+from ray.exceptions import RayActorError
 from ray.util.placement_group import get_current_placement_group
 
 from rayserve_paged.config import EngineConfig
@@ -33,7 +34,7 @@ from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
 from rayserve_paged.deployments.access import api_key_from_env
 from rayserve_paged.deployments.autoscaling import EnginePressure, PressureReport
 from rayserve_paged.deployments.fleet_metrics import SCHEDULER_NAMESPACE, fleet_metrics_text, scheduler_actor_name
-from rayserve_paged.engine.frontend import EngineFrontend
+from rayserve_paged.engine.frontend import EngineFrontend, EngineUnavailable
 from rayserve_paged.engine.llm_engine import RequestError
 from rayserve_paged.engine.outputs import RequestOutput
 from rayserve_paged.engine.ray_executor import scheduler_actor_options
@@ -58,23 +59,36 @@ def as_sampling_params(params: SamplingParams | dict | None) -> SamplingParams:
 
 
 class ActorCore:
-    """EngineCore over the SchedulerActor's handle."""
+    """EngineCore over the SchedulerActor's handle. The actor's death (its process killed,
+    or gone with its node) is EngineUnavailable: the caller answers 503 + Retry-After."""
 
     def __init__(self, actor) -> None:
         self.actor = actor
 
     async def add_request(self, request_id, prompt, prompt_token_ids, params) -> None:
-        await self.actor.add_request.remote(request_id, prompt, prompt_token_ids, params)
+        try:
+            await self.actor.add_request.remote(request_id, prompt, prompt_token_ids, params)
+        except RayActorError as e:
+            raise EngineUnavailable(f"the engine process is gone: {e}") from None
 
     async def abort(self, request_id: str) -> None:
-        await self.actor.abort.remote(request_id)
+        try:
+            await self.actor.abort.remote(request_id)
+        except RayActorError:
+            pass  # nothing is left to abort
 
     async def stop_sequences(self, request_id: str, stops: list[tuple[int, str]]) -> None:
-        await self.actor.stop_sequences.remote(request_id, stops)
+        try:
+            await self.actor.stop_sequences.remote(request_id, stops)
+        except RayActorError:
+            pass  # the output stream reports the engine's death
 
     async def outputs(self):
-        async for ref in self.actor.outputs.options(num_returns="streaming").remote():
-            yield await ref
+        try:
+            async for ref in self.actor.outputs.options(num_returns="streaming").remote():
+                yield await ref
+        except RayActorError as e:
+            raise EngineUnavailable(f"the engine process is gone: {e}") from None
 
 
 class LLMServer:

@@ -42,6 +42,7 @@ from rayserve_paged.deployments.errors import (
     OpenAIError,
     RequestBodyTooLarge,
     body_parse_error,
+    engine_unavailable,
     internal_error,
     overloaded,
     validation_error,
@@ -275,7 +276,7 @@ def create_openai_app(
     async def health() -> Response:
         if await serving.is_healthy():
             return JSONResponse({"status": "ok"})
-        return OpenAIError(503, "the engine is not healthy", type="server_error", code="engine_unavailable").response()
+        return engine_unavailable("the engine is not healthy").response()
 
     # the last added runs first: API key, admission, internal errors, body size, the routes
     app.add_middleware(_BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)

@@ -24,7 +24,13 @@ from typing import Protocol
 from fastapi.responses import Response
 
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
-from rayserve_paged.deployments.errors import OpenAIError, bad_request, internal_error, to_openai_error
+from rayserve_paged.deployments.errors import (
+    OpenAIError,
+    bad_request,
+    engine_unavailable,
+    internal_error,
+    to_openai_error,
+)
 from rayserve_paged.deployments.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -125,9 +131,7 @@ class OpenAIServing:
                 self._info = await self.client.model_info()
             except Exception as exc:
                 logger.warning("engine model_info failed: %r", exc)
-                raise OpenAIError(
-                    503, "the engine is not available", type="server_error", code="engine_unavailable"
-                ) from exc
+                raise engine_unavailable("the engine is not available") from exc
         return self._info
 
     async def is_healthy(self) -> bool:

@@ -5,6 +5,16 @@
          │ one DeltaBuffer per request               │ one batch of StepOutputs per step
          └──── OutputProcessor (text, stop strings) <┘ (the pump: one task for all requests)
 
+Every call is one incarnation: the engine knows it as `<request id>@<n>`, so a request id
+reused right after its previous call ended or was aborted never receives the old call's
+steps still in flight (they name an id nobody reads any more and are dropped).
+
+Every reader ends: with its last output, with an exception, or, aborted through
+`abort` (the handle API) while it waits, with a final output whose unfinished choices say
+finish_reason "abort". When the engine dies (its process, or its step loop) every waiting
+reader and every later call gets `EngineUnavailable` (HTTP: 503 + Retry-After) until the
+replica is replaced.
+
 A stop string found by the processor is sent back as `stop_sequences` at once. A slow
 reader never slows the pump: its buffer holds one item and coalesces the steps it has not
 read yet into it (`merge_deltas`), so memory grows only with the unread tokens. With a
@@ -16,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 import logging
 from collections.abc import AsyncIterator
 from typing import Protocol
@@ -29,6 +40,11 @@ logger = logging.getLogger(__name__)
 
 class RequestFailed(ValueError):
     """The engine could not serve the request as given (e.g. it can never fit)."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine of this replica is gone (its process died or its step loop failed):
+    retry later, when the replica has been replaced (HTTP: 503 + Retry-After)."""
 
 
 class EngineCore(Protocol):
@@ -92,7 +108,10 @@ class EngineFrontend:
         self.tokenizer = tokenizer
         self.processor = OutputProcessor(tokenizer)
         self.failure: BaseException | None = None
-        self._buffers: dict[str, DeltaBuffer] = {}  # requests the engine may still be running
+        # by the engine's id of a call (`<request id>@<n>`): requests the engine may still run
+        self._buffers: dict[str, DeltaBuffer] = {}
+        self._live: dict[str, str] = {}  # the caller's request id -> the engine's id of its call
+        self._incarnations = itertools.count()
         self._pump: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
 
@@ -117,14 +136,18 @@ class EngineFrontend:
         finished=True. Closing the iterator early aborts the request."""
         self._start_pump()
         if self.failure is not None:
-            raise RuntimeError(f"the engine is unavailable: {self.failure!r}")
-        if request_id in self._buffers:
+            raise EngineUnavailable(f"the engine is unavailable: {self.failure!r}")
+        if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        buffer = self._buffers[request_id] = DeltaBuffer(self.stream_interval if kind is OutputKind.DELTA else 1)
-        self.processor.add_request(request_id, prompt, prompt_token_ids, params, kind)
+        engine_id = f"{request_id}@{next(self._incarnations)}"
+        self._live[request_id] = engine_id
+        buffer = self._buffers[engine_id] = DeltaBuffer(self.stream_interval if kind is OutputKind.DELTA else 1)
+        self.processor.add_request(engine_id, prompt, prompt_token_ids, params, kind, output_id=request_id)
         finished = False
         try:
-            await self.core.add_request(request_id, prompt, prompt_token_ids, params)
+            await self.core.add_request(engine_id, prompt, prompt_token_ids, params)
+            if engine_id not in self._buffers:  # aborted while it was being added
+                self.detached(self.core.abort(engine_id))
             while not finished:
                 out = await buffer.get()
                 if out.error is not None:
@@ -133,16 +156,24 @@ class EngineFrontend:
                 finished = out.finished
                 yield out
         finally:
-            self.processor.abort_request(request_id)
-            is_live = self._buffers.pop(request_id, None) is not None
+            self.processor.abort_request(engine_id)
+            if self._live.get(request_id) == engine_id:
+                del self._live[request_id]
+            is_live = self._buffers.pop(engine_id, None) is not None
             if is_live and not finished:  # the caller went away (or failed): free its blocks now
-                self.detached(self.core.abort(request_id))
+                self.detached(self.core.abort(engine_id))
 
     async def abort(self, request_id: str) -> None:
-        """Abort a running request (once: a request already ended or aborted is left alone)."""
-        self.processor.abort_request(request_id)
-        if self._buffers.pop(request_id, None) is not None:
-            await self.core.abort(request_id)
+        """Abort a running request (once: a request already ended or aborted is left alone).
+        Its reader, if one waits, gets a final output (finish_reason "abort")."""
+        engine_id = self._live.pop(request_id, None)
+        if engine_id is None:
+            return
+        final = self.processor.abort_request(engine_id)
+        buffer = self._buffers.pop(engine_id, None)
+        if buffer is not None:
+            buffer.put(final)
+            await self.core.abort(engine_id)
 
     def detached(self, coro) -> asyncio.Task:
         """Run `coro` outside the calling request's context (Serve cancels the Ray calls of a
@@ -164,7 +195,7 @@ class EngineFrontend:
             logger.error("engine output stream failed: %r", e)
             self.failure = e
             for buffer in self._buffers.values():
-                buffer.put(RuntimeError(f"the engine failed: {e!r}"))
+                buffer.put(EngineUnavailable(f"the engine failed: {e!r}"))
 
     def dispatch(self, batch: list[StepOutput]) -> None:
         for step_output in batch:
@@ -172,7 +203,7 @@ class EngineFrontend:
             if stop is not None:
                 self.detached(self.core.stop_sequences(stop.request_id, stop.stops))
             if output is not None:
-                buffer = self._buffers.get(output.request_id)
+                buffer = self._buffers.get(step_output.request_id)
                 if buffer is not None:
                     buffer.put(output)
 

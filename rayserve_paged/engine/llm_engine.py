@@ -32,6 +32,7 @@ from rayserve_paged.core.sequence import (
     SequenceGroup,
     SequenceStatus,
 )
+from rayserve_paged.engine.detokenizer import DecodeState, Detokenizer
 from rayserve_paged.engine.executor import Executor, InProcessExecutor
 from rayserve_paged.engine.outputs import RequestMetrics, SequenceDelta, StepOutput
 from rayserve_paged.models.loader import get_model_config, load_tokenizer
@@ -51,6 +52,8 @@ class _BeamState:
 
     finished: list[tuple[float, Sequence]] = field(default_factory=list)  # best first, <= width
     improvable: bool = True
+    # with stop strings: each live beam's detokenization state and output text so far
+    texts: dict[int, tuple[DecodeState, str]] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -87,6 +90,7 @@ class LLMEngine:
             ),
             self.block_manager,
         )
+        self._detokenizer: Detokenizer | None = None  # beam search with stop strings only
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._beams: dict[str, _BeamState] = {}
@@ -348,7 +352,8 @@ class LLMEngine:
         num_keep = len(samples[0].token_ids) if samples else 0
         top = candidates[:num_keep]
         generated = by_id[samples[0].seq_id].num_output_tokens + 1  # all beams have one length
-        ends = [self._beam_ends(parent, token, generated, params) for _, parent, token, _ in top]
+        texts = self._candidate_texts(group, state, top) if params.stop else None
+        ends = [self._beam_ends(parent, token, generated, params, texts) for _, parent, token, _ in top]
 
         # finished hypotheses: only the top W candidates may enter
         full = len(state.finished) == width
@@ -357,7 +362,7 @@ class LLMEngine:
                 if end is not None:
                     hyp = self._new_child(group, parent, with_blocks=False)
                     hyp.append_token(token, logprob)
-                    hyp.status = end
+                    hyp.status, hyp.stop_reason = end
                     state.finished.append((score / generated**params.length_penalty, hyp))
             state.finished.sort(key=lambda f: f[0], reverse=True)
             del state.finished[width:]
@@ -379,7 +384,7 @@ class LLMEngine:
                 if not seq.status.is_finished:
                     self._finish(seq, SequenceStatus.FINISHED_ABORTED, None)  # discarded beams
             return
-        self._advance_beams(group, survivors)
+        self._advance_beams(group, survivors, state, texts)
 
     def _keep_cut_beams(self, group: SequenceGroup, state: _BeamState) -> None:
         """Beams the scheduler ended because the KV pool could not hold the whole beam
@@ -395,16 +400,48 @@ class LLMEngine:
             del state.finished[params.best_of :]
             group.seqs[:] = [s for s in group.seqs if s not in cut]
 
-    def _beam_ends(self, parent: Sequence, token: int, generated: int, params: SamplingParams):
-        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
-            return SequenceStatus.FINISHED_STOPPED
+    def _beam_ends(
+        self, parent: Sequence, token: int, generated: int, params: SamplingParams, texts: dict | None
+    ) -> tuple[SequenceStatus, int | str | None] | None:
+        """How the candidate (parent + token) ends, as (status, stop_reason); None: it goes on."""
+        if token in params.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED, token
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED, None
+        if texts is not None and (stop := texts[parent.seq_id, token][2]) is not None:
+            return SequenceStatus.FINISHED_STOPPED, stop
         if params.max_tokens is not None and generated >= params.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH
+            return SequenceStatus.FINISHED_LENGTH, None
         if len(parent) + 1 >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
+            return SequenceStatus.FINISHED_LENGTH, None
         return None
 
-    def _advance_beams(self, group: SequenceGroup, survivors: list) -> None:
+    def _candidate_texts(self, group: SequenceGroup, state: _BeamState, top: list) -> dict:
+        """(parent id, token) -> (its decode state, its output text, the stop string its new
+        text completes or None): each hypothesis meets the stop strings as greedy output
+        does, through the same incremental detokenization (its text is cut there later)."""
+        params = group.sampling_params
+        skip = params.skip_special_tokens
+        if self._detokenizer is None:
+            self._detokenizer = Detokenizer(self.tokenizer)
+        detok = self._detokenizer
+        texts = {}
+        for _, parent, token, _ in top:
+            key = (parent.seq_id, token)
+            if key in texts:
+                continue
+            known = state.texts.get(parent.seq_id)
+            if known is None:  # the first step: the beam's text starts after the prompt
+                known = (detok.start(parent.prompt_token_ids, skip), "")
+            decode, text = known
+            decode = DecodeState(list(decode.tokens_text), decode.prefix_offset, decode.read_offset)
+            before = len(text)
+            text += detok.decode_next(decode, token, skip)
+            stop = next((s for s in params.stop if text.find(s, max(0, before - len(s) + 1)) != -1), None)
+            texts[key] = (decode, text, stop)
+        return texts
+
+    def _advance_beams(self, group: SequenceGroup, survivors: list, state: _BeamState, texts: dict | None) -> None:
         """Turn the surviving candidates into the next beams: a parent chosen once takes
         the token itself, each further choice forks it; unchosen beams are dropped."""
         used: set[int] = set()
@@ -413,12 +450,14 @@ class LLMEngine:
             if parent.seq_id in used:
                 child = self._new_child(group, parent)
                 used.add(child.seq_id)
-                moves.append((child, token, logprob))
+                moves.append((child, parent, token, logprob))
             else:
                 used.add(parent.seq_id)
-                moves.append((parent, token, logprob))
+                moves.append((parent, parent, token, logprob))
+        if texts is not None:
+            state.texts = {beam.seq_id: texts[parent.seq_id, token][:2] for beam, parent, token, _ in moves}
         # children were forked before any parent took its token
-        for beam, token, logprob in moves:
+        for beam, _, token, logprob in moves:
             beam.append_token(token, logprob)
         for seq in group.seqs:
             if seq.seq_id not in used and not seq.status.is_finished:

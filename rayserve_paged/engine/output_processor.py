@@ -59,6 +59,12 @@ class _Request:
     choices: dict[int, _Choice] = field(default_factory=dict)
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    output_id: str = ""  # the request id its outputs carry (the caller's, when it differs)
+
+    @property
+    def num_choices(self) -> int:
+        """Choices the engine reports: beam search its n best, sampling all best_of."""
+        return self.params.n if self.params.use_beam_search else self.params.best_of
 
     @property
     def is_final_only(self) -> bool:
@@ -78,12 +84,28 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         kind: OutputKind = OutputKind.FINAL,
+        output_id: str | None = None,
     ) -> None:
         holdback = 0 if not params.stop or params.include_stop_str_in_output else max(map(len, params.stop)) - 1
-        self.requests[request_id] = _Request(request_id, prompt, prompt_token_ids, params, kind, holdback)
+        self.requests[request_id] = _Request(
+            request_id, prompt, prompt_token_ids, params, kind, holdback, output_id=output_id or request_id
+        )
 
-    def abort_request(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Forget the request; returns its final output (None: not here): every choice not
+        yet finished ends with finish_reason "abort", with the text it has so far."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for index in range(request.num_choices):
+            choice = request.choices.get(index)
+            if choice is None:
+                choice = request.choices[index] = _Choice(index, None)
+            if choice.finish_reason is None:
+                choice.finish_reason = "abort"
+        if request.is_final_only:
+            return _cumulative(request, True)
+        return _delta(request, True)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -100,9 +122,8 @@ class OutputProcessor:
         if out.num_cached_tokens:
             request.num_cached_tokens = out.num_cached_tokens
         stops = [stop for delta in out.outputs if (stop := self._apply(request, delta)) is not None]
-        num_choices = request.params.n if request.params.use_beam_search else request.params.best_of
         is_finished = out.finished or (
-            len(request.choices) == num_choices and all(c.finish_reason for c in request.choices.values())
+            len(request.choices) == request.num_choices and all(c.finish_reason for c in request.choices.values())
         )
         if out.metrics is not None:
             request.metrics = out.metrics
@@ -129,6 +150,9 @@ class OutputProcessor:
             choice.token_ids = list(delta.token_ids)
             choice.logprobs = list(delta.top_logprobs) if choice.logprobs is not None and delta.top_logprobs else None
             choice.text = self.detokenizer.decode(choice.token_ids, params.skip_special_tokens)
+            if isinstance(delta.stop_reason, str) and delta.stop_reason in params.stop:
+                # the engine ended the hypothesis at a stop string: its text ends there
+                _cut_at_stop(choice, params, delta.stop_reason)
         else:
             for i, token_id in enumerate(delta.token_ids):
                 choice.token_ids.append(token_id)
@@ -154,10 +178,17 @@ def _find_stop(choice: _Choice, params: SamplingParams, before: int) -> str | No
     for stop in params.stop:
         at = text.find(stop, max(0, before - len(stop) + 1))
         if at != -1:
-            choice.text = text[: at + len(stop) if params.include_stop_str_in_output else at]
-            choice.finish_reason, choice.stop_reason = "stop", stop
+            _cut_at_stop(choice, params, stop, at)
             return stop
     return None
+
+
+def _cut_at_stop(choice: _Choice, params: SamplingParams, stop: str, at: int | None = None) -> None:
+    """End the choice at the stop string (its first occurrence unless `at` says where)."""
+    at = choice.text.find(stop) if at is None else at
+    if at != -1:
+        choice.text = choice.text[: at + len(stop) if params.include_stop_str_in_output else at]
+    choice.finish_reason, choice.stop_reason = "stop", stop
 
 
 def _delta(request: _Request, is_finished: bool) -> RequestOutput | None:
@@ -211,7 +242,7 @@ def _cumulative(request: _Request, is_finished: bool) -> RequestOutput:
 
 def _output(request: _Request, outputs: list[CompletionOutput], is_finished: bool) -> RequestOutput:
     return RequestOutput(
-        request_id=request.request_id,
+        request_id=request.output_id,
         prompt=request.prompt,
         prompt_token_ids=request.prompt_token_ids,
         outputs=outputs,
@@ -223,7 +254,7 @@ def _output(request: _Request, outputs: list[CompletionOutput], is_finished: boo
 
 def _errored(request: _Request, out: StepOutput) -> RequestOutput:
     return RequestOutput(
-        request_id=request.request_id,
+        request_id=request.output_id,
         prompt=request.prompt,
         prompt_token_ids=request.prompt_token_ids,
         outputs=[],

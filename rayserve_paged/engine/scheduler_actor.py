@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.sequence import SamplingParams
+from rayserve_paged.engine.frontend import EngineUnavailable
 from rayserve_paged.engine.llm_engine import LLMEngine
 from rayserve_paged.telemetry import ReplicaTelemetry, TelemetryConfig
 
@@ -79,7 +80,7 @@ class SchedulerActor:
         """Queue a request; raises the engine's validation error for bad input."""
         self._attach_loop()
         if self._error is not None:
-            raise RuntimeError(f"the engine failed: {self._error!r}")
+            raise EngineUnavailable(f"the engine failed: {self._error!r}")
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(("add", (request_id, prompt, params, prompt_token_ids), done))
         await asyncio.wrap_future(done)
@@ -224,7 +225,7 @@ class SchedulerActor:
         except BaseException as e:  # a worker died, a kernel failed: every waiter must hear it
             logger.exception("step loop failed")
             self._error = e
-            failure = RuntimeError(f"the engine failed: {e!r}")
+            failure = EngineUnavailable(f"the engine failed: {e!r}")
             while self._ops:
                 _, _, done = self._ops.popleft()
                 if done is not None:

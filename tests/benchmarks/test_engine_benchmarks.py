@@ -52,6 +52,15 @@ def test_sharing_json_records_config_and_seed(sharing_json):
     engine = sharing_json["config"]["engine"]
     assert engine["block_size"] == 16
     assert engine["enable_prefix_caching"] is False
+    assert engine["enable_chunked_prefill"] is False  # one prefill step per prompt, as the checks assume
+
+
+def test_the_quick_run_batches_prompts_beyond_one_budget(sharing_json):
+    """The quick run's ShareGPT prompts together exceed one step's token budget, so several
+    prefill steps share the batch with decodes: the schedule a full run has, where a check
+    that assumes one request per prefill step would fail."""
+    workload = sharing_json["sharegpt"]["workload"]
+    assert workload["num_requests"] * workload["mean_prompt_len"] > 2048
 
 
 def test_sharing_beam_saves_more_than_parallel_n2_on_sharegpt(sharing_json):
