@@ -79,6 +79,9 @@ class StepMessage:
         """Nothing for the workers to do (not even to forget something)."""
         return not (
             self.seq_ids
+            or self.start_positions
+            or self.num_query_tokens
+            or self.token_ids
             or self.finished_request_ids
             or self.new_requests
             or self.forks

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rayserve_paged.core import SequenceStatus
 
 from .invariants import check_scheduler
-from .worlds import make_group, make_world, run_step
+from .worlds import fork_group, make_group, make_world, run_step
 
 
 def step(s):
@@ -100,3 +100,78 @@ def test_a_request_aborted_mid_prefill_frees_its_blocks_and_is_forgotten():
     check_scheduler(s)
     assert bm.usage().gpu_used == 0
     assert step(s).finished_request_ids == ["a"]
+
+
+# ---------------------------------------------------------------------------- wide groups
+
+
+def _budget_holds(out, s) -> None:
+    msg = out.message
+    assert len(msg.seq_ids) <= s.config.max_num_seqs
+    assert sum(msg.num_query_tokens) <= s.config.max_num_batched_tokens
+
+
+def test_a_group_still_prefilling_counts_at_its_full_width():
+    """A 40-token prompt with n=4 prefilled in chunks beside short prompts: while it
+    prefills it holds 4 of max_num_seqs = 4 (it forks to 4 when it samples), so the short
+    prompts wait; no step schedules more than 4 sequences or 32 tokens, and the pool of 12
+    blocks never runs dry."""
+    s, bm = make_world(num_gpu=12, num_cpu=0, block_size=8, max_num_seqs=4, max_num_batched_tokens=32,
+                       max_model_len=96)  # fmt: skip
+    wide = make_group("wide", 40, arrival=0, n=4, temperature=1.0)
+    short = [make_group(f"s{i}", 8, arrival=1 + i, temperature=0.0) for i in range(3)]
+    for g in (wide, *short):
+        s.add_group(g)
+    out = run_step(s)  # the first chunk
+    assert [sg.request_id for sg in out.groups] == ["wide"] and sum(out.message.num_query_tokens) == 32
+    out = run_step(s)  # the rest of the prompt; the short ones cannot join: 4 of 4 are taken
+    assert [sg.request_id for sg in out.groups] == ["wide"] and list(s.waiting) == short
+    fork_group(s, wide, 3)
+    for _ in range(30):
+        out = run_step(s, distinct=True)
+        _budget_holds(out, s)
+        assert sum(g.max_num_running_seqs() for g in s.running) <= 4
+        check_scheduler(s)
+
+
+def test_a_swapped_group_that_was_prefilling_comes_back_at_its_full_width():
+    s, _ = make_world(num_gpu=12, num_cpu=12, block_size=8, max_num_seqs=4, max_num_batched_tokens=16,
+                      max_model_len=96, preemption_mode="swap")  # fmt: skip
+    old = make_group("old", 8, arrival=0, temperature=0.0)
+    wide = make_group("wide", 40, arrival=1, best_of=3, n=1, temperature=1.0)
+    s.add_group(old)
+    s.add_group(wide)
+    run_step(s)  # old's prompt and wide's first chunk
+    out = s.schedule()
+    s._preempt(s.running.pop(), out)  # wide, mid-prefill, goes to the CPU pool
+    assert wide.seqs[0].status is SequenceStatus.SWAPPED and wide.is_prefilling
+    s.add_group(make_group("late", 8, arrival=2, n=2, temperature=1.0))
+    for _ in range(6):
+        out = run_step(s)
+        _budget_holds(out, s)
+        assert sum(g.max_num_running_seqs() for g in s.running) <= 4
+    assert wide in s.running
+
+
+def test_without_chunking_a_recomputed_wide_group_stays_within_the_budget():
+    """Chunked prefill off: a prompt goes whole, but a recomputed group of several
+    sequences longer than one step's budget together is prefilled over several steps."""
+    s, _ = make_world(num_gpu=40, num_cpu=0, block_size=8, max_num_seqs=4, max_num_batched_tokens=64,
+                      max_model_len=64, enable_chunked_prefill=False, caching=False)  # fmt: skip
+    wide = make_group("wide", 50, arrival=0, n=4, temperature=1.0)
+    s.add_group(wide)
+    run_step(s)
+    fork_group(s, wide, 3)
+    for _ in range(5):
+        run_step(s, distinct=True)
+    out = s.schedule()
+    s._preempt(s.running.pop(), out)  # recompute: 4 x 56 tokens to prefill again
+    # 55 tokens of the first sequence, then 8 of each other one past the 6 prompt blocks they
+    # share: 79 tokens, more than the budget of 64 -> two steps, the first one full
+    first = run_step(s, distinct=True)
+    assert list(zip(first.message.seq_ids, first.message.start_positions, first.message.num_query_tokens)) == [
+        (wide.seqs[0].seq_id, 0, 55), (wide.seqs[1].seq_id, 48, 7), (wide.seqs[2].seq_id, 48, 2)
+    ]  # fmt: skip
+    assert [g.do_sample for g in first.groups] == [False]
+    second = run_step(s, distinct=True)
+    assert sum(second.message.num_query_tokens) == 16 and [g.do_sample for g in second.groups] == [True]

@@ -124,3 +124,48 @@ def test_swap_in_resends_the_whole_table():
     updates = {seq_id: (start, blocks) for seq_id, start, blocks in msg.block_table_updates}
     for seq in new.seqs:
         assert updates[seq.seq_id] == (0, bm.get_block_table(seq))
+
+
+def test_a_sequence_that_ends_while_its_group_waits_for_recompute_is_freed_on_the_workers():
+    s, bm = make_world(num_gpu=4, num_cpu=0, preemption_mode="recompute")
+    old = make_group("old", 30, arrival=0, temperature=0.0)
+    wide = make_group("wide", 30, arrival=1, n=2, temperature=1.0)
+    s.add_group(old)
+    s.add_group(wide)
+    run_step(s)  # both prefill (2 blocks each)
+    (child,) = fork_group(s, wide, 1)
+    run_step(s, distinct=True)  # the fork's copy-on-write needs a fifth block: "wide" is recomputed
+    assert all(seq.status is SequenceStatus.WAITING and not bm.has_blocks(seq) for seq in wide.seqs)
+    finish(s, wide, [child])  # ends (a stop string, say) while its group holds no blocks
+    msg = s.schedule().message
+    assert msg.freed_seq_ids == [child.seq_id]
+    finish(s, wide, [child])  # released once
+    assert child.seq_id not in s.schedule().message.freed_seq_ids
+
+
+def test_is_empty_reads_every_field():
+    from dataclasses import fields
+
+    from rayserve_paged.core.outputs import NewRequest, StepMessage
+    from rayserve_paged.core.sequence import SamplingParams
+
+    assert StepMessage().is_empty
+    samples = {
+        "finished_request_ids": ["r"],
+        "new_requests": [NewRequest("r", 1, SamplingParams(), 3)],
+        "forks": [(1, 2, 1)],
+        "freed_seq_ids": [2],
+        "block_table_updates": [(1, 0, [4])],
+        "blocks_to_swap_out": [(1, 2)],
+        "blocks_to_swap_in": [(2, 1)],
+        "blocks_to_copy": [(1, 3)],
+        "seq_ids": [1],
+        "start_positions": [0],
+        "num_query_tokens": [1],
+        "token_ids": [7],
+        "unsampled_seq_ids": [1],
+        "first_step_seq_ids": [1],
+    }
+    assert set(samples) == {f.name for f in fields(StepMessage)}
+    for name, value in samples.items():
+        assert not StepMessage(**{name: value}).is_empty, name

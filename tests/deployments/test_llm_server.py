@@ -104,3 +104,89 @@ async def test_bad_handle_calls_raise_named_value_errors(server):
 async def test_unknown_sampling_field_in_a_dict_is_a_named_error(server):
     with pytest.raises(SamplingParamsError, match="bogus"):
         await server.generate("Hi", {"bogus": 1})
+
+
+# ---------------------------------------------------------------------------- aborts and ids
+
+LONG = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+
+
+async def _until_idle(server) -> None:
+    """The engine has applied every abort: nothing of the aborted calls is left running."""
+    engine = server.actor.target.engine
+    for _ in range(1000):
+        if not engine.has_unfinished_requests():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the engine still runs {list(engine.scheduler.groups)}")
+
+
+async def _first_token(server, request_id: str, prompt: str = "Hello"):
+    """A stream of `prompt` under `request_id`, read up to its first token."""
+    stream = server.generate_stream(prompt, LONG, request_id=request_id)
+    first = await asyncio.wait_for(anext(stream), 30)
+    assert first.outputs and first.outputs[0].token_ids
+    return stream, first
+
+
+async def test_handle_abort_ends_a_waiting_generate_with_finish_reason_abort(server):
+    task = asyncio.ensure_future(server.generate("Hello", LONG, request_id="cut"))
+    while not server.frontend._live or not server.actor.target.engine.scheduler.groups:
+        await asyncio.sleep(0.01)  # queued in the engine
+    await server.abort("cut")
+    out = await asyncio.wait_for(task, 10)  # never silence: the reader gets a final output
+    assert out.finished and out.request_id == "cut"
+    assert [c.finish_reason for c in out.outputs] == ["abort"]
+    assert len(out.outputs[0].token_ids) < 100
+    await _until_idle(server)
+
+
+async def test_handle_abort_ends_a_waiting_stream_and_the_id_is_free_again(server):
+    stream, first = await _first_token(server, "again")
+    await server.abort("again")
+    rest = [out async for out in stream]  # ends, with a final delta
+    assert rest and rest[-1].finished and rest[-1].outputs[-1].finish_reason == "abort"
+    # the id is reused at once: the new call gets its own tokens only, none of the old one's
+    # steps that were still in flight
+    fresh = await asyncio.wait_for(server.generate("Hello", GREEDY, request_id="again"), 30)
+    alone = await asyncio.wait_for(server.generate("Hello", GREEDY), 30)
+    assert fresh.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert fresh.outputs[0].finish_reason == "length"
+    await _until_idle(server)
+
+
+async def test_an_id_reused_after_abort_never_receives_the_old_calls_steps(server):
+    """The old call's steps still in flight (published by the step loop before its abort was
+    applied) are handed to the front end after the id was reused: they are dropped."""
+    frontend = server.frontend
+    held = []
+    dispatch = frontend.dispatch
+    stream, _ = await _first_token(server, "reuse")
+    old_id = frontend._live["reuse"]
+
+    def hold_old(batch):  # keep back the first call's later steps
+        mine = [o for o in batch if o.request_id == old_id]
+        held.extend(mine)
+        dispatch([o for o in batch if o not in mine])
+
+    frontend.dispatch = hold_old
+    while not held:
+        await asyncio.sleep(0.01)
+    await server.abort("reuse")
+    await stream.aclose()
+    frontend.dispatch = dispatch
+    task = asyncio.ensure_future(server.generate("Hello", GREEDY, request_id="reuse"))
+    while "reuse" not in frontend._live:
+        await asyncio.sleep(0.001)
+    dispatch(held)  # the old call's steps arrive now
+    fresh = await asyncio.wait_for(task, 30)
+    alone = await asyncio.wait_for(server.generate("Hello", GREEDY), 30)
+    assert fresh.outputs[0].token_ids == alone.outputs[0].token_ids
+    await _until_idle(server)
+
+
+async def test_abort_of_an_unknown_or_ended_request_is_a_no_op(server):
+    await server.abort("never-started")
+    out = await asyncio.wait_for(server.generate("Hello", GREEDY, request_id="done"), 30)
+    await server.abort("done")
+    assert out.outputs[0].finish_reason == "length"
