@@ -104,11 +104,14 @@ class StaticDecode:
     backend        the model's attention backend (begin_step once per eager step; its
                    `supports_cuda_graphs` says whether its forward may be captured), or None
     use_cuda_graphs  False: never capture (the padded path still runs eagerly)
+    capture_error_mode  torch.cuda.graph's: "thread_local" where collectives (NCCL) run
+                   inside the capture (TP > 1), "global" otherwise
     """
 
     def __init__(
         self, model: torch.nn.Module, block_size: int, max_num_seqs: int, max_model_len: int,
         device: torch.device | str, backend=None, *, use_cuda_graphs: bool = True,
+        capture_error_mode: str = "global",
     ) -> None:
         self.model = model
         self.backend = backend
@@ -118,6 +121,7 @@ class StaticDecode:
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
         self.use_cuda_graphs = use_cuda_graphs
+        self.capture_error_mode = capture_error_mode
         rows, device = self.buckets[-1], self.device
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)  # [rows]
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)  # [rows]
@@ -248,7 +252,7 @@ class StaticDecode:
             self.model(ids, positions, kv_caches, self._metadata(size, [1] * size))
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_error_mode):
                 # a metadata object of its own: the backend plans it (and allocates its
                 # buffers) inside the capture, in the graph's pool
                 output = self.model(ids, positions, kv_caches, self._metadata(size, [1] * size))
