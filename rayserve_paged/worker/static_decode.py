@@ -298,7 +298,8 @@ class StaticDecode:
         self._words[:used].copy_(self._host[:used], non_blocking=True)
         self.num_copies += 1
         if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
+            if self._copied is None:
+                self._copied = torch.cuda.Event()  # one event, re-recorded each step
             self._copied.record(torch.cuda.current_stream(self.device))
         self.block_tables = self._tables(self._words, length)
 

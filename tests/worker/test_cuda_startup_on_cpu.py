@@ -15,6 +15,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from rayserve_paged.config import EngineConfig
+from rayserve_paged.core.outputs import NewRequest, StepMessage
+from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.models.tiny import resolve_model
 from rayserve_paged.ops.paged_attention import TorchReferenceBackend
 from rayserve_paged.worker import worker as worker_module
@@ -211,6 +213,18 @@ def test_worker_start_up_on_the_gpu_branches(fake_cuda):
     assert worker.cuda_graphs == list(static.buckets) == [1, 2, 4]
     assert fake_cuda.captures == [{"pool": "pool", "capture_error_mode": "global"}] * 3
     assert worker.swapper.stream is None  # the caches live on the CPU here: no side stream
+    # a prefill, then a decode step on the padded path (the fake capture holds nothing to
+    # replay): the host mirror's one copy per step, ordered by an event on the rank's stream
+    static.graphs = {}
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = worker.execute(StepMessage(
+        new_requests=[NewRequest("a", 0, params, 3)], block_table_updates=[(0, 0, [1])], seq_ids=[0],
+        start_positions=[0], num_query_tokens=[3], token_ids=[5, 6, 7], first_step_seq_ids=[0],
+    ))
+    worker.execute(StepMessage(seq_ids=[0], start_positions=[3], num_query_tokens=[1],
+                               token_ids=[first.samples[0].token_ids[0]]))
+    assert worker.runner.last_path == "static-eager" and static.num_copies == 1
+    assert fake_cuda.called("current_stream") == [torch.device("cuda", 0)]
     # every tensor that asked for a CUDA device named its index
     assert fake_cuda.placement.devices and set(fake_cuda.placement.devices) == {torch.device("cuda", 0)}
     for name, device in fake_cuda.calls:
