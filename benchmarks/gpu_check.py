@@ -84,6 +84,7 @@ STEP_BUDGET_S = {
 # distributions benchmarks/gpu_check_wheels.txt pins for them.
 ENGINE_MODULES = ("pydantic", "opentelemetry.sdk", "opentelemetry.exporter.prometheus")
 DEFAULT_WHEELS = REPO_ROOT / ".whl"
+CUDA = "cuda:0"  # every device this script hands the project's code names its index
 DECODE_BATCHES = (1, 16, 64, 256)
 DECODE_CONTEXTS = (512, 2048, 8192)
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -383,7 +384,7 @@ def decode_benchmark(torch, quick: bool, copy_gbps: float | None, deadline: Dead
     return rows
 
 
-def decode_point(torch, dtype, batch: int, context: int, *, repeats: int, device="cuda", timer=None) -> dict:
+def decode_point(torch, dtype, batch: int, context: int, *, repeats: int, device=CUDA, timer=None) -> dict:
     """One decode measurement. `device` and `timer` exist so the CPU tests can run this
     code under the interpreter with a stand-in timer."""
     import torch.nn.functional as F
@@ -466,7 +467,7 @@ def prefill_flops(num_seqs: int, context: int, new_tokens: int, num_heads=NUM_HE
 
 
 def prefill_point(
-    torch, dtype, num_seqs: int, context: int, new_tokens: int, *, repeats: int, device="cuda", timer=None
+    torch, dtype, num_seqs: int, context: int, new_tokens: int, *, repeats: int, device=CUDA, timer=None
 ) -> dict:
     import torch.nn.functional as F
 
@@ -562,7 +563,7 @@ def runner_check(torch, has_cuda: bool, quick: bool, cpu_backend: str = "triton"
     from rayserve_paged.worker.model_runner import ModelRunner
     from rayserve_paged.worker.static_decode import StaticDecode
 
-    device = "cuda" if has_cuda else "cpu"
+    device = CUDA if has_cuda else "cpu"
     backend_name = "triton" if has_cuda or (cpu_backend == "triton" and triton_backend.is_interpreted()) else "torch"
     shape = (OPT_1_3B | ({"num_hidden_layers": 4} if quick else {})) if has_cuda else {}
     block_size, max_new = 16, (16 if quick or not has_cuda else 32)
@@ -724,7 +725,7 @@ def runner_throughput(torch, runner, caches, mc, block_size, quick: bool, backen
     prompts = [[rng.randrange(7, 512) for _ in range(prompt_len)] for _ in range(batch)]
     blocks_per_seq = -(-(prompt_len + steps) // block_size)
     if profile_cache_blocks(batch, blocks_per_seq) > caches[0][0].shape[0]:
-        bigger = _caches(torch, mc, profile_cache_blocks(batch, blocks_per_seq), block_size, caches[0][0].dtype, "cuda")
+        bigger = _caches(torch, mc, profile_cache_blocks(batch, blocks_per_seq), block_size, caches[0][0].dtype, CUDA)
     else:
         bigger = caches
     result: dict = {"batch": batch, "prompt_len": prompt_len, "new_tokens": steps}
@@ -732,7 +733,7 @@ def runner_throughput(torch, runner, caches, mc, block_size, quick: bool, backen
     for mode in ("graphs_off", "graphs_on"):
         runner.static_decode = None
         if mode == "graphs_on":
-            static = StaticDecode(runner.model, block_size, batch, mc.max_model_len, "cuda", backend)
+            static = StaticDecode(runner.model, block_size, batch, mc.max_model_len, CUDA, backend)
             reserved = static.profile_bytes(bigger)
             torch.cuda.synchronize()
             before, started = torch.cuda.memory_allocated(), time.perf_counter()
@@ -768,19 +769,19 @@ def kv_sizing(torch, runner, mc, backend, block_size, dtype) -> dict:
     free_before, total = torch.cuda.mem_get_info()
     blocks_per_seq = 2048 // block_size
     # block 0 is never handed out (runner_greedy's tables start at block 1), as in the other callers
-    caches = _caches(torch, mc, profile_cache_blocks(1, blocks_per_seq), block_size, getattr(torch, dtype), "cuda")
+    caches = _caches(torch, mc, profile_cache_blocks(1, blocks_per_seq), block_size, getattr(torch, dtype), CUDA)
     runner_greedy(runner, caches, [[7] * 2047], 1, block_size, blocks_per_seq)
     torch.cuda.synchronize()
     allocated, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
-    workspace = backend.decode_workspace_bytes(256, mc.num_heads, mc.num_kv_heads, mc.head_dim, 2048, "cuda")
-    graphs = StaticDecode(runner.model, block_size, 256, 2048, "cuda", backend).profile_bytes(caches)
+    workspace = backend.decode_workspace_bytes(256, mc.num_heads, mc.num_kv_heads, mc.head_dim, 2048, CUDA)
+    graphs = StaticDecode(runner.model, block_size, 256, 2048, CUDA, backend).profile_bytes(caches)
     budget = kv_cache_budget_bytes(total, free_before, allocated, peak, 0.9, workspace, cuda_graph_bytes=graphs)
     element_size = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     block_bytes = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * element_size
     num_blocks = max(budget // block_bytes, 0)
     del caches
     torch.cuda.empty_cache()
-    allocated = _caches(torch, mc, num_blocks, block_size, getattr(torch, dtype), "cuda")  # must fit
+    allocated = _caches(torch, mc, num_blocks, block_size, getattr(torch, dtype), CUDA)  # must fit
     used = torch.cuda.mem_get_info()
     del allocated
     torch.cuda.empty_cache()

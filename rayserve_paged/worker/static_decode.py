@@ -154,6 +154,8 @@ class StaticDecode:
         self.backend = backend
         self.block_size = block_size
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # torch.cuda calls take cuda:N
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.buckets = decode_buckets(max_num_seqs)
         self.max_model_len = max_model_len
         self.length_classes = length_classes(max_model_len, length_class_base)

@@ -282,3 +282,11 @@ def test_tensor_parallel_rank_warms_up_a_collective_before_the_kv_sizing(fake_cu
     assert order.index("mem_get_info") == 1
     worker.init_cache(4, 0)
     assert {c["capture_error_mode"] for c in fake_cuda.captures} == {"thread_local"}
+
+
+def test_static_decode_indexes_an_unindexed_cuda_device(fake_cuda, monkeypatch):
+    from rayserve_paged.worker.static_decode import StaticDecode
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    static = StaticDecode(torch.nn.Identity(), 16, 2, 64, "cuda", CapturableReference())
+    assert static.device == torch.device("cuda", 0) and static.can_capture
