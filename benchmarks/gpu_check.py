@@ -1,9 +1,11 @@
-"""Triton kernels on a GPU: tests, decode and prefill timing, end-to-end greedy parity.
+"""Triton kernels on a GPU: tests, memcheck, decode and prefill timing, the engine end to end.
 
-    python benchmarks/gpu_check.py OUT_DIR [--quick] [--skip-tests] [--skip-e2e] [--cpu-backend B]
+    python benchmarks/gpu_check.py OUT_DIR [--quick] [--skip-tests] [--skip-e2e] [--cpu-backend B] [--wheels DIR]
 
 With CUDA (sized for one H200, under 8 minutes; --quick does less of each):
   tests    pytest tests/ops/test_triton.py compiled on the GPU (RAYSERVE_PAGED_TRITON_TEST_DEVICE=cuda)
+  memcheck the `quick` Triton tests (small shapes) once more under `compute-sanitizer --tool memcheck`
+           (skipped, and said so, where compute-sanitizer or CUDA is absent)
   copy     device-to-device copy bandwidth of a 2 GiB tensor (bytes read + written per second):
            the roofline the attention figures are compared with
   decode   paged decode attention for batch 1/16/64/256 x context 512/2048/8192, float16 and
@@ -14,18 +16,30 @@ With CUDA (sized for one H200, under 8 minutes; --quick does less of each):
   runner   the same model through load_model + ModelRunner (no engine: no pydantic, no ray):
            greedy tokens equal to HF in float32; a swap out / swap in round trip halfway
            (tokens unchanged) in fp32 / fp16 / bf16; the static-shape decode path (padded
-           buckets, one CUDA graph per bucket) against the eager path's tokens; KV sizing
-           from gpu_memory_utilization; no kernel compile after warm-up (graph captures
-           included); fp16 / bf16 decode tokens/s with CUDA graphs off and on, and the memory
-           the graphs hold against the KV sizing's reserve for them
-  e2e      (needs pydantic) a random-weight OPT-1.3B-shaped checkpoint (hidden 2048, 24 layers, ffn 8192,
-           32 heads; the tiny 512-token vocabulary) in float16: the engine's greedy tokens with
-           attention_backend="triton" against HF generate in float16 (match rate), and engine
-           tokens/s with the triton backend (CUDA graphs, and enforce_eager) and the torch backend
+           buckets, one CUDA graph per bucket and length class) against the eager path's
+           tokens; KV sizing from gpu_memory_utilization; no kernel compile after warm-up
+           (graph captures included); fp16 / bf16 decode tokens/s with CUDA graphs off and
+           on, and the memory the graphs hold against the KV sizing's reserve for them
+  e2e      the engine path users run (LLM -> LLMEngine -> InProcessExecutor -> Worker, the
+           worker's own device selection, KV sizing and graph capture) on a random-weight
+           OPT-1.3B-shaped checkpoint (hidden 2048, 24 layers, ffn 8192, 32 heads; the tiny
+           512-token vocabulary) in float16: greedy tokens with attention_backend="triton"
+           against HF generate in float16 (match rate), and engine tokens/s with the triton
+           backend (CUDA graphs on, KV cache sized by profiling gpu_memory_utilization; and
+           enforce_eager) and the torch backend
 Without CUDA it runs what a CPU can: the interpreter tests (TRITON_INTERPRET=1; the `quick`
 subset with --quick), the runner check on the tiny OPT (HF parity, swap round trip, the
-static-shape decode path run eagerly) and a tiny end-to-end run (tiny OPT, torch backend and
-the interpreted triton backend, against HF), and lists the GPU parts as skipped.
+static-shape decode path run eagerly) and the engine end to end on the tiny OPT (torch
+backend with and without the static decode path, and the interpreted triton backend,
+against HF), and lists the GPU parts as skipped.
+
+The engine step needs pydantic and the OpenTelemetry SDK, which a bare GPU image may lack:
+where they do not import, the wheels in DIR (default: .whl/ in the repository; the pinned
+list is benchmarks/gpu_check_wheels.txt) are installed into a temporary folder first, e.g.
+after, on any machine with pip and the index,
+
+    python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --platform manylinux_2_17_x86_64 -d .whl -r benchmarks/gpu_check_wheels.txt
 
 Writes OUT_DIR/gpu_check.json (every figure) and prints a short table last.
 Timing: CUDA graph replay (eager when capture fails) between torch.cuda.Event pairs, after
@@ -42,6 +56,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,15 +69,22 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-# Wall-clock guards that keep a full run under 8 minutes: the test run is killed after
-# TESTS_TIMEOUT_S, and no new copy / decode / prefill point starts after BENCH_BUDGET_S.
-TESTS_TIMEOUT_S = {"quick": 150, "full": 240}
-BENCH_BUDGET_S = {"quick": 90.0, "full": 150.0}
+# Wall-clock guards that keep a full run under 8 minutes: the test runs are killed after
+# TESTS_TIMEOUT_S / MEMCHECK_TIMEOUT_S, and no new copy / decode / prefill point starts
+# after BENCH_BUDGET_S.
+TESTS_TIMEOUT_S = {"quick": 150, "full": 200}
+MEMCHECK_TIMEOUT_S = {"quick": 60, "full": 60}
+BENCH_BUDGET_S = {"quick": 80.0, "full": 115.0}
 # The plan, step by step (seconds on one H200; full run). Each step's time is recorded next
 # to its budget; the total leaves a 15-minute GPU slot room for a rerun.
 STEP_BUDGET_S = {
-    "tests": 240, "copy_bandwidth": 10, "decode": 85, "prefill": 40, "runner": 75, "e2e": 30,
+    "tests": 200, "memcheck": 60, "copy_bandwidth": 10, "decode": 75, "prefill": 30, "runner": 75, "e2e": 30,
 }  # 480 s: 8 minutes
+# What the engine step imports beyond torch, triton, transformers and safetensors, with the
+# distributions benchmarks/gpu_check_wheels.txt pins for them.
+ENGINE_MODULES = ("pydantic", "opentelemetry.sdk", "opentelemetry.exporter.prometheus")
+DEFAULT_WHEELS = REPO_ROOT / ".whl"
+CUDA = "cuda:0"  # every device this script hands the project's code names its index
 DECODE_BATCHES = (1, 16, 64, 256)
 DECODE_CONTEXTS = (512, 2048, 8192)
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -90,6 +112,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cpu-backend", choices=("triton", "torch"), default="triton",
         help="without CUDA: the runner check's attention backend (triton = the interpreted kernels)",
     )
+    parser.add_argument(
+        "--wheels", type=Path, default=DEFAULT_WHEELS,
+        help="wheels installed (into a temporary folder) when the engine step's packages do not import",
+    )
     return parser.parse_args(argv)
 
 
@@ -104,17 +130,26 @@ class Deadline:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    wheels = bring_wheels(args.wheels)  # before torch: a newer typing_extensions must load first
     import torch
 
     has_cuda = torch.cuda.is_available()
     if not has_cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: CPU e2e runs the kernels too
     mode = "quick" if args.quick else "full"
-    report: dict = {"environment": environment(torch), "quick": args.quick, "skipped": {}, "errors": {}}
+    report: dict = {
+        "environment": environment(torch), "quick": args.quick, "skipped": {}, "errors": {}, "wheels": wheels,
+    }
     if args.skip_tests:
-        report["skipped"]["tests"] = "--skip-tests"
+        report["skipped"]["tests"] = report["skipped"]["memcheck"] = "--skip-tests"
     else:
         run_section(report, "tests", lambda: run_tests(has_cuda, args.quick))
+        sanitizer = find_compute_sanitizer()
+        why_not = memcheck_skip_reason(has_cuda, sanitizer)
+        if why_not:
+            report["skipped"]["memcheck"] = why_not
+        else:
+            run_section(report, "memcheck", lambda: run_memcheck(sanitizer, args.quick))
     if has_cuda:
         deadline = Deadline(BENCH_BUDGET_S[mode])
         run_section(report, "copy_bandwidth", lambda: copy_bandwidth(torch))
@@ -128,8 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         report["skipped"]["e2e"] = report["skipped"]["runner"] = "--skip-e2e"
     else:
         run_section(report, "runner", lambda: runner_check(torch, has_cuda, args.quick, args.cpu_backend))
-        if importlib.util.find_spec("pydantic") is None:
-            report["skipped"]["e2e"] = "the engine (LLM) needs pydantic for EngineConfig, which is not installed"
+        if wheels["missing"]:
+            report["skipped"]["e2e"] = (
+                f"the engine (LLM) needs {', '.join(wheels['missing'])}, which do not import, and {args.wheels} "
+                "holds no wheels that provide them (benchmarks/gpu_check_wheels.txt lists them)"
+            )
         elif has_cuda:
             run_section(report, "e2e", lambda: e2e_gpu(torch, args.quick))
         else:
@@ -138,9 +176,42 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     print(format_table(report))
     print(f"full figures: {path}")
-    tests_failed = report.get("tests", {}).get("returncode", 0) != 0
-    runner_failed = bool(report.get("runner", {}).get("failures"))
-    return 1 if tests_failed or runner_failed or report["errors"] else 0
+    tests_failed = any(report.get(name, {}).get("returncode", 0) != 0 for name in ("tests", "memcheck"))
+    failed = any(report.get(name, {}).get("failures") for name in ("runner", "e2e"))
+    return 1 if tests_failed or failed or report["errors"] else 0
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package is missing, or the module is blocked
+        return False
+
+
+def bring_wheels(wheel_dir: Path | None, modules: tuple[str, ...] = ENGINE_MODULES) -> dict:
+    """Make `modules` importable: where one is not, install every wheel in `wheel_dir` with
+    pip (no index, no dependencies resolved: the folder holds them) into a temporary folder
+    put first on sys.path and on PYTHONPATH (for the test subprocesses). Returns what was
+    missing before, what was installed and what is still missing."""
+    missing = [module for module in modules if not _importable(module)]
+    result: dict = {"missing_before": missing, "installed": [], "missing": missing}
+    wheels = sorted(wheel_dir.glob("*.whl")) if missing and wheel_dir is not None and wheel_dir.is_dir() else []
+    if not wheels:
+        return result
+    target = Path(tempfile.mkdtemp(prefix="gpu-check-site-"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--disable-pip-version-check",
+         "--target", str(target), *map(str, wheels)],
+        check=True, timeout=300,
+    )
+    sys.path.insert(0, str(target))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(target), os.environ.get("PYTHONPATH"))))
+    importlib.invalidate_caches()
+    result |= {
+        "installed": [wheel.name for wheel in wheels], "target": str(target),
+        "missing": [module for module in modules if not _importable(module)],
+    }
+    return result
 
 
 def run_section(report: dict, name: str, fn) -> None:
@@ -174,25 +245,61 @@ def environment(torch) -> dict:
 # ---------------------------------------------------------------------------- tests
 
 
+TRITON_TESTS = [sys.executable, "-m", "pytest", "tests/ops/test_triton.py", "-q", "-p", "no:cacheprovider"]
+
+
 def run_tests(has_cuda: bool, quick: bool) -> dict:
     device = "cuda" if has_cuda else "cpu"
-    command = [sys.executable, "-m", "pytest", "tests/ops/test_triton.py", "-q", "-p", "no:cacheprovider"]
-    if quick:
-        command += ["-m", "quick"]
+    command = TRITON_TESTS + (["-m", "quick"] if quick else [])
+    result = _run_pytest(command, device, TESTS_TIMEOUT_S["quick" if quick else "full"])
+    del result["output"]
+    return result | {"device": device, "interpreter": not has_cuda}
+
+
+def find_compute_sanitizer() -> str | None:
+    """compute-sanitizer on PATH, in $CUDA_HOME/bin or in a /usr/local/cuda*/bin; None if absent."""
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    folders = [Path(os.environ["CUDA_HOME"]) / "bin"] if os.environ.get("CUDA_HOME") else []
+    folders += sorted(Path("/usr/local").glob("cuda*/bin"))
+    return next((str(folder / "compute-sanitizer") for folder in folders if (folder / "compute-sanitizer").is_file()), None)
+
+
+def memcheck_skip_reason(has_cuda: bool, sanitizer: str | None) -> str | None:
+    """Why the memcheck step cannot run here; None when it can."""
+    if not has_cuda:
+        return "no CUDA device: compute-sanitizer has nothing to check"
+    if sanitizer is None:
+        return "compute-sanitizer not found (looked on PATH, in $CUDA_HOME/bin and /usr/local/cuda*/bin)"
+    return None
+
+
+def run_memcheck(sanitizer: str, quick: bool) -> dict:
+    """The `quick` Triton tests (one per kernel path, small shapes; the kernels compiled by
+    the tests step come from Triton's cache) under compute-sanitizer's memcheck: any
+    out-of-bounds or misaligned access fails the step."""
+    command = [sanitizer, "--tool", "memcheck", "--error-exitcode", "1", "--print-limit", "20",
+               "--target-processes", "all"] + TRITON_TESTS + ["-m", "quick"]
+    result = _run_pytest(command, "cuda", MEMCHECK_TIMEOUT_S["quick" if quick else "full"])
+    errors = re.findall(r"ERROR SUMMARY: (\d+) error", result.pop("output"))
+    return result | {"sanitizer_errors": int(errors[-1]) if errors else None, "clean": result["returncode"] == 0}
+
+
+def _run_pytest(command: list[str], device: str, timeout: float) -> dict:
     env = os.environ | {"RAYSERVE_PAGED_TRITON_TEST_DEVICE": device}
     started = time.monotonic()
-    result = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-        timeout=TESTS_TIMEOUT_S["quick" if quick else "full"],
-    )
-    summary = (result.stdout.strip().splitlines() or [""])[-1]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in result.stdout.strip().splitlines()  # pytest's last line: "N passed ... in S s"
+             if re.search(r"\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s", line)]
+    summary = lines[-1] if lines else (result.stdout.strip().splitlines() or [""])[-1]
     counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}
     if result.returncode != 0:
         print(result.stdout[-4000:], result.stderr[-2000:], sep="\n")
     return {
-        "device": device, "interpreter": not has_cuda, "command": " ".join(command[1:]),
-        "returncode": result.returncode, "summary": summary, "counts": counts,
-        "seconds": round(time.monotonic() - started, 1),
+        "command": " ".join(command[1:] if command[0] == sys.executable else command), "returncode": result.returncode,
+        "summary": summary, "counts": counts, "seconds": round(time.monotonic() - started, 1),
+        "output": result.stdout + result.stderr,
     }
 
 
@@ -277,7 +384,7 @@ def decode_benchmark(torch, quick: bool, copy_gbps: float | None, deadline: Dead
     return rows
 
 
-def decode_point(torch, dtype, batch: int, context: int, *, repeats: int, device="cuda", timer=None) -> dict:
+def decode_point(torch, dtype, batch: int, context: int, *, repeats: int, device=CUDA, timer=None) -> dict:
     """One decode measurement. `device` and `timer` exist so the CPU tests can run this
     code under the interpreter with a stand-in timer."""
     import torch.nn.functional as F
@@ -360,7 +467,7 @@ def prefill_flops(num_seqs: int, context: int, new_tokens: int, num_heads=NUM_HE
 
 
 def prefill_point(
-    torch, dtype, num_seqs: int, context: int, new_tokens: int, *, repeats: int, device="cuda", timer=None
+    torch, dtype, num_seqs: int, context: int, new_tokens: int, *, repeats: int, device=CUDA, timer=None
 ) -> dict:
     import torch.nn.functional as F
 
@@ -456,7 +563,7 @@ def runner_check(torch, has_cuda: bool, quick: bool, cpu_backend: str = "triton"
     from rayserve_paged.worker.model_runner import ModelRunner
     from rayserve_paged.worker.static_decode import StaticDecode
 
-    device = "cuda" if has_cuda else "cpu"
+    device = CUDA if has_cuda else "cpu"
     backend_name = "triton" if has_cuda or (cpu_backend == "triton" and triton_backend.is_interpreted()) else "torch"
     shape = (OPT_1_3B | ({"num_hidden_layers": 4} if quick else {})) if has_cuda else {}
     block_size, max_new = 16, (16 if quick or not has_cuda else 32)
@@ -476,7 +583,7 @@ def runner_check(torch, has_cuda: bool, quick: bool, cpu_backend: str = "triton"
             eos = tuple(mc.eos_token_ids)
             runner = ModelRunner(model, block_size, torch.device(device), Sampler(len(eos), eos))
             blocks_per_seq = -(-(max(map(len, tokenizer_ids)) + max_new) // block_size)
-            num_blocks = 2 * blocks_per_seq * len(tokenizer_ids) + 1
+            num_blocks = profile_cache_blocks(2 * len(tokenizer_ids), blocks_per_seq)  # twice: the swap round trip
             if has_cuda and dtype == "float32":
                 result["kv_sizing"] = kv_sizing(torch, runner, mc, backend, block_size, dtype)
             caches = _caches(torch, mc, num_blocks, block_size, getattr(torch, dtype), device)
@@ -563,6 +670,13 @@ def runner_greedy(runner, caches, prompts, max_new, block_size, blocks_per_seq, 
     from rayserve_paged.core.outputs import NewRequest, StepMessage
     from rayserve_paged.core.sequence import SamplingParams
 
+    num_blocks = caches[0][0].shape[0]
+    needed = profile_cache_blocks(len(prompts) * (2 if swapper is not None else 1), blocks_per_seq)
+    if needed > num_blocks:  # no kernel checks block ids: an id past the pool reads and writes out of bounds
+        raise ValueError(f"runner_greedy: the tables need {needed} cache blocks (block 0 unused), the cache has {num_blocks}")
+    longest = max(map(len, prompts)) + max_new - 1  # tokens cached before the last step
+    if longest > blocks_per_seq * block_size:
+        raise ValueError(f"runner_greedy: {longest} tokens do not fit {blocks_per_seq} blocks of {block_size}")
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(len(prompts))]
     outputs: list[list[int]] = [[] for _ in prompts]
@@ -610,8 +724,8 @@ def runner_throughput(torch, runner, caches, mc, block_size, quick: bool, backen
     batch, prompt_len, steps = (16, 128, 16) if quick else (64, 256, 32)
     prompts = [[rng.randrange(7, 512) for _ in range(prompt_len)] for _ in range(batch)]
     blocks_per_seq = -(-(prompt_len + steps) // block_size)
-    if 1 + batch * blocks_per_seq > caches[0][0].shape[0]:
-        bigger = _caches(torch, mc, 1 + batch * blocks_per_seq, block_size, caches[0][0].dtype, "cuda")
+    if profile_cache_blocks(batch, blocks_per_seq) > caches[0][0].shape[0]:
+        bigger = _caches(torch, mc, profile_cache_blocks(batch, blocks_per_seq), block_size, caches[0][0].dtype, CUDA)
     else:
         bigger = caches
     result: dict = {"batch": batch, "prompt_len": prompt_len, "new_tokens": steps}
@@ -619,7 +733,7 @@ def runner_throughput(torch, runner, caches, mc, block_size, quick: bool, backen
     for mode in ("graphs_off", "graphs_on"):
         runner.static_decode = None
         if mode == "graphs_on":
-            static = StaticDecode(runner.model, block_size, batch, mc.max_model_len, "cuda", backend)
+            static = StaticDecode(runner.model, block_size, batch, mc.max_model_len, CUDA, backend)
             reserved = static.profile_bytes(bigger)
             torch.cuda.synchronize()
             before, started = torch.cuda.memory_allocated(), time.perf_counter()
@@ -653,25 +767,34 @@ def kv_sizing(torch, runner, mc, backend, block_size, dtype) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     free_before, total = torch.cuda.mem_get_info()
-    caches = _caches(torch, mc, 2048 // block_size, block_size, getattr(torch, dtype), "cuda")
-    runner_greedy(runner, caches, [[7] * 2047], 1, block_size, 2048 // block_size)
+    blocks_per_seq = 2048 // block_size
+    # block 0 is never handed out (runner_greedy's tables start at block 1), as in the other callers
+    caches = _caches(torch, mc, profile_cache_blocks(1, blocks_per_seq), block_size, getattr(torch, dtype), CUDA)
+    runner_greedy(runner, caches, [[7] * 2047], 1, block_size, blocks_per_seq)
     torch.cuda.synchronize()
     allocated, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
-    workspace = backend.decode_workspace_bytes(256, mc.num_heads, mc.num_kv_heads, mc.head_dim, 2048, "cuda")
-    graphs = StaticDecode(runner.model, block_size, 256, 2048, "cuda", backend).profile_bytes(caches)
+    workspace = backend.decode_workspace_bytes(256, mc.num_heads, mc.num_kv_heads, mc.head_dim, 2048, CUDA)
+    graphs = StaticDecode(runner.model, block_size, 256, 2048, CUDA, backend).profile_bytes(caches)
     budget = kv_cache_budget_bytes(total, free_before, allocated, peak, 0.9, workspace, cuda_graph_bytes=graphs)
     element_size = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     block_bytes = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * element_size
     num_blocks = max(budget // block_bytes, 0)
     del caches
     torch.cuda.empty_cache()
-    allocated = _caches(torch, mc, num_blocks, block_size, getattr(torch, dtype), "cuda")  # must fit
+    allocated = _caches(torch, mc, num_blocks, block_size, getattr(torch, dtype), CUDA)  # must fit
     used = torch.cuda.mem_get_info()
     del allocated
     torch.cuda.empty_cache()
     return {"gpu_memory_utilization": 0.9, "budget_gib": budget / 2**30, "num_blocks": num_blocks,
             "decode_workspace_mib": workspace / 2**20, "cuda_graph_reserve_mib": graphs / 2**20,
             "free_after_allocation_gib": used[0] / 2**30}
+
+
+def profile_cache_blocks(num_seqs: int, blocks_per_seq: int) -> int:
+    """Cache blocks for runner_greedy's tables: sequence i owns blocks
+    [1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq), so the pool needs one block more
+    than the sequences hold (block 0 stays unused)."""
+    return 1 + num_seqs * blocks_per_seq
 
 
 def compiled_variants() -> int | None:
@@ -760,18 +883,24 @@ def e2e_gpu(torch, quick: bool) -> dict:
 
     shape = OPT_1_3B | ({"num_hidden_layers": 4} if quick else {})
     name = "random-weight OPT-1.3B-shaped" + (", 4 layers (--quick)" if quick else "")
+    num_prompts = 16 if quick else 64
+    # max_num_seqs = the load's batch: graphs for buckets 1..num_prompts only, and one length
+    # class (max_model_len 1024 holds the load's 256 + 128 tokens)
+    common = dict(dtype="float16", device="auto", max_model_len=1024, swap_space_gb=1, max_num_seqs=num_prompts)
+    runs = {
+        # CUDA graphs on, the KV cache sized the way a user's start-up sizes it: profiled
+        "triton": common | dict(attention_backend="triton", gpu_memory_utilization=0.3),
+        "triton:eager": common | dict(attention_backend="triton", enforce_eager=True, kv_cache_memory_gb=16),
+        "torch": common | dict(attention_backend="torch", kv_cache_memory_gb=16),
+    }
     with tempfile.TemporaryDirectory(prefix="gpu-check-opt-") as path:
         started = time.monotonic()
         make_tiny_model("opt", path, **shape)
         checkpoint_seconds = time.monotonic() - started
-        num_prompts = 16 if quick else 64
         result = e2e_run(
-            torch, path, device="cuda", dtype="float16", backends=("triton", "triton:eager", "torch"),
-            parity_tokens=16 if quick else 32,
+            torch, path, device="cuda", dtype="float16", runs=runs, parity_tokens=16 if quick else 32,
             load=dict(num_prompts=16, prompt_len=128, max_tokens=64) if quick
             else dict(num_prompts=64, prompt_len=256, max_tokens=128),
-            # max_num_seqs = the load's batch: graphs for buckets 1..num_prompts only
-            engine_options=dict(kv_cache_memory_gb=16, max_model_len=2048, swap_space_gb=1, max_num_seqs=num_prompts),
         )
     result |= {"model": name, "config": shape, "checkpoint_seconds": checkpoint_seconds}
     result["triton_over_torch_tokens_per_s"] = (
@@ -784,45 +913,89 @@ def e2e_gpu(torch, quick: bool) -> dict:
 
 
 def e2e_cpu(torch) -> dict:
-    """The tiny OPT on CPU: torch backend, and the triton kernels under the interpreter."""
+    """The tiny OPT on CPU through the engine: the torch backend with the static decode path
+    (padded buckets, eager: no CUDA) and with enforce_eager, and the triton kernels under
+    the interpreter; float32 greedy tokens must equal HF's."""
     from rayserve_paged.models.tiny import make_tiny_model
     from rayserve_paged.ops import triton_backend
 
-    backends = ("torch", "triton") if triton_backend.is_interpreted() else ("torch",)
+    common = dict(dtype="float32", device="auto", kv_cache_memory_gb=0.05, max_model_len=256, swap_space_gb=0.01)
+    runs = {"torch": common | dict(attention_backend="torch"),
+            "torch:eager": common | dict(attention_backend="torch", enforce_eager=True)}
+    if triton_backend.is_interpreted():
+        runs["triton"] = common | dict(attention_backend="triton")
     with tempfile.TemporaryDirectory(prefix="gpu-check-tiny-") as path:
         make_tiny_model("opt", path)
         result = e2e_run(
-            torch, path, device="cpu", dtype="float32", backends=backends, parity_tokens=12,
+            torch, path, device="cpu", dtype="float32", runs=runs, parity_tokens=12,
             load=dict(num_prompts=4, prompt_len=24, max_tokens=8),
-            engine_options=dict(kv_cache_memory_gb=0.05, max_model_len=256, swap_space_gb=0.01),
         )
     result["model"] = "tiny OPT (hidden 64, 2 layers, 4 heads, head 16), CPU"
-    if "triton" not in backends:
+    if "triton" not in runs:
         result["triton_skipped"] = "the kernels were imported without TRITON_INTERPRET=1"
+    for label in runs:
+        if result[f"hf_parity_{label}"]["exact_match_rate"] != 1.0:
+            result["failures"].append(f"{label}: float32 greedy tokens differ from HF")
     return result
 
 
-def e2e_run(torch, path, *, device, dtype, backends, parity_tokens, load, engine_options) -> dict:
-    """Greedy parity with HF (same dtype) and throughput, for each attention backend
-    ("NAME:eager": that backend with enforce_eager, no CUDA graphs)."""
+def e2e_run(torch, path, *, device, dtype, runs: dict[str, dict], parity_tokens, load) -> dict:
+    """Greedy parity with HF (same dtype), throughput and the engine path each run took, for
+    each run's engine options (`LLM(model=path, **options)`)."""
     from transformers import AutoModelForCausalLM
 
     from rayserve_paged import LLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    result: dict = {"dtype": dtype, "device": device}
-    for backend in backends:
-        name, _, mode = backend.partition(":")
-        llm = LLM(model=path, attention_backend=name, dtype=dtype, device=device, enforce_eager=mode == "eager",
-                  **engine_options)
-        result[f"hf_parity_{backend}"] = compare_with_hf(llm, hf_model, torch, max_tokens=parity_tokens)
-        result[f"throughput_{backend}"] = throughput(llm, **load, sync=sync)
+    result: dict = {"dtype": dtype, "device": device, "failures": []}
+    for label, options in runs.items():
+        llm = LLM(model=path, **options)
+        result[f"hf_parity_{label}"] = compare_with_hf(llm, hf_model, torch, max_tokens=parity_tokens)
+        result[f"throughput_{label}"] = throughput(llm, **load, sync=sync)
+        path_taken = result[f"engine_path_{label}"] = engine_path(llm)
+        result["failures"] += [f"{label}: {problem}" for problem in engine_path_problems(path_taken, options, device)]
         del llm
         _free_memory(torch)
     del hf_model
     _free_memory(torch)
     return result
+
+
+def engine_path(llm) -> dict:
+    """What the engine built: its executor and worker, the worker's device, its KV pool, the
+    decode graphs it captured and the steps each decode path ran."""
+    executor = llm.engine.executor
+    worker = executor.worker
+    static = worker.runner.static_decode
+    return {
+        "engine": type(llm.engine).__name__, "executor": type(executor).__name__, "worker": type(worker).__name__,
+        "device": str(worker.device), "num_gpu_blocks": llm.engine.cache_sizes.num_gpu_blocks,
+        "cuda_graphs": list(worker.cuda_graphs), "static_decode_runs": None if static is None else dict(static.runs),
+        "warmed_up_variants": len(worker.warmed_up),
+    }
+
+
+def engine_path_problems(path: dict, options: dict, device: str) -> list[str]:
+    """Where the engine did not take the path the options ask for."""
+    problems = []
+    if (path["engine"], path["executor"], path["worker"]) != ("LLMEngine", "InProcessExecutor", "Worker"):
+        problems.append(f"engine path {path['engine']} / {path['executor']} / {path['worker']}")
+    expected_device = "cuda:0" if device == "cuda" else "cpu"
+    if path["device"] != expected_device:
+        problems.append(f"the worker ran on {path['device']}, not {expected_device}")
+    runs = path["static_decode_runs"]
+    if options.get("enforce_eager"):
+        if runs is not None or path["cuda_graphs"]:
+            problems.append("enforce_eager, yet a static decode path or CUDA graphs were built")
+    elif runs is None:
+        problems.append("no static decode path without enforce_eager")
+    elif device == "cuda" and options.get("attention_backend") == "triton":
+        if not path["cuda_graphs"] or runs["graph"] == 0:
+            problems.append(f"CUDA graphs on, yet graphs {path['cuda_graphs']} and {runs['graph']} graph replays")
+    elif runs["eager"] == 0:
+        problems.append("the static decode path ran no step")
+    return problems
 
 
 # ---------------------------------------------------------------------------- report
@@ -839,6 +1012,10 @@ def format_table(report: dict) -> str:
     if tests:
         where = "CPU, Triton interpreter" if tests["interpreter"] else "GPU, compiled"
         lines.append(f"tests             {tests['summary']} ({where}{', -m quick' if report['quick'] else ''})")
+    memcheck = report.get("memcheck")
+    if memcheck:
+        verdict = "clean" if memcheck["clean"] else f"FAILED ({memcheck['sanitizer_errors']} errors reported)"
+        lines.append(f"memcheck          {verdict}: {memcheck['summary']} (compute-sanitizer, -m quick)")
     copy = report.get("copy_bandwidth")
     if copy:
         gib = copy["bytes"] / 2**30
@@ -895,6 +1072,16 @@ def _e2e_lines(e2e: dict | None) -> list[str]:
                 f"  tokens/s        {backend}: {value['output_tokens_per_s']:.1f} output "
                 f"tokens/s ({value['num_prompts']} prompts x {value['max_tokens']} tokens)"
             )
+        elif key.startswith("engine_path_"):
+            backend = label(key.removeprefix("engine_path_"))
+            runs = value["static_decode_runs"]
+            lines.append(
+                f"  engine path     {backend}: {value['executor']} -> {value['worker']} on {value['device']}, "
+                f"{value['num_gpu_blocks']} KV blocks, graphs {value['cuda_graphs'] or 'none'}, "
+                f"static decode {runs if runs is not None else 'off (enforce_eager)'}"
+            )
+    for failure in e2e.get("failures", []):
+        lines.append(f"  FAILED          {failure}")
     if "triton_over_torch_tokens_per_s" in e2e:
         lines.append(f"  triton / torch  {e2e['triton_over_torch_tokens_per_s']:.2f}x output tokens/s")
     if "cuda_graphs_over_eager_tokens_per_s" in e2e:

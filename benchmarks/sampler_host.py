@@ -27,16 +27,13 @@ Sampler()(logits, groups, group_params), e.g. the file as of commit a4299eb:
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import random
-import statistics
 import sys
 import time
 
 import torch
 
-from benchmarks.records import write_record
+from benchmarks.records import chosen_cases, host_time_parser, load_module, median_us, print_rows, write_record
 from rayserve_paged.core.outputs import NewRequest, StepMessage
 from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.models.sampler import Sampler
@@ -98,11 +95,7 @@ def build_step(case: str, seed: int) -> tuple[InputBatch, StepMessage, list[_Old
 
 
 def load_baseline(path: str):
-    spec = importlib.util.spec_from_file_location("sampler_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module.Sampler(len(EOS), EOS)
+    return load_module(path, "sampler_baseline").Sampler(len(EOS), EOS)
 
 
 def time_case(case: str, vocab: int, steps: int, warmup: int, seed: int, baseline) -> dict:
@@ -127,33 +120,27 @@ def time_case(case: str, vocab: int, steps: int, warmup: int, seed: int, baselin
             total_ns.append(done - start)
             if baseline is not None:
                 before_ns.append(b_done - b_start)
-    us = lambda values: round(statistics.median(values) / 1000, 1)  # noqa: E731
-    row = {"build_us": us(build_ns), "sample_us": us([t - b for t, b in zip(total_ns, build_ns)]), "total_us": us(total_ns)}
+    row = {"build_us": median_us(build_ns), "sample_us": median_us([t - b for t, b in zip(total_ns, build_ns)]),
+           "total_us": median_us(total_ns)}
     if baseline is not None:
-        row["baseline_total_us"] = us(before_ns)
+        row["baseline_total_us"] = median_us(before_ns)
     return row
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rayserve-paged bench sampler-host", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300, help="timed steps per case")
-    parser.add_argument("--warmup", type=int, default=20)
+    parser = host_time_parser(
+        "rayserve-paged bench sampler-host", __doc__.splitlines()[0], CASES, out_name="sampler_host.json",
+        baseline_flag="--baseline-sampler", baseline_help="a sampler.py with the old call shape, timed alongside",
+    )
     parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated: {', '.join(CASES)}")
-    parser.add_argument("--baseline-sampler", help="a sampler.py with the old call shape, timed alongside")
-    parser.add_argument("--out", help="directory for sampler_host.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     baseline = load_baseline(args.baseline_sampler) if args.baseline_sampler else None
-    results = {}
-    for case in args.cases.split(","):
-        if case not in CASES:
-            parser.error(f"unknown case {case!r}")
-        results[case] = time_case(case, args.vocab, args.steps, args.warmup, args.seed, baseline)
-    print(f"sampler host time, {NUM_ROWS} rows, vocab {args.vocab} (median us per step)")
-    for case, row in results.items():
-        print(f"  {case:12s} " + "  ".join(f"{key}={value}" for key, value in row.items()))
+    results = {
+        case: time_case(case, args.vocab, args.steps, args.warmup, args.seed, baseline)
+        for case in chosen_cases(parser, CASES, args.cases)
+    }
+    print_rows(f"sampler host time, {NUM_ROWS} rows, vocab {args.vocab} (median us per step)", results, 12)
     if args.out:
         write_record(args.out, "sampler-host", results, vocab=args.vocab)
     return 0

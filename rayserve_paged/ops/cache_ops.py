@@ -194,23 +194,26 @@ def _swap_to_device(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int,
 
 
 class BlockSwapper:
-    """Swaps whole blocks of every layer between the device cache and the (pinned) host cache,
-    off the compute stream and with no host sync inside a step:
+    """Swaps whole blocks of every layer between the device cache and the (pinned) host pool,
+    off the compute stream and with no host sync inside a step: for each run of pairs whose
+    source and destination ids are both consecutive, one non-blocking copy per cache tensor
+    straight between the two pools. No staging buffer (nothing to reserve in the KV sizing),
+    no host-side gather, no allocation per call; the copies run on a side stream:
 
-        swap_out(pairs)  device -> host. On a side stream that first waits for the compute
-                         stream: one gather of all 2 x layers cache tensors into a device
-                         staging buffer, an event the compute stream waits on (so the step may
-                         overwrite the source blocks as soon as they are read), then one
-                         non-blocking copy into a pinned host buffer. The host-side scatter
-                         into the swap pool waits for that copy and runs in finish(), at the
-                         start of the next step (or before a swap-in reads the pool).
-        swap_in(pairs)   host -> device. One host gather into a pinned buffer, then on the
-                         side stream one non-blocking copy and one scatter per cache tensor;
-                         the compute stream waits on its event before the step's kernels.
+        swap_out(pairs)  device -> host. The side stream first waits for the compute stream
+                         (blocks written by earlier steps), copies each run, then the compute
+                         stream waits for it (the step may overwrite the source blocks once
+                         they are read). The host pool holds the blocks once the copies have
+                         run: finish() waits for them, at the start of the next step (or
+                         before a swap-in reads the pool).
+        swap_in(pairs)   host -> device. finish() first; the side stream copies each run into
+                         the device cache; the compute stream waits before the step's kernels.
 
-    Index tensors are built once per call (pinned, copied without blocking), not per layer.
-    On CPU the same code runs without streams or events. The caller orders the calls as the
-    worker does: finish(), swap_out, swap_in, then the step.
+    Copies from a pinned pool are asynchronous; the swap stream keeps every swap in issue
+    order, so a host block read by a swap-in is not overwritten by a later swap-out before
+    the read. On CPU the same code runs without streams or events. The caller orders the
+    calls as the worker does: finish(), swap_out, swap_in, then the step. `num_copies` and
+    `num_runs` count what was issued.
     """
 
     def __init__(self, device_caches: Sequence[KVCache], host_caches: Sequence[KVCache]) -> None:
@@ -226,65 +229,59 @@ class BlockSwapper:
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.compute_stream = None
-        self.pending: list[tuple[object, torch.Tensor, torch.Tensor]] = []  # (event, host staging, dst ids)
+        self.pending: list = []  # events of swap-outs whose copies into the host pool may still run
+        self.num_copies = 0  # copies issued (one per run per cache tensor)
+        self.num_runs = 0  # runs of consecutive (src, dst) ids swapped
 
     def swap_out(self, block_mapping: BlockMapping) -> None:
-        pairs = self._pairs(block_mapping, len(self.device_tensors[0]) if self.device_tensors else 0,
-                            len(self.host_tensors[0]) if self.host_tensors else 0)
-        if not pairs:
+        runs = self._runs(block_mapping, self._num_blocks(self.device_tensors), self._num_blocks(self.host_tensors))
+        if not runs:
             return
-        src_ids = self._to_device(torch.tensor([s for s, _ in pairs], dtype=torch.int64, pin_memory=self.cuda))
-        dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.int64)  # [num_pairs], used on the host
-        first = self.device_tensors[0]
-        shape = (len(self.device_tensors), len(pairs), *first.shape[1:])  # [2 x layers, num_pairs, block...]
         with self._side_stream():
-            staged = torch.empty(shape, dtype=first.dtype, device=self.device)
-            for index, tensor in enumerate(self.device_tensors):
-                torch.index_select(tensor, 0, src_ids, out=staged[index])
+            self._copy_runs(self.device_tensors, self.host_tensors, runs)
             self._compute_waits()  # the sources are read: the step may overwrite them
-            host = torch.empty(shape, dtype=first.dtype, pin_memory=self.cuda)
-            host.copy_(staged, non_blocking=True)
-            landed = self._record()
-        self.pending.append((landed, host, dst_ids))
+            self.pending.append(self._record())
 
     def swap_in(self, block_mapping: BlockMapping) -> None:
         self.finish()  # the host pool must hold every block swapped out before
-        pairs = self._pairs(block_mapping, len(self.host_tensors[0]) if self.host_tensors else 0,
-                            len(self.device_tensors[0]) if self.device_tensors else 0)
-        if not pairs:
+        runs = self._runs(block_mapping, self._num_blocks(self.host_tensors), self._num_blocks(self.device_tensors))
+        if not runs:
             return
-        src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.int64)
-        first = self.host_tensors[0]
-        shape = (len(self.host_tensors), len(pairs), *first.shape[1:])
-        host = torch.empty(shape, dtype=first.dtype, pin_memory=self.cuda)
-        for index, tensor in enumerate(self.host_tensors):
-            torch.index_select(tensor, 0, src_ids, out=host[index])
-        dst_ids = self._to_device(torch.tensor([d for _, d in pairs], dtype=torch.int64, pin_memory=self.cuda))
         with self._side_stream():
-            staged = host.to(self.device, non_blocking=True)
-            for index, tensor in enumerate(self.device_tensors):
-                tensor.index_copy_(0, dst_ids, staged[index])
+            self._copy_runs(self.host_tensors, self.device_tensors, runs)
             self._compute_waits()
 
     def finish(self) -> None:
-        """Complete earlier swap-outs on the host: wait for their copies, scatter into the pool."""
-        for landed, host, dst_ids in self.pending:
+        """Wait until earlier swap-outs have landed in the host pool."""
+        for landed in self.pending:
             if landed is not None:
                 landed.synchronize()
-            for index, tensor in enumerate(self.host_tensors):
-                tensor.index_copy_(0, dst_ids, host[index])
         self.pending.clear()
 
-    def _pairs(self, block_mapping: BlockMapping, num_src: int, num_dst: int) -> list[tuple[int, int]]:
+    def _copy_runs(self, sources: list[torch.Tensor], destinations: list[torch.Tensor], runs) -> None:
+        for src_start, dst_start, length in runs:
+            for src, dst in zip(sources, destinations):
+                dst[dst_start : dst_start + length].copy_(src[src_start : src_start + length], non_blocking=True)
+        self.num_copies += len(runs) * len(sources)
+        self.num_runs += len(runs)
+
+    @staticmethod
+    def _num_blocks(tensors: list[torch.Tensor]) -> int:
+        return len(tensors[0]) if tensors else 0
+
+    @staticmethod
+    def _runs(block_mapping: BlockMapping, num_src: int, num_dst: int) -> list[tuple[int, int, int]]:
+        """The checked pairs as (first src, first dst, length) runs where both ids are
+        consecutive, in source order."""
         pairs = _mapping_to_pairs(block_mapping)
         _check_block_ids(pairs, num_src, num_dst)
-        return pairs
-
-    def _to_device(self, ids: torch.Tensor) -> torch.Tensor:
-        if not self.cuda:
-            return ids
-        with torch.cuda.stream(self.stream):
-            return ids.to(self.device, non_blocking=True)
+        runs: list[tuple[int, int, int]] = []
+        for src, dst in sorted(pairs):
+            if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((src, dst, 1))
+        return runs
 
     def _side_stream(self):
         if not self.cuda:

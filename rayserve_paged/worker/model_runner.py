@@ -112,6 +112,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, msg: StepMessage, kv_caches: list) -> SamplerOutput | None:
         self.batch.apply(msg)
+        if self.static_decode is not None and msg.block_table_updates:
+            seqs = self.batch.seqs  # the static path's host mirror rewrites changed tables from their start
+            self.static_decode.note_table_changes(
+                (seqs[seq_id].block_table, start) for seq_id, start, _ in msg.block_table_updates if seq_id in seqs
+            )
         if not msg.seq_ids:
             return SamplerOutput([]) if self.sampler is not None else None
         rows = self.batch.rows(msg)

@@ -1,22 +1,36 @@
-"""Static-shape decode: padded buckets, persistent inputs, one CUDA graph per bucket.
+"""Static-shape decode: padded buckets, length classes, one host mirror, CUDA graphs.
 
 A decode-only step of n sequences runs as a batch of `bucket(n)` rows, the smallest of
-`decode_buckets(max_num_seqs)` that holds n. Its inputs live in persistent buffers
-(token ids, positions, slot mapping, sequence lengths, block tables) sized for the largest
-bucket, so every step of one bucket has the same shapes and the same addresses, and one
-CUDA graph per bucket, captured at start-up, replays the whole model forward.
+`decode_buckets(max_num_seqs)` that holds n, planned for `length_class(longest)`, the
+smallest of `length_classes(max_model_len)` that holds the step's longest sequence. Its
+inputs live in one persistent device buffer, so every step of one (bucket, length class)
+has the same shapes and the same addresses, and one CUDA graph per (bucket, length class),
+captured at start-up, replays the whole model forward.
 
     rows      0 .......... n-1 | n .......... bucket-1
               the step's decodes | padding: token 0 at position 0, slot PAD_SLOT (writes
                                  | nothing), sequence length 1 over block 0 (reads one
-                                 | cached slot: finite, never NaN), block-table row of zeros
+                                 | cached slot: finite, never NaN), block-table entry 0 = 0
 
-The attention plan of a bucket is static too: `max_decode_seq_len` is `max_model_len`
-(the block tables are `ceil(max_model_len / block_size)` wide), so a backend that chooses
-its decode variant and partition count from `max_decode_seq_len` (triton_backend) makes the
-same choice at every step of the bucket, within the variants its warm-up compiles.
+The buffer, in int32 words, R = the largest bucket, W = ceil(length class / block_size):
+
+    [ token ids  R x int64 | positions R x int64 | slots R x int64 | seq_lens R | tables R x W ]
+
+The block-table section is read as [R, W] of the step's class (row stride W), so a class's
+rows are contiguous and a step's inputs are one prefix of the buffer. A pinned host mirror
+of the same layout is kept across steps: a step rewrites the small columns, and in the
+tables only the entries that changed since the row last held them (a row holds one
+sequence's table until another sequence takes the row; block-table updates lower what the
+row holds to their start), then copies the prefix its bucket reads to the device: one
+host-to-device copy per step. A class change rewrites every row (the row stride changes).
 Block-table entries past a row's sequence length are never read (every backend stops at
-`seq_lens`), so a step writes only the columns its longest table needs.
+`seq_lens`).
+
+The attention plan is static per (bucket, length class): `max_decode_seq_len` is the class
+length, so a backend that chooses its decode variant and partition count from it
+(triton_backend) makes the same choice at every step of the pair, within the variants its
+warm-up compiles, and the grid is sized for at most LENGTH_CLASS_GROWTH times the step's
+real longest sequence (above the smallest class), not for max_model_len.
 
 Where no graph is captured (CPU; a backend without `supports_cuda_graphs`; a step on other
 KV caches than the captured ones) the same padded inputs run the model eagerly. Steps with
@@ -45,8 +59,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+PAD = object()  # what a padding row of the host mirror holds instead of a block table
+
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32)
 BUCKET_STEP = 16  # above SMALL_BUCKETS[-1]
+LENGTH_CLASS_BASE = 1024  # tokens: the smallest length class
+LENGTH_CLASS_GROWTH = 4  # each class this many times the one below (the last is max_model_len)
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -60,6 +78,23 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
         if size >= max_num_seqs:
             return tuple(sizes)
     raise AssertionError("unreachable")
+
+
+def length_classes(max_model_len: int, base: int = LENGTH_CLASS_BASE) -> tuple[int, ...]:
+    """base, base x 4, base x 16, ... below max_model_len, then max_model_len itself:
+    the lengths a decode step is planned (and its graphs captured) for.
+
+    >>> length_classes(8192), length_classes(131072), length_classes(600)
+    ((1024, 4096, 8192), (1024, 4096, 16384, 65536, 131072), (600,))
+    """
+    if max_model_len < 1 or base < 1:
+        raise ValueError(f"max_model_len and the class base must be >= 1, got {max_model_len} and {base}")
+    classes = []
+    length = base
+    while length < max_model_len:
+        classes.append(length)
+        length *= LENGTH_CLASS_GROWTH
+    return (*classes, max_model_len)
 
 
 @dataclass(slots=True)
@@ -98,42 +133,75 @@ def decode_rows(msg: StepMessage, rows: list[SeqState], block_size: int) -> Deco
 
 
 class StaticDecode:
-    """Decode steps on padded buckets over persistent inputs; CUDA graphs where captured.
+    """Decode steps on padded buckets and length classes over one persistent input buffer
+    and its host mirror; CUDA graphs where captured.
 
     model          forward(input_ids [T], positions [T], kv_caches, metadata) -> hidden [T, H]
     backend        the model's attention backend (begin_step once per eager step; its
                    `supports_cuda_graphs` says whether its forward may be captured), or None
     use_cuda_graphs  False: never capture (the padded path still runs eagerly)
+    capture_error_mode  torch.cuda.graph's: "thread_local" where collectives (NCCL) run
+                   inside the capture (TP > 1), "global" otherwise
+    length_class_base  the smallest length class (length_classes)
     """
 
     def __init__(
         self, model: torch.nn.Module, block_size: int, max_num_seqs: int, max_model_len: int,
         device: torch.device | str, backend=None, *, use_cuda_graphs: bool = True,
+        capture_error_mode: str = "global", length_class_base: int = LENGTH_CLASS_BASE,
     ) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # torch.cuda calls take cuda:N
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.buckets = decode_buckets(max_num_seqs)
         self.max_model_len = max_model_len
+        self.length_classes = length_classes(max_model_len, length_class_base)
         self.max_blocks = -(-max_model_len // block_size)
         self.use_cuda_graphs = use_cuda_graphs
-        rows, device = self.buckets[-1], self.device
-        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)  # [rows]
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)  # [rows]
-        self.slot_mapping = torch.full((rows,), PAD_SLOT, dtype=torch.long, device=device)  # [rows]
-        self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)  # [rows]
-        self.block_tables = torch.zeros((rows, self.max_blocks), dtype=torch.int32, device=device)  # [rows, max_blocks]
+        self.capture_error_mode = capture_error_mode
+        rows = self.rows = self.buckets[-1]
+        self._tables_at = 7 * rows  # int32 words before the block-table section
+        words = self._tables_at + rows * self.max_blocks
+        pin = self.device.type == "cuda"
+        self._words = torch.zeros(words, dtype=torch.int32, device=self.device)  # the layout in the module docstring
+        self._host = torch.zeros(words, dtype=torch.int32, pin_memory=pin)  # its mirror
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self._columns(self._words)  # [rows] each
+        self._host_columns = self._columns(self._host)
+        self._host_class = 0  # the length class the mirror's tables are laid out for (0: none yet)
+        self._row_table: list = [None] * rows  # the table (list) each mirror row holds, PAD, or None
+        self._row_len = [0] * rows  # entries of that table the mirror row holds
+        self._table_row: dict[int, int] = {}  # id(table) -> its mirror row (the lists are held above)
+        self._copied = None  # CUDA event after the last host-to-device copy: the mirror is free again
+        self.block_tables = self._tables(self._words, self.length_classes[-1])  # the last step's [rows, W]
         # the (empty) prefill part of every step's metadata
         self._no_prefill = (
             torch.zeros(1, dtype=torch.int32, device=device),  # query_start_loc
             torch.zeros(0, dtype=torch.int32, device=device),  # context_lens, seq_lens
             torch.zeros((0, self.max_blocks), dtype=torch.int32, device=device),  # block tables
         )
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, output)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (bucket, class) -> ...
         self._graph_caches: list | None = None  # the KV caches the graphs were captured on
         self.runs = {"graph": 0, "eager": 0}  # steps run per path
         self.last_path: str | None = None
+        self.last_length_class: int | None = None
+        # host work, counted: host-to-device copies, mirror rows and table entries rewritten
+        self.num_copies = 0
+        self.num_rows_written = 0
+        self.num_entries_written = 0
+
+    def _columns(self, words: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(token ids, positions, slots) as int64 [rows] and seq_lens as int32 [rows]."""
+        r = self.rows
+        return (words[: 2 * r].view(torch.int64), words[2 * r : 4 * r].view(torch.int64),
+                words[4 * r : 6 * r].view(torch.int64), words[6 * r : 7 * r])
+
+    def _tables(self, words: torch.Tensor, length: int) -> torch.Tensor:
+        """The block-table section read as [rows, ceil(length / block_size)]."""
+        width = -(-length // self.block_size)
+        return words[self._tables_at : self._tables_at + self.rows * width].view(self.rows, width)
 
     # ------------------------------------------------------------------ the step
 
@@ -143,6 +211,14 @@ class StaticDecode:
         if num_rows < 1 or index == len(self.buckets):
             raise ValueError(f"{num_rows} decode rows do not fit the buckets {self.buckets}")
         return self.buckets[index]
+
+    def length_class(self, longest: int) -> int:
+        """The smallest length class that holds a sequence of `longest` tokens (ValueError
+        above max_model_len)."""
+        index = bisect.bisect_left(self.length_classes, longest)
+        if longest < 1 or index == len(self.length_classes):
+            raise ValueError(f"a {longest}-token sequence does not fit the length classes {self.length_classes}")
+        return self.length_classes[index]
 
     def fits(self, rows: DecodeRows | None) -> bool:
         """Whether the step can run here: 1..largest bucket rows, every sequence within
@@ -155,18 +231,20 @@ class StaticDecode:
         )
 
     def forward(self, rows: DecodeRows, kv_caches: list) -> torch.Tensor:
-        """Hidden states [len(rows), hidden] of the real rows: the bucket's graph replayed
-        when one was captured on these caches, else the padded batch run eagerly. A graph's
-        output is overwritten by its next replay: use it before the next step."""
+        """Hidden states [len(rows), hidden] of the real rows: the (bucket, length class)
+        graph replayed when one was captured on these caches, else the padded batch run
+        eagerly. A graph's output is overwritten by its next replay: use it before the next
+        step."""
         num_rows = len(rows)
         size = self.bucket(num_rows)
-        self._load(rows, size)
-        graph = self.graphs.get(size) if kv_caches is self._graph_caches else None
+        length = self.last_length_class = self.length_class(max(rows.seq_lens))
+        self._load(rows, size, length)
+        graph = self.graphs.get((size, length)) if kv_caches is self._graph_caches else None
         if graph is not None:
             graph[0].replay()
             self._count("graph")
             return graph[1][:num_rows]
-        metadata = self._metadata(size, rows.seq_lens + [1] * (size - num_rows))
+        metadata = self._metadata(size, length, rows.seq_lens + [1] * (size - num_rows))
         if self.backend is not None:
             self.backend.begin_step(metadata)  # checks and launch planning, once per step
         hidden = self.model(self.input_ids[:size], self.positions[:size], kv_caches, metadata)  # [size, H]
@@ -177,23 +255,75 @@ class StaticDecode:
         self.runs[path] += 1
         self.last_path = path
 
-    def _load(self, rows: DecodeRows, size: int) -> None:
-        """Copy the rows into the persistent buffers and pad them to `size` rows."""
-        pad = size - len(rows)
-        width = max(map(len, rows.block_tables))  # columns past it are never read
-        for buffer, values, fill in (
-            (self.input_ids, rows.token_ids, 0),
-            (self.positions, rows.positions, 0),
-            (self.slot_mapping, rows.slot_mapping, PAD_SLOT),
-        ):
-            buffer[:size].copy_(torch.tensor(values + [fill] * pad, dtype=torch.long), non_blocking=True)
-        self.seq_lens[:size].copy_(torch.tensor(rows.seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
-        tables = [t + [0] * (width - len(t)) for t in rows.block_tables] + [[0] * width] * pad
-        self.block_tables[:size, :width].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+    def note_table_changes(self, changes) -> None:
+        """Block tables changed from these indices on ((table list, first changed index)
+        pairs; the worker's batch applied them): a mirror row holding such a table rewrites
+        it from there the next time it is loaded."""
+        for table, start in changes:
+            row = self._table_row.get(id(table))
+            if row is not None and self._row_table[row] is table:
+                self._row_len[row] = min(self._row_len[row], start)
 
-    def _metadata(self, size: int, seq_lens_host: list[int] | None) -> AttentionMetadata:
-        """A decode-only step of `size` rows on the persistent buffers; planned as if the
-        longest sequence were max_model_len long (one plan per bucket)."""
+    def _load(self, rows: DecodeRows, size: int, length: int) -> None:
+        """Bring the host mirror up to this step (small columns in full, block tables where
+        they changed; padding up to `size` rows) and copy the prefix this (bucket, class)
+        reads to the device: one host-to-device copy."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy has read the mirror
+        num_rows, pad = len(rows), size - len(rows)
+        host_ids, host_positions, host_slots, host_seq_lens = self._host_columns
+        host_ids[:size] = torch.tensor(rows.token_ids + [0] * pad, dtype=torch.long)
+        host_positions[:size] = torch.tensor(rows.positions + [0] * pad, dtype=torch.long)
+        host_slots[:size] = torch.tensor(rows.slot_mapping + [PAD_SLOT] * pad, dtype=torch.long)
+        host_seq_lens[:size] = torch.tensor(rows.seq_lens + [1] * pad, dtype=torch.int32)
+        if length != self._host_class:  # another row stride: every row is rewritten
+            self._host_class = length
+            self._row_table = [None] * self.rows
+            self._table_row.clear()
+        host_tables = self._tables(self._host, length)  # [rows, width]
+        width = host_tables.shape[1]
+        for row, table in enumerate(rows.block_tables):
+            start = self._take_row(row, table)
+            end = min(len(table), width)  # entries past the class's length are never read
+            if start < end:
+                host_tables[row, start:end] = torch.tensor(table[start:end], dtype=torch.int32)
+                self.num_rows_written += 1
+                self.num_entries_written += end - start
+            self._row_len[row] = end
+        for row in range(num_rows, size):
+            if self._take_row(row, PAD) == 0:
+                host_tables[row, 0] = 0
+                self.num_rows_written += 1
+                self.num_entries_written += 1
+                self._row_len[row] = 1
+        used = self._tables_at + size * width
+        self._words[:used].copy_(self._host[:used], non_blocking=True)
+        self.num_copies += 1
+        if self.device.type == "cuda":
+            if self._copied is None:
+                self._copied = torch.cuda.Event()  # one event, re-recorded each step
+            self._copied.record(torch.cuda.current_stream(self.device))
+        self.block_tables = self._tables(self._words, length)
+
+    def _take_row(self, row: int, table) -> int:
+        """Mirror row `row` now holds `table` (a list, or PAD); the first entry to write."""
+        held = self._row_table[row]
+        if held is table:
+            return self._row_len[row]
+        if held is not None and held is not PAD:
+            del self._table_row[id(held)]
+        if table is not PAD:
+            other = self._table_row.get(id(table))
+            if other is not None:  # the table moved rows: its old row holds nothing now
+                self._row_table[other] = None
+            self._table_row[id(table)] = row
+        self._row_table[row] = table
+        self._row_len[row] = 0
+        return 0
+
+    def _metadata(self, size: int, length: int, seq_lens_host: list[int] | None) -> AttentionMetadata:
+        """A decode-only step of `size` rows on the persistent buffers, planned as if the
+        longest sequence were `length` (its class) long: one plan per (bucket, class)."""
         start, none, no_tables = self._no_prefill
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
@@ -207,8 +337,8 @@ class StaticDecode:
             max_prefill_query_len=0,
             max_prefill_seq_len=0,
             decode_seq_lens=self.seq_lens[:size],
-            decode_block_tables=self.block_tables[:size],
-            max_decode_seq_len=self.max_model_len,
+            decode_block_tables=self._tables(self._words, length)[:size],
+            max_decode_seq_len=length,
             prefill_query_lens_host=[],
             prefill_seq_lens_host=[],
             decode_seq_lens_host=seq_lens_host,
@@ -225,58 +355,62 @@ class StaticDecode:
             and bool(getattr(self.backend, "supports_cuda_graphs", False))
         )
 
-    def _load_padding(self, size: int) -> None:
-        """Every row of the bucket a padding row (what a capture runs on)."""
+    def _load_padding(self, size: int, length: int) -> None:
+        """Every row of the bucket a padding row, on the device (what a capture runs on;
+        the next step's copy brings the mirror's rows back)."""
         self.input_ids[:size].zero_()
         self.positions[:size].zero_()
         self.slot_mapping[:size].fill_(PAD_SLOT)
         self.seq_lens[:size].fill_(1)
-        self.block_tables[:size].zero_()
+        self._tables(self._words, length)[:size].zero_()
 
     @torch.inference_mode()
     def capture(self, kv_caches: list) -> list[int]:
-        """Capture one graph per bucket on these KV caches (largest first, one shared memory
-        pool); returns the captured buckets ([] where can_capture is False). Each bucket
-        first runs once eagerly, so that lazily built state exists before its capture."""
+        """Capture one graph per (bucket, length class) on these KV caches (longest class and
+        largest bucket first, one shared memory pool); returns the captured buckets ([] where
+        can_capture is False). Each pair first runs once eagerly, so that lazily built state
+        exists before its capture."""
         if not self.can_capture:
             return []
         self.graphs = {}
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.buckets):
-            self._load_padding(size)
-            ids, positions = self.input_ids[:size], self.positions[:size]
-            self.model(ids, positions, kv_caches, self._metadata(size, [1] * size))
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                # a metadata object of its own: the backend plans it (and allocates its
-                # buffers) inside the capture, in the graph's pool
-                output = self.model(ids, positions, kv_caches, self._metadata(size, [1] * size))
-            self.graphs[size] = (graph, output)
+        for length in reversed(self.length_classes):
+            for size in reversed(self.buckets):
+                self._load_padding(size, length)
+                ids, positions = self.input_ids[:size], self.positions[:size]
+                self.model(ids, positions, kv_caches, self._metadata(size, length, [1] * size))
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_error_mode):
+                    # a metadata object of its own: the backend plans it (and allocates its
+                    # buffers) inside the capture, in the graph's pool
+                    output = self.model(ids, positions, kv_caches, self._metadata(size, length, [1] * size))
+                self.graphs[(size, length)] = (graph, output)
         torch.cuda.synchronize(self.device)
         self._graph_caches = kv_caches
-        return sorted(self.graphs)
+        return sorted({size for size, _ in self.graphs})
 
     @torch.inference_mode()
     def profile_bytes(self, kv_caches: list) -> int:
         """Device bytes the graphs will hold, estimated before any capture (for the KV-cache
-        sizing): the peak an eager forward of the largest bucket allocates above what it
-        started with (the shared pool's intermediates, the largest graph's) plus the output
-        of every bucket (each graph keeps its own). 0 where can_capture is False."""
+        sizing): the peak an eager forward of the largest bucket at the longest class
+        allocates above what it started with (the shared pool's intermediates, the largest
+        graph's) plus the output of every (bucket, class) graph (each keeps its own). 0 where
+        can_capture is False."""
         if not self.can_capture:
             return 0
-        size = self.buckets[-1]
-        self._load_padding(size)
+        size, length = self.buckets[-1], self.length_classes[-1]
+        self._load_padding(size, length)
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         output = self.model(
-            self.input_ids[:size], self.positions[:size], kv_caches, self._metadata(size, [1] * size)
+            self.input_ids[:size], self.positions[:size], kv_caches, self._metadata(size, length, [1] * size)
         )  # [size, H]
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         row_bytes = output.shape[1] * output.element_size()
-        return peak + row_bytes * sum(self.buckets)
+        return peak + row_bytes * sum(self.buckets) * len(self.length_classes)
 
 
 def capture_graphs(static: StaticDecode | None, kv_caches: list, rank: int = 0) -> list[int]:
@@ -288,8 +422,9 @@ def capture_graphs(static: StaticDecode | None, kv_caches: list, rank: int = 0) 
     started = time.perf_counter()
     captured = static.capture(kv_caches)
     logger.info(
-        "rank %d captured %d decode CUDA graphs (buckets %s) in %.1f s, holding %.1f MiB", rank, len(captured),
-        ", ".join(map(str, captured)), time.perf_counter() - started,
+        "rank %d captured %d decode CUDA graphs (buckets %s x length classes %s) in %.1f s, holding %.1f MiB", rank,
+        len(static.graphs), ", ".join(map(str, captured)), ", ".join(map(str, static.length_classes)),
+        time.perf_counter() - started,
         (torch.cuda.memory_allocated(static.device) - before) / 2**20,
     )
     return captured

@@ -39,12 +39,18 @@ class CacheSizes:
     block_bytes: int  # one block, all layers, K and V, this rank
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, rank: int = 0) -> torch.device:
+    """The rank's device, with its index: every torch.cuda call takes `cuda:N` (an unindexed
+    torch.device("cuda") makes torch.cuda.set_device raise). N is the rank's visible
+    device: 0 where the rank sees one GPU (a Ray actor sees only the GPU of its bundle),
+    else rank modulo the visible devices."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cuda":
+        return torch.device(device)
+    if not torch.cuda.is_available():
         raise RuntimeError("device 'cuda' was asked for, but torch sees no CUDA device")
-    return torch.device(device)
+    return torch.device("cuda", rank % torch.cuda.device_count())
 
 
 def choose_dtype(config: EngineConfig, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -80,7 +86,7 @@ class Worker:
         self.model_path = model_path
         self.rank = rank
         self.world_size = world_size
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, rank)
         self.model_config = get_model_config(model_path)
         self.dtype = choose_dtype(config, self.model_config.torch_dtype, self.device)
         self.num_kv_heads = self.model_config.num_kv_heads_per_rank(world_size)
@@ -104,18 +110,35 @@ class Worker:
             logger.info("rank %d: %d torch threads (%s)", self.rank, num_threads, source)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        if group is not None and self.world_size > 1:
+            self._warm_up_collective(group)
         backend = self.backend = get_attention_backend(self.config.attention_backend, self.device)
         parallel = ParallelState(self.rank, self.world_size, group)
         model = load_model(self.model_path, self.dtype, self.device, backend, parallel=parallel)
         eos = tuple(self.model_config.eos_token_ids)
         sampler = Sampler(len(eos), eos) if self.rank == 0 else None
         static = None if self.config.enforce_eager else StaticDecode(
-            model, self.config.block_size, self.config.max_num_seqs, self.max_model_len, self.device, backend
+            model, self.config.block_size, self.config.max_num_seqs, self.max_model_len, self.device, backend,
+            # NCCL runs inside the capture at TP > 1: its calls on other threads must not
+            # invalidate the capture (the global mode forbids them process-wide)
+            capture_error_mode="thread_local" if self.world_size > 1 else "global",
         )
         self.runner = ModelRunner(model, self.config.block_size, self.device, sampler, backend, static)
         logger.info(
             "rank %d loaded %s (%s, %s, attention %s)", self.rank, self.model_path, self.dtype, self.device, backend.name
         )
+
+    def _warm_up_collective(self, group) -> None:
+        """One all-reduce on the rank's device before anything is measured: NCCL allocates
+        its communication buffers at the first collective, and the KV sizing must see them."""
+        import torch.distributed as dist
+
+        probe = torch.ones(1, device=self.device)
+        dist.all_reduce(probe, group=group)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if int(probe.item()) != self.world_size:
+            raise RuntimeError(f"rank {self.rank}: the warm-up all-reduce gave {probe.item()}, not {self.world_size}")
 
     @property
     def max_model_len(self) -> int:
@@ -145,17 +168,44 @@ class Worker:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         free_before, total = torch.cuda.mem_get_info(self.device)
-        self._profile_run()
+        try:
+            self._profile_run()
+        except torch.OutOfMemoryError as error:
+            self._release_caches()
+            raise RuntimeError(self._profile_oom_message()) from error
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        allocated = torch.cuda.memory_allocated(self.device)
+        self._release_caches()
+        allocated = torch.cuda.memory_allocated(self.device)  # weights: the profile caches are gone
         graph_bytes = self._profile_cuda_graphs()
         budget = kv_cache_budget_bytes(
             total, free_before, allocated, peak, self.config.gpu_memory_utilization, self.decode_workspace_bytes(),
             cuda_graph_bytes=graph_bytes,
         )
-        torch.cuda.empty_cache()
         return max(budget // block_bytes, 0)
+
+    def _profile_oom_message(self) -> str:
+        max_len = self.max_model_len
+        tokens = self.config.resolved_max_num_batched_tokens(max_len)
+        where = (
+            f"max_model_len {max_len}" if self.config.max_model_len
+            else f"max_model_len is not set, so the model's own {max_len} (max_position_embeddings) is used"
+        )
+        return (
+            f"rank {self.rank}: the start-up profile step ({tokens} tokens in one batch) ran out of memory on "
+            f"{self.device}: {where}. Set max_model_len lower, or enable_chunked_prefill / max_num_batched_tokens "
+            "to bound the profile step"
+        )
+
+    def _release_caches(self) -> None:
+        """Drop every reference to the current caches (the swapper holds them too) and hand
+        their memory back to the device, so that the profile caches are gone before the real
+        pool is allocated."""
+        self.kv_caches = []
+        self.cpu_caches = []
+        self.swapper = BlockSwapper([], [])
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _profile_cuda_graphs(self) -> int:
         """What the decode CUDA graphs captured after the KV cache is allocated will hold
@@ -168,8 +218,7 @@ class Worker:
         try:
             return static.profile_bytes(self.kv_caches)
         finally:
-            self.kv_caches = []
-            self.swapper = BlockSwapper([], [])
+            self._release_caches()
 
     def decode_workspace_bytes(self) -> int:
         """The attention backend's largest per-layer decode buffers at max_num_seqs x max_model_len."""
@@ -200,9 +249,9 @@ class Worker:
         )
         self.runner.execute(msg, self.kv_caches)
         self.runner.execute(StepMessage(finished_request_ids=ids), self.kv_caches)
-        self.kv_caches = []
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self._release_caches()  # nothing of the profile steps outlives them
         self._allocate_caches(num_gpu_blocks, num_cpu_blocks)
         self.warm_up()
         # after the warm-up (no kernel compiles inside a capture); the KV sizing reserved their memory

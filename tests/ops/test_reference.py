@@ -550,9 +550,9 @@ def _swap_layers(generator, num_blocks, num_layers=2):
             for _ in range(num_layers)]
 
 
-def test_block_swapper_defers_the_host_scatter_and_reads_sources_before_the_step_writes(generator):
+def test_block_swapper_reads_sources_before_the_step_writes(generator):
     """Swap out, then the step overwrites the source blocks (they were freed): the host pool
-    gets the old contents, once finish() has run; a swap-in in the same step sees them too."""
+    holds the old contents once finish() has run; a swap-in in the same step sees them too."""
     from rayserve_paged.ops.cache_ops import BlockSwapper
 
     device, host = _swap_layers(generator, 6), _swap_layers(generator, 5)
@@ -560,11 +560,8 @@ def test_block_swapper_defers_the_host_scatter_and_reads_sources_before_the_step
     for (k, v), (ek, ev) in zip(device, expected_host):
         ek[[4, 0]] = k[[1, 3]]
         ev[[4, 0]] = v[[1, 3]]
-    before_out = [(k.clone(), v.clone()) for k, v in host]
     swapper = BlockSwapper(device, host)
     swapper.swap_out([(1, 4), (3, 0)])
-    for (k, v), (bk, bv) in zip(host, before_out):  # nothing lands before finish()
-        assert torch.equal(k, bk) and torch.equal(v, bv)
     for k, v in device:  # the step reuses the swapped-out blocks
         k[[1, 3]] = 7.0
         v[[1, 3]] = 7.0
@@ -575,6 +572,53 @@ def test_block_swapper_defers_the_host_scatter_and_reads_sources_before_the_step
         assert torch.equal(k[3], ek[4]) and torch.equal(v[3], ev[4])
         assert bool((k[1] == 7.0).all())
     assert swapper.pending == []
+
+
+def test_block_swapper_copies_once_per_run_of_consecutive_ids_and_matches_swap_kv_blocks(generator):
+    """Random swap sets out and back in: the pools end as swap_kv_blocks (the one-gather
+    reference) leaves them, with one copy per cache tensor per run of pairs whose source and
+    destination ids are both consecutive."""
+    import random
+
+    from rayserve_paged.ops.cache_ops import BlockSwapper
+
+    rng = random.Random(0)
+    for trial in range(6):
+        device, host = _swap_layers(generator, 12), _swap_layers(generator, 10)
+        expected_device, expected_host = [[t.clone() for t in pair] for pair in device], [[t.clone() for t in pair] for pair in host]
+        swapper = BlockSwapper(device, host)
+        count = rng.randint(1, 8)
+        out = list(zip(rng.sample(range(12), count), rng.sample(range(10), count)))
+        back = list(zip(rng.sample(range(10), count), rng.sample(range(12), count)))
+        swap_kv_blocks(expected_device, expected_host, out)
+        swap_kv_blocks(expected_host, expected_device, back)
+        swapper.swap_out(out)
+        swapper.swap_in(back)
+        swapper.finish()
+        for got, want in ((device, expected_device), (host, expected_host)):
+            for (k, v), (ek, ev) in zip(got, want):
+                assert torch.equal(k, ek) and torch.equal(v, ev), trial
+        runs = [BlockSwapper._runs(pairs, 12, 12) for pairs in (out, back)]
+        for pairs, found in zip((out, back), runs):  # every pair in exactly one run
+            covered = sorted((s + i, d + i) for s, d, n in found for i in range(n))
+            assert covered == sorted(pairs)
+        assert swapper.num_runs == sum(map(len, runs)) and swapper.num_copies == 4 * swapper.num_runs
+
+
+def test_block_swapper_runs_need_both_ids_consecutive(generator):
+    from rayserve_paged.ops.cache_ops import BlockSwapper
+
+    device, host = _swap_layers(generator, 12, num_layers=3), _swap_layers(generator, 10, num_layers=3)
+    swapper = BlockSwapper(device, host)
+    assert BlockSwapper._runs([(3, 6), (1, 4), (2, 5), (7, 0), (8, 2), (9, 3)], 12, 10) == [
+        (1, 4, 3), (7, 0, 1), (8, 2, 2)
+    ]
+    swapper.swap_out([(3, 6), (1, 4), (2, 5)])  # one run in any order: one copy per cache tensor
+    assert (swapper.num_runs, swapper.num_copies) == (1, 6)
+    swapper.swap_in([(0, 11), (1, 0)])  # consecutive sources, destinations not: two runs
+    assert (swapper.num_runs, swapper.num_copies) == (3, 18)
+    swapper.swap_out([])
+    assert (swapper.num_runs, swapper.num_copies) == (3, 18) and swapper.pending == []
 
 
 def test_block_swapper_rejects_bad_mappings_before_copying(generator):

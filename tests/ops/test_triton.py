@@ -474,11 +474,16 @@ def test_warm_up_launches_every_variant_and_leaves_the_cache_alone(monkeypatch, 
     assert_bitwise_equal(value_cache, before[1])
 
 
-def test_the_static_decode_path_launches_only_warmed_up_variants(monkeypatch, generator):
+@pytest.mark.parametrize("class_base, expected_partitions", [(1024, [3, 3, 3]), (256, [0, 0, 3])])
+def test_the_static_decode_path_launches_only_warmed_up_variants(monkeypatch, generator, class_base,
+                                                                 expected_partitions):
     """Decode steps of two buckets on the static-shape path (worker/static_decode.py) launch
     every kernel with a specialization key warm_up launched too, so capturing or replaying
-    them compiles nothing after start-up; each bucket is planned for max_model_len (the same
-    partition count whatever the step's lengths), which is what lets a graph replay it."""
+    them compiles nothing after start-up; each (bucket, length class) is planned for the
+    class's length (the same partition count whatever the step's lengths within the class),
+    which is what lets a graph replay it. One class (600 = max_model_len): 3 partitions at
+    every step; classes 256 and 600: the single-pass kernel while the longest sequence fits
+    256 tokens (the rule's pick at that length), 3 partitions once it does not."""
     from rayserve_paged.worker.static_decode import DecodeRows, StaticDecode
 
     num_heads, num_kv_heads, head_dim, block_size, max_model_len = 2, 1, 16, 16, 600
@@ -504,23 +509,29 @@ def test_the_static_decode_path_launches_only_warmed_up_variants(monkeypatch, ge
             value = qkv[:, width + num_kv_heads * head_dim :].view(-1, num_kv_heads, head_dim)
             return backend.forward(query, key, value, *kv_caches[0], metadata, 0.25).reshape(-1, width)
 
-    static = StaticDecode(OneLayer(), block_size, 4, max_model_len, DEVICE, backend)
+    static = StaticDecode(OneLayer(), block_size, 4, max_model_len, DEVICE, backend, length_class_base=class_base)
+    long_table = [1, 2, 3, 4, 5, 6, 7] * 2 + [1, 2, 3, 4, 5]  # 19 blocks: 300 tokens
     steps = [
         DecodeRows([5], [4], [5], [[3]], [3 * block_size + 4], [0]),  # bucket 1
         DecodeRows([5, 6, 7], [39, 6, 0], [40, 7, 1], [[1, 2, 3], [4], [5]],
                    [3 * block_size + 7, 4 * block_size + 6, 5 * block_size], [0, 1, 2]),  # bucket 4
+        DecodeRows([5, 6], [299, 6], [300, 7], [long_table, [4]], [5 * block_size + 11, 4 * block_size + 6], [0, 1]),
     ]
+    partitions = []
     with torch.inference_mode():
         for rows in steps:
             hidden = static.forward(rows, caches)
             assert hidden.shape == (len(rows), width) and torch.isfinite(hidden).all()
-    assert static.runs == {"graph": 0, "eager": 2}
+            partitions.append(backend._plan.decode.max_partitions)  # 0: the single-pass kernel
+    assert static.runs == {"graph": 0, "eager": 3}
+    assert partitions == expected_partitions
     launched = {(name, specialization_key(named, NOT_SPECIALIZED[name])) for name, named in launches}
+    single = {"paged_decode_kernel"} if 0 in partitions else set()
     assert {name for name, _ in launched} == {"reshape_and_cache_kernel", "paged_decode_partition_kernel",
-                                              "paged_decode_reduce_kernel"}
+                                              "paged_decode_reduce_kernel"} | single
     assert launched <= warmed, launched - warmed
     grids = {named["max_partitions"] for name, named in launches if name == "paged_decode_reduce_kernel"}
-    assert grids == {-(-max_model_len // triton_backend.PARTITION_SIZES[0])}  # 3 partitions at both buckets
+    assert grids == set(expected_partitions) - {0}
 
 
 # ---------------------------------------------------------------------------- prefill (direct)
@@ -744,37 +755,6 @@ def test_gpu_check_measurement_code_runs_on_this_device():
     }
     table = gpu_check.format_table(report)
     assert "decode" in table and "prefill" in table and "4000 GB/s" in table
-
-
-def test_gpu_check_cpu_parts_run_without_ray_or_pydantic(tmp_path):
-    """The GPU image has torch, triton, transformers and safetensors only: the check's
-    pydantic-free path (model runner vs HF, swap round trip) must run with ray and pydantic
-    unimportable, and report the engine part as skipped for that reason."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    code = (
-        "import sys; sys.modules['pydantic'] = None; sys.modules['ray'] = None\n"
-        "import runpy\n"
-        f"sys.argv = ['gpu_check', {str(tmp_path)!r}, '--quick', '--skip-tests', '--cpu-backend', 'torch']\n"
-        "runpy.run_path('benchmarks/gpu_check.py', run_name='__main__')\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
-    runner = report["runner"]
-    assert runner["failures"] == [] and runner["hf_parity_float32"] == {"prompts": 4, "exact": 4}
-    assert runner["swap_roundtrip_equal"] == {"float32": True} and runner["backend"] == "torch"
-    # the static-shape decode path ran (padded, eagerly: no CUDA here) and gave the eager tokens
-    assert runner["static_decode_equal"] == {"float32": True} and runner["static_decode_graphs"] == {"float32": []}
-    assert runner["static_decode_runs"]["float32"]["eager"] > 0 == runner["static_decode_runs"]["float32"]["graph"]
-    assert "pydantic" in report["skipped"]["e2e"] and report["errors"] == {}
-    assert report["step_seconds"]["runner"]["budget"] == 75
 
 
 # ---------------------------------------------------------------------------- one plan per step

@@ -295,3 +295,195 @@ def test_decode_rows_from_a_step_message():
     assert rows.slot_mapping == [7 * BLOCK_SIZE + 1, 8 * BLOCK_SIZE + 1, 3 * BLOCK_SIZE, 9 * BLOCK_SIZE]
     assert rows.sampled == [0, 1, 3]  # the chunk that ends before its group's last token samples nothing
     assert rows_of([]) is None
+
+
+# ---------------------------------------------------------------------------- length classes, the host mirror
+
+
+def test_length_classes_and_the_class_of_a_step():
+    from rayserve_paged.worker.static_decode import length_classes
+
+    assert length_classes(8192) == (1024, 4096, 8192)
+    assert length_classes(131072) == (1024, 4096, 16384, 65536, 131072)
+    assert length_classes(1024) == (1024,) and length_classes(600) == (600,) and length_classes(1025) == (1024, 1025)
+    assert length_classes(128, base=16) == (16, 64, 128)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        length_classes(0)
+    static = StaticDecode(torch.nn.Identity(), BLOCK_SIZE, 4, 8192, "cpu")
+    assert [static.length_class(n) for n in (1, 1024, 1025, 4096, 4097, 8192)] == [1024, 1024, 4096, 4096, 8192, 8192]
+    with pytest.raises(ValueError, match="does not fit the length classes"):
+        static.length_class(8193)
+    # the plan of a step: the class's length and a table of the class's width
+    metadata = static._metadata(2, 4096, [5, 9])
+    assert metadata.max_decode_seq_len == 4096 and metadata.decode_block_tables.shape == (2, 4096 // BLOCK_SIZE)
+
+
+class MinimalSteps:
+    """Greedy decoding driven by the smallest step messages the scheduler sends: a block
+    table update only when a sequence needs a new block (start = its old length), a table
+    replaced from 0 when its blocks move. One runner with the static path, one without; both
+    get the same messages."""
+
+    def __init__(self, path: str, length_class_base: int) -> None:
+        mc = get_model_config(path)
+        backend = TorchReferenceBackend()
+        model = load_model(path, torch.float32, "cpu", backend)
+        eos = tuple(mc.eos_token_ids)
+        self.static = StaticDecode(model, BLOCK_SIZE, 4, MAX_MODEL_LEN, "cpu", backend,
+                                   length_class_base=length_class_base)
+        shape = (64, BLOCK_SIZE, mc.num_kv_heads, mc.head_dim)
+        self.runners = []
+        for static in (None, self.static):
+            caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(mc.num_layers)]
+            self.runners.append((ModelRunner(model, BLOCK_SIZE, torch.device("cpu"), Sampler(len(eos), eos), backend,
+                                             static), caches))
+        self.next_block = 1
+        self.tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}  # tokens cached per sequence
+        self.last: dict[int, int] = {}  # the last sampled token per sequence
+
+    def blocks(self, count: int) -> list[int]:
+        ids = list(range(self.next_block, self.next_block + count))
+        self.next_block += count
+        return ids
+
+    def run(self, msg: StepMessage) -> list[int]:
+        samples = []
+        for runner, caches in self.runners:
+            out = runner.execute(msg, caches)
+            samples.append([s.token_ids[0] for s in out.samples])
+        assert samples[0] == samples[1], "the static path's tokens differ from the eager path's"
+        return samples[1]
+
+    def prefill(self, seq_ids: list[int], prompts: list[list[int]], decodes: list[int] = ()) -> StepMessage:
+        """Prefill new sequences (with decodes of running ones, the step then runs eagerly)."""
+        params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+        msg = StepMessage()
+        for seq_id, prompt in zip(seq_ids, prompts):
+            self.tables[seq_id] = self.blocks(-(-len(prompt) // BLOCK_SIZE))
+            msg.new_requests.append(NewRequest(f"r{seq_id}", seq_id, params, len(prompt)))
+            msg.block_table_updates.append((seq_id, 0, list(self.tables[seq_id])))
+            msg.seq_ids.append(seq_id)
+            msg.start_positions.append(0)
+            msg.num_query_tokens.append(len(prompt))
+            msg.token_ids.extend(prompt)
+            msg.first_step_seq_ids.append(seq_id)
+            self.lengths[seq_id] = len(prompt)
+        self._add_decodes(msg, decodes)
+        for seq_id, token in zip(msg.seq_ids, self.run(msg)):
+            self.last[seq_id] = token
+        return msg
+
+    def decode(self, seq_ids: list[int], moved: dict[int, list[int]] | None = None) -> int:
+        """One decode step of seq_ids; returns how many tables gained a block."""
+        msg = StepMessage()
+        for seq_id, table in (moved or {}).items():
+            msg.block_table_updates.append((seq_id, 0, list(table)))
+        grown = self._add_decodes(msg, seq_ids)
+        for seq_id, token in zip(msg.seq_ids, self.run(msg)):
+            self.last[seq_id] = token
+        return grown
+
+    def _add_decodes(self, msg: StepMessage, seq_ids) -> int:
+        grown = 0
+        for seq_id in seq_ids:
+            table, position = self.tables[seq_id], self.lengths[seq_id]
+            if position == len(table) * BLOCK_SIZE:  # the new token starts a block
+                msg.block_table_updates.append((seq_id, len(table), self.blocks(1)))
+                table.extend(msg.block_table_updates[-1][2])
+                grown += 1
+            msg.seq_ids.append(seq_id)
+            msg.start_positions.append(position)
+            msg.num_query_tokens.append(1)
+            msg.token_ids.append(self.last[seq_id])
+            self.lengths[seq_id] = position + 1
+        return grown
+
+    def move_blocks(self, seq_id: int) -> list[int]:
+        """Copy a sequence's blocks to fresh ids in both runners' caches and poison the old
+        ones (a swap out and in to other blocks): only the new table reads the right K/V."""
+        old, new = self.tables[seq_id], self.blocks(len(self.tables[seq_id]))
+        for _, caches in self.runners:
+            for key, value in caches:
+                key[new], value[new] = key[old], value[old]
+                key[old], value[old] = float("nan"), float("nan")
+        self.tables[seq_id] = new
+        return new
+
+
+def test_host_mirror_rewrites_only_changed_rows_with_one_copy_per_step(tiny_paths):
+    steps = MinimalSteps(tiny_paths["opt"], length_class_base=MAX_MODEL_LEN)  # one class: no layout change
+    static = steps.static
+    steps.prefill([0, 1, 2], [[5, 6, 7, 8, 9], [11] * 8, [13, 14, 15]])
+    assert static.num_copies == 0  # a prefill step never uses the static path
+    # first decode step: 3 rows of bucket 4 written whole, one padding row (its entry 0)
+    grown = steps.decode([0, 1, 2])
+    assert grown == 1  # sequence 1's 8 prompt tokens filled its block
+    assert (static.num_copies, static.num_rows_written) == (1, 4)
+    assert static.num_entries_written == sum(len(steps.tables[s]) for s in (0, 1, 2)) + 1
+    # later steps: only the rows whose table gained a block are written, one entry each
+    rows, entries = static.num_rows_written, static.num_entries_written
+    total_grown = 0
+    for step in range(2, 12):
+        grown = steps.decode([0, 1, 2])
+        total_grown += grown
+        assert static.num_copies == step
+    assert total_grown == 3  # sequences 0, 2, 1 crossed a block boundary once each
+    assert (static.num_rows_written - rows, static.num_entries_written - entries) == (3, 3)
+    assert static.last_path == "eager" and static.runs == {"graph": 0, "eager": 11}
+    # the old loader wrote every row's whole table each step: 11 steps x (3 tables + 1 padding row)
+    assert static.num_rows_written == 7 < 11 * 4
+
+
+def test_host_mirror_follows_moved_rows_moved_blocks_and_class_changes(tiny_paths):
+    """Rows that change sequence, a table replaced in a decode step and in an eager (prefill)
+    step, and a step crossing into the next length class: the static path's tokens stay the
+    eager path's (MinimalSteps.run compares them every step), old blocks poisoned with NaN."""
+    steps = MinimalSteps(tiny_paths["opt"], length_class_base=16)
+    static = steps.static
+    assert static.length_classes == (16, 64, 128)
+    steps.prefill([0, 1, 2], [[5, 6, 7, 8, 9], [11] * 8, [13, 14, 15]])
+    steps.decode([0, 1, 2])
+    assert static.last_length_class == 16
+    # sequence 0 ends: 1 and 2 move up a row (rewritten whole), the padding rows are written once
+    rows = static.num_rows_written
+    steps.decode([1, 2])
+    assert static.num_rows_written - rows == 2  # bucket 2: both rows took another table
+    rows = static.num_rows_written
+    steps.decode([1, 2])
+    assert static.num_rows_written == rows  # nothing changed
+    # a table replaced from 0 in a decode step: that row rewritten whole
+    rows, entries = static.num_rows_written, static.num_entries_written
+    steps.decode([1, 2], moved={1: steps.move_blocks(1)})
+    assert static.num_rows_written - rows == 1 and static.num_entries_written - entries == len(steps.tables[1])
+    assert static.last_path == "eager" and static.last_length_class == 16
+    # grow past 16 tokens: the 64 class, every row rewritten in the new layout
+    while static.last_length_class == 16:
+        rows, entries = static.num_rows_written, static.num_entries_written
+        steps.decode([1, 2])
+    assert static.last_length_class == 64 and static.block_tables.shape == (4, 64 // BLOCK_SIZE)
+    assert static.num_rows_written - rows == 2
+    assert static.num_entries_written - entries == len(steps.tables[1]) + len(steps.tables[2])
+
+
+def test_a_table_change_in_an_eager_step_reaches_the_mirror(tiny_paths):
+    steps = MinimalSteps(tiny_paths["opt"], length_class_base=MAX_MODEL_LEN)
+    steps.prefill([0, 1], [[5, 6, 7, 8, 9], [13, 14, 15]])
+    steps.decode([0, 1])
+    steps.decode([0, 1])  # the mirror holds both tables
+    # sequence 0's blocks move while sequence 2 is admitted: the step has a prefill, so it
+    # runs eagerly and the static path only hears of the change through note_table_changes
+    new = steps.move_blocks(0)
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    steps.tables[2] = steps.blocks(1)
+    msg = StepMessage(
+        new_requests=[NewRequest("r2", 2, params, 3)],
+        block_table_updates=[(0, 0, list(new)), (2, 0, list(steps.tables[2]))],
+        seq_ids=[2], start_positions=[0], num_query_tokens=[3], token_ids=[21, 22, 23], first_step_seq_ids=[2],
+    )
+    steps.last[2] = steps.run(msg)[0]
+    steps.lengths[2] = 3
+    rows = steps.static.num_rows_written
+    steps.decode([0, 1, 2])  # NaN in sequence 0's old blocks: a stale mirror row would differ from eager
+    assert steps.static.last_path == "eager"
+    assert steps.static.num_rows_written - rows == 3  # row 0 rewritten from 0, row 2 new, the padding row
