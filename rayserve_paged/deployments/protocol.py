@@ -35,6 +35,9 @@ MAX_LENGTH_PENALTY = 10.0
 
 _REQUEST = ConfigDict(extra="allow", strict=True)
 MAX_LOGIT_BIAS = 300  # most token ids in one logit_bias
+# a logit_bias key: ASCII digits only, as int() parses them ("²" and "--5" are not token
+# ids; str.isdigit() accepts the first); 10 digits cover any vocabulary
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}", re.ASCII)
 
 
 class _RequestModel(BaseModel):
@@ -197,8 +200,8 @@ class _SamplingFields(_RequestModel):
         if len(bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} token ids (got {len(bias)})")
         for key, value in bias.items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"keys must be token ids (got {key!r})")
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                raise ValueError(f"keys must be token ids written in ASCII digits (got {ascii(key[:24])})")
             if not -100 <= value <= 100:
                 raise ValueError(f"biases must be in [-100, 100] (got {value} for {key})")
         return bias
@@ -272,10 +275,10 @@ class ChatMessage(_RequestModel):
     )
     tool_call_id: str | None = Field(None, description="The call a tool message answers (passed to the template).")
 
-    @field_validator("content")
+    @field_validator("content", "name", "tool_call_id", "tool_calls")
     @classmethod
-    def _check_content(cls, content):
-        return _check_unicode(content) if isinstance(content, str) else content
+    def _check_text(cls, value):
+        return _check_unicode_within(value)
 
     @model_validator(mode="after")
     def _content_unless_tool_calls(self):
@@ -324,6 +327,11 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = Field(
         None, description="'none' leaves the tools out of the prompt; anything else passes them to the template."
     )
+
+    @field_validator("tools", "tool_choice")
+    @classmethod
+    def _check_tools(cls, value):
+        return _check_unicode_within(value)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -375,6 +383,23 @@ def _check_unicode(text: str) -> str:
             f"text must be valid Unicode: a lone surrogate U+{ord(text[exc.start]):04X} at index {exc.start}"
         ) from None
     return text
+
+
+def _check_unicode_within(value):
+    """_check_unicode on every string in a JSON value, dict keys included: what the chat
+    template renders (names, tool calls, tool definitions) must be encodable too. A stack,
+    not recursion: the body's nesting depth is the client's choice."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            _check_unicode(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return value
 
 
 # --------------------------------------------------------------------------- to SamplingParams

@@ -193,8 +193,18 @@ class OpenAIServing:
 
     def _completion_prompt(self, prompt: str | list[int]) -> _Prompt:
         if isinstance(prompt, str):
-            return _Prompt(prompt, list(self.tokenizer(prompt).input_ids))
+            return _Prompt(prompt, self._encode(prompt, "prompt"))
         return _Prompt(None, list(prompt))
+
+    def _encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; a text the tokenizer refuses (a ValueError, such as a
+        UnicodeError, or a TypeError) is the client's 400 naming `field`: validation lets no
+        such text through, this is the last guard. Anything else is the server's 500."""
+        try:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        except (ValueError, TypeError) as exc:
+            logger.warning("tokenization of %s failed: %s", field, type(exc).__name__)
+            raise bad_request(f"{field}: the text cannot be tokenized ({type(exc).__name__})", param=field) from None
 
     def _echo_text(self, request: CompletionRequest, prompt: _Prompt) -> str:
         if prompt.text is not None:
@@ -368,7 +378,7 @@ class OpenAIServing:
         except Exception as exc:  # the template's own checks (e.g. role order) raise
             raise bad_request(f"messages: the chat template rejected the conversation: {exc}", param="messages")
         # the template renders the BOS itself: no special tokens added on top
-        return _Prompt(text, list(self.tokenizer(text, add_special_tokens=False).input_ids))
+        return _Prompt(text, self._encode(text, "messages", add_special_tokens=False))
 
     # ---------------------------------------------------------------- /tokenize, /detokenize
 
@@ -381,7 +391,7 @@ class OpenAIServing:
             token_ids = prompt.token_ids
         else:
             prompt, add_special = request.prompt, request.add_special_tokens
-            token_ids = await self._in_pool(lambda: list(self.tokenizer(prompt, add_special_tokens=add_special).input_ids))
+            token_ids = await self._in_pool(lambda: self._encode(prompt, "prompt", add_special))
         return TokenizeResponse(count=len(token_ids), max_model_len=info["max_model_len"], tokens=token_ids)
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
