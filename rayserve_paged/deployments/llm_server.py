@@ -30,7 +30,7 @@ from ray.util.placement_group import get_current_placement_group
 
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
-from rayserve_paged.deployments.access import api_key_from_env
+from rayserve_paged.deployments.access import replica_api_key
 from rayserve_paged.deployments.autoscaling import EnginePressure, PressureReport
 from rayserve_paged.deployments.fleet_metrics import SCHEDULER_NAMESPACE, fleet_metrics_text, scheduler_actor_name
 from rayserve_paged.engine.frontend import EngineFrontend
@@ -91,6 +91,10 @@ class LLMServer:
     ) -> None:
         config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
         self.config = config
+        self._http = dict(http or {})
+        # the key comes from this replica's environment, never from the app's arguments; a
+        # missing key that is required stops the replica here, before anything starts
+        self._api_key = replica_api_key(self._http.pop("require_api_key", False))
         self._app_name = None  # set when this replica's engine is findable by the fleet's /metrics
         if scheduler_actor is None:
             self._app_name = _app_name()
@@ -102,7 +106,6 @@ class LLMServer:
             )
         self.actor = scheduler_actor
         self._pressure = PressureReport()
-        self._http = dict(http or {})
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
         self._info = ray.get(self.actor.model_info.remote())  # waits for the model to load
         self.frontend = EngineFrontend(ActorCore(self.actor), self.tokenizer, stream_interval)
@@ -115,8 +118,7 @@ class LLMServer:
 
         http = dict(self._http)
         served_model_name = http.pop("served_model_name", None) or self.config.model
-        # the key comes from this replica's environment, never from the app's arguments
-        return create_openai_app(self, self.tokenizer, served_model_name, api_key_from_env(), **http)
+        return create_openai_app(self, self.tokenizer, served_model_name, self._api_key, **http)
 
     # ------------------------------------------------------------------ handle API
 

@@ -24,7 +24,8 @@ from typing import Protocol
 from fastapi.responses import Response
 
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
-from rayserve_paged.deployments.errors import OpenAIError, bad_request, internal_error, to_openai_error
+from rayserve_paged.deployments.admission import Admission
+from rayserve_paged.deployments.errors import OpenAIError, bad_request, internal_error, overloaded, to_openai_error
 from rayserve_paged.deployments.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -58,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 10.0
 TOKENIZER_THREADS = 2  # prompt tokenization and chat templates, off the event loop
+MAX_TOKENIZER_QUEUE = 64  # tokenizer jobs queued or running; more are answered 503
 
 
 class EngineClient(Protocol):
@@ -104,18 +106,35 @@ class _ChoiceProgress:
 class OpenAIServing:
     """The logic behind the routes, independent of FastAPI wiring."""
 
-    def __init__(self, client: EngineClient, tokenizer, served_model_name: str) -> None:
+    def __init__(
+        self, client: EngineClient, tokenizer, served_model_name: str, max_tokenizer_queue: int = MAX_TOKENIZER_QUEUE
+    ) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
+        self.max_tokenizer_queue = max_tokenizer_queue
+        self.num_tokenizer_jobs = 0  # queued or running in the pool (a job outlives a caller that left)
         self._info: dict | None = None
         self._token_texts = TokenTexts(tokenizer)
         self._background: set[asyncio.Task] = set()  # detached aborts, referenced until done
         self._pool = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
     async def _in_pool(self, fn):
-        """Tokenizer work (encoding, chat templates) off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        """Tokenizer work (encoding, chat templates) off the event loop, in a bounded queue:
+        a job past `max_tokenizer_queue` is a 503 + Retry-After, never a wait."""
+        if self.num_tokenizer_jobs >= self.max_tokenizer_queue:
+            raise overloaded(
+                f"the server is overloaded: {self.num_tokenizer_jobs} tokenizer jobs are queued on this replica "
+                f"(the limit is {self.max_tokenizer_queue}); retry later"
+            )
+        loop = asyncio.get_running_loop()
+        self.num_tokenizer_jobs += 1
+        job = self._pool.submit(fn)
+        job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._tokenizer_job_done))
+        return await asyncio.wrap_future(job)
+
+    def _tokenizer_job_done(self) -> None:
+        self.num_tokenizer_jobs -= 1
 
     # ---------------------------------------------------------------- model info, health
 
@@ -160,14 +179,17 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- /v1/completions
 
-    async def create_completion(self, request: CompletionRequest) -> Response:
+    async def create_completion(self, request: CompletionRequest, admission: Admission | None = None) -> Response:
         _log_unknown_fields(request)
         self.check_model(request.model)
         info = await self.model_info()
         params = _sampling_params(request, info)
         if request.echo and request.logprobs is not None:
             raise bad_request("echo: cannot be combined with logprobs (prompt logprobs are not computed)")
-        prompts = await self._in_pool(lambda: [self._completion_prompt(p) for p in _prompt_list(request.prompt)])
+        texts = _prompt_list(request.prompt)
+        if admission is not None:
+            admission.reserve_sequences(len(texts), params.best_of, "prompt" if len(texts) > 1 else _width_field(request))
+        prompts = await self._in_pool(lambda: [self._completion_prompt(p) for p in texts])
         for prompt in prompts:
             _check_fits(prompt.token_ids, params.max_tokens, info, "prompt", "max_tokens")
         response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -327,11 +349,15 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- /v1/chat/completions
 
-    async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, admission: Admission | None = None
+    ) -> Response:
         _log_unknown_fields(request)
         self.check_model(request.model)
         info = await self.model_info()
         params = _sampling_params(request, info)
+        if admission is not None:
+            admission.reserve_sequences(1, params.best_of, _width_field(request))
         prompt = await self._in_pool(lambda: self._chat_prompt(request))
         max_tokens_field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         _check_fits(prompt.token_ids, params.max_tokens, info, "messages", max_tokens_field)
@@ -634,6 +660,11 @@ def _engine_renames(request: CompletionRequest | ChatCompletionRequest) -> dict[
     if request.best_of is None:
         renames["best_of"] = "n"
     return renames
+
+
+def _width_field(request: CompletionRequest | ChatCompletionRequest) -> str:
+    """The field that set how many sequences each prompt starts."""
+    return "best_of" if request.best_of is not None else "n"
 
 
 def _sampling_params(request: CompletionRequest | ChatCompletionRequest, info: dict) -> SamplingParams:

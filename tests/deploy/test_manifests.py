@@ -172,7 +172,9 @@ def test_serve_config_v2_is_a_valid_serve_config_string(path):
     config = yaml.safe_load(raw)
     assert isinstance(config, dict) and config["applications"]
     ServeDeploySchema.model_validate(config)  # what `serve deploy` / the dashboard API accept
-    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}, "pods must listen on all interfaces"
+    http = config["http_options"]
+    assert (http["host"], http["port"]) == ("0.0.0.0", 8000), "pods must listen on all interfaces"
+    assert http["request_timeout_s"] > 0, "no request holds the proxy without bound"
     (app,) = config["applications"]
     assert app["import_path"] == IMPORT_PATH
 
@@ -415,19 +417,26 @@ def test_deploy_doc_covers_the_files_and_commands():
 
 
 @each_rayservice
-def test_api_key_comes_from_a_secret_into_every_ray_pod(path):
+def test_api_key_comes_from_a_required_secret_into_the_replica_pods_only(path):
     """The key is never a Serve argument (Serve logs those): every pod that may run a replica
-    gets RAYSERVE_PAGED_API_KEY from a Kubernetes Secret, never as a literal value."""
-    from rayserve_paged.deployments.access import API_KEY_ENV
+    (the GPU workers) gets RAYSERVE_PAGED_API_KEY from a Kubernetes Secret that is not
+    optional (no Secret: the pod does not start), never as a literal value; the head, which
+    runs no replica, does not get it; and the app requires it (a blank key stops a replica)."""
+    from rayserve_paged.deployments.access import API_KEY_ENV, API_KEY_FILE_ENV
 
     cluster = _cluster(path)
-    assert "api_key" not in _args(_serve_config(path))
-    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+    args = _args(_serve_config(path))
+    assert "api_key" not in args and args["require_api_key"] is True
+    head_env = {e["name"] for e in _container(cluster["headGroupSpec"]).get("env", [])}
+    assert not head_env & {API_KEY_ENV, API_KEY_FILE_ENV}, "the head runs no replica"
+    for group in cluster["workerGroupSpecs"]:
+        assert _ray_resources(group)["GPU"] > 0  # where the replicas run
         env = {e["name"]: e for e in _container(group).get("env", [])}
-        assert API_KEY_ENV in env, group.get("groupName", "head")
+        assert API_KEY_ENV in env, group["groupName"]
         assert "value" not in env[API_KEY_ENV]
         ref = env[API_KEY_ENV]["valueFrom"]["secretKeyRef"]
         assert (ref["name"], ref["key"]) == ("rayserve-paged-api-key", "key")
+        assert ref.get("optional", False) is False, "an optional Secret fails open"
 
 
 @each_rayservice
