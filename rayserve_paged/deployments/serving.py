@@ -645,11 +645,30 @@ def _raw_token_bytes(raw: str) -> list[int] | None:
     return None
 
 
+MAX_LOGGED_FIELDS = 8  # unknown field names one log line names
+MAX_LOGGED_FIELD_CHARS = 64  # of each name, once escaped
+
+
 def _log_unknown_fields(request: CompletionRequest | ChatCompletionRequest) -> None:
-    """Unknown fields are ignored, as vLLM's server does; the log says which."""
+    """Unknown fields are ignored, as vLLM's server does; the log says which, in one line
+    of bounded length: names are the client's text, so each is escaped (a newline cannot
+    forge a log line) and cut, and at most MAX_LOGGED_FIELDS are named."""
     unknown = request.unknown_fields()
-    if unknown:
-        logger.warning("ignored unknown request fields: %s", ", ".join(sorted(unknown)))
+    if not unknown:
+        return
+    names = sorted(unknown)
+    shown = ", ".join(_loggable(name) for name in names[:MAX_LOGGED_FIELDS])
+    more = f" (and {len(names) - MAX_LOGGED_FIELDS} more)" if len(names) > MAX_LOGGED_FIELDS else ""
+    logger.warning("ignored %d unknown request fields: %s%s", len(names), shown, more)
+
+
+def _loggable(name: str) -> str:
+    """ASCII only, control characters and non-ASCII as backslash escapes, at most
+    MAX_LOGGED_FIELD_CHARS characters (a cut name ends with "...")."""
+    escaped = name.encode("unicode_escape").decode("ascii")
+    if len(escaped) > MAX_LOGGED_FIELD_CHARS:
+        return escaped[: MAX_LOGGED_FIELD_CHARS - 3] + "..."
+    return escaped
 
 
 def _engine_renames(request: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:

@@ -6,6 +6,7 @@ tool_calls, tools), and a text the tokenizer cannot encode."""
 from __future__ import annotations
 
 import json
+import logging
 
 import httpx
 import pytest
@@ -147,3 +148,35 @@ async def test_a_text_the_tokenizer_cannot_encode_is_a_400_naming_the_field(http
     await _still_serving(http)
     stream = await http.post("/v1/completions", json={**OK, "stream": True})
     assert parse_sse(stream)[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_unknown_field_names_are_logged_escaped_cut_and_few(http, caplog):
+    """A field name is the client's text: a newline in it cannot forge a log line, a long one
+    cannot make a long line, many cannot make many (one WARNING per request, bounded)."""
+    from rayserve_paged.deployments.serving import MAX_LOGGED_FIELD_CHARS, MAX_LOGGED_FIELDS
+
+    forged = "x\n2026-01-01 INFO rayserve_paged: admin logged in"
+    huge = "y" * 100_000
+    many = {f"f{i:03d}": 1 for i in range(50)}
+    caplog.set_level(logging.WARNING, logger="rayserve_paged.deployments.serving")
+    body = {**OK, forged: 1, huge: 2, "\x1b[31m\u00e9": 3, **many}
+    response = await _post(http, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    (record,) = [r for r in caplog.records if "unknown request fields" in r.getMessage()]
+    line = record.getMessage()
+    assert "\n" not in line and "\x1b" not in line and line.isascii()
+    assert line.startswith("ignored 53 unknown request fields: ") and line.endswith(f"(and {53 - MAX_LOGGED_FIELDS} more)")
+    names = line.removeprefix("ignored 53 unknown request fields: ").rsplit(" (and", 1)[0].split(", ")
+    assert len(names) == MAX_LOGGED_FIELDS and all(len(n) <= MAX_LOGGED_FIELD_CHARS for n in names)
+    # sorted: the escaped control sequence first, then f000 ...
+    assert names[0] == "\\x1b[31m\\xe9" and names[1] == "f000"
+    assert len(line) < 40 + MAX_LOGGED_FIELDS * (MAX_LOGGED_FIELD_CHARS + 2) + 20
+    # the names themselves: an escaped newline, a cut name
+    small = {**OK, forged: 1, huge: 2}
+    caplog.clear()
+    assert (await _post(http, "/v1/completions", small)).status_code == 200
+    (record,) = [r for r in caplog.records if "unknown request fields" in r.getMessage()]
+    assert record.getMessage() == (
+        "ignored 2 unknown request fields: x\\n2026-01-01 INFO rayserve_paged: admin logged in, "
+        + "y" * (MAX_LOGGED_FIELD_CHARS - 3) + "..."
+    )
