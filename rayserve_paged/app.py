@@ -133,6 +133,12 @@ class AppArgs(EngineConfig):
         description="A request whose body has not fully arrived this long after the request did is answered "
         "408 and its admission slot freed (a client that sends half a body and stalls holds nothing).",
     )
+    enable_prompt_tokens_details: bool = Field(
+        False,
+        description="Report usage.prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details). "
+        "Off by default: the count tells a client whether another client already sent the same prefix; turn it "
+        "on when every client is trusted, or when each tenant sends its own cache_salt.",
+    )
     stream_interval: int = Field(
         1,
         ge=1,
@@ -273,6 +279,7 @@ def build_app(args: AppArgs | dict):
         "request_body_timeout_s": args.request_body_timeout_s,
         "open_paths": tuple(args.unauthenticated_paths),
         "require_api_key": args.require_api_key,
+        "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
     }
     try:
         llm = serve.deployment(serve.ingress()(LLMServer), **llm_server_options(args))

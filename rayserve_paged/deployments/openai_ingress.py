@@ -234,11 +234,12 @@ def create_openai_app(
     max_pending_sequences: int = DEFAULT_MAX_PENDING_SEQUENCES,
     max_tokenizer_queue: int = MAX_TOKENIZER_QUEUE,
     request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
+    enable_prompt_tokens_details: bool = False,
     open_paths: Iterable[str] = DEFAULT_OPEN_PATHS,
 ) -> FastAPI:
     """The OpenAI-compatible FastAPI app over `client` (docs/API.md describes the API).
     With `api_key`, every route but `open_paths` requires it."""
-    serving = OpenAIServing(client, tokenizer, served_model_name, max_tokenizer_queue)
+    serving = OpenAIServing(client, tokenizer, served_model_name, max_tokenizer_queue, enable_prompt_tokens_details)
     app = FastAPI(
         title="rayserve-paged",
         summary="OpenAI-compatible LLM serving with PagedAttention on Ray Serve",

@@ -35,6 +35,7 @@ MAX_LENGTH_PENALTY = 10.0
 
 _REQUEST = ConfigDict(extra="allow", strict=True)
 MAX_LOGIT_BIAS = 300  # most token ids in one logit_bias
+MAX_CACHE_SALT_CHARS = 256
 # a logit_bias key: ASCII digits only, as int() parses them ("²" and "--5" are not token
 # ids; str.isdigit() accepts the first); 10 digits cover any vocabulary
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}", re.ASCII)
@@ -188,6 +189,13 @@ class _SamplingFields(_RequestModel):
         description=f"Token id (as a string) -> bias in [-100, 100] added to its logit; at most {MAX_LOGIT_BIAS}.",
     )
     min_tokens: int = Field(0, ge=0, description="Generate at least this many tokens before EOS or stop tokens.")
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_CACHE_SALT_CHARS,
+        description="vLLM's: requests share prefix-cache blocks only with requests of the same salt (e.g. one "
+        "per tenant), so cache hits, their timing and cached_tokens reveal nothing across salts.",
+    )
     response_format: ResponseFormat | None = Field(None, description="{'type': 'text'} only.")
     stream: bool = Field(False, description="Answer with server-sent events, one chunk per step.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options; only with stream: true.")
@@ -447,6 +455,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_l
         "skip_special_tokens": request.skip_special_tokens,
         "logit_bias": {int(k): v for k, v in (request.logit_bias or {}).items()},
         "min_tokens": request.min_tokens,
+        "cache_salt": request.cache_salt,
     }
     try:
         return SamplingParams(**options)
@@ -514,15 +523,19 @@ class UsageInfo(BaseModel):
     prompt_tokens: int = Field(description="Prompt tokens (each prompt counted once, whatever n).")
     completion_tokens: int = Field(description="Tokens in the returned choices.")
     total_tokens: int = Field(description="prompt_tokens + completion_tokens.")
-    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    prompt_tokens_details: PromptTokensDetails | None = Field(
+        None, description="Only when the server reports them (enable_prompt_tokens_details), as vLLM."
+    )
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
+        """cached_tokens None: not reported (prompt_tokens_details is null)."""
+        details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            prompt_tokens_details=details,
         )
 
 

@@ -107,12 +107,20 @@ class OpenAIServing:
     """The logic behind the routes, independent of FastAPI wiring."""
 
     def __init__(
-        self, client: EngineClient, tokenizer, served_model_name: str, max_tokenizer_queue: int = MAX_TOKENIZER_QUEUE
+        self,
+        client: EngineClient,
+        tokenizer,
+        served_model_name: str,
+        max_tokenizer_queue: int = MAX_TOKENIZER_QUEUE,
+        enable_prompt_tokens_details: bool = False,
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.max_tokenizer_queue = max_tokenizer_queue
+        # usage.prompt_tokens_details.cached_tokens tells whether someone sent a prefix
+        # before: reported only when the operator turns it on (docs/DEPLOY.md, section 10)
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.num_tokenizer_jobs = 0  # queued or running in the pool (a job outlives a caller that left)
         self._info: dict | None = None
         self._token_texts = TokenTexts(tokenizer)
@@ -209,7 +217,7 @@ class OpenAIServing:
             for out in result.outputs
         ]
         body = CompletionResponse(
-            id=response_id, model=self.served_model_name, choices=choices, usage=_usage(prompts, results)
+            id=response_id, model=self.served_model_name, choices=choices, usage=self._usage(prompts, results)
         )
         return json_response(body)
 
@@ -314,7 +322,8 @@ class OpenAIServing:
                 for event in events(index, result):
                     yield event
             if include_usage:
-                yield chunk([], _stream_usage(prompts, progress.values(), sum(cached.values())))
+                num_cached = sum(cached.values()) if self.enable_prompt_tokens_details else None
+                yield chunk([], _stream_usage(prompts, progress.values(), num_cached))
             yield SSE_DONE
         except Exception as exc:
             yield sse_event(ErrorResponse(error=to_openai_error(exc, _engine_renames(request)).info))
@@ -383,7 +392,7 @@ class OpenAIServing:
             for out in result.outputs
         ]
         body = ChatCompletionResponse(
-            id=response_id, model=self.served_model_name, choices=choices, usage=_usage([prompt], [result])
+            id=response_id, model=self.served_model_name, choices=choices, usage=self._usage([prompt], [result])
         )
         return json_response(body)
 
@@ -586,6 +595,11 @@ class OpenAIServing:
     def _token_text(self, token_id: int) -> str:
         return self._token_texts.text(token_id)
 
+    def _usage(self, prompts: list[_Prompt], results: list[RequestOutput]) -> UsageInfo:
+        num_completion = sum(len(out.token_ids) for result in results for out in result.outputs)
+        num_cached = sum(r.num_cached_tokens for r in results) if self.enable_prompt_tokens_details else None
+        return UsageInfo.of(sum(len(p.token_ids) for p in prompts), num_completion, num_cached)
+
 
 class TokenTexts:
     """Each token's own text for logprobs, cached.
@@ -724,14 +738,7 @@ def _check_served(result: RequestOutput) -> None:
         raise ValueError(f"prompt: {result.error}")
 
 
-def _usage(prompts: list[_Prompt], results: Iterable[RequestOutput]) -> UsageInfo:
-    results = list(results)
-    num_completion = sum(len(out.token_ids) for result in results for out in result.outputs)
-    num_cached = sum(result.num_cached_tokens for result in results)
-    return UsageInfo.of(sum(len(p.token_ids) for p in prompts), num_completion, num_cached)
-
-
-def _stream_usage(prompts: list[_Prompt], progress: Iterable[_ChoiceProgress], num_cached: int) -> UsageInfo:
+def _stream_usage(prompts: list[_Prompt], progress: Iterable[_ChoiceProgress], num_cached: int | None) -> UsageInfo:
     num_completion = sum(state.num_tokens for state in progress)
     return UsageInfo.of(sum(len(p.token_ids) for p in prompts), num_completion, num_cached)
 

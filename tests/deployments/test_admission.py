@@ -162,9 +162,15 @@ async def test_a_content_length_int_cannot_parse_is_a_400(engine_client, engine)
         assert (await http.post("/v1/completions", json=OK)).status_code == 200
 
 
-def test_the_admission_options_reach_the_app(monkeypatch):
+def test_the_admission_and_usage_options_reach_the_app(monkeypatch):
     args = AppArgs(model="tiny-opt", device="cpu")
     assert (args.max_pending_sequences, args.max_tokenizer_queue, args.request_body_timeout_s) == (1024, 64, 30.0)
-    options = {"max_pending_sequences": 48, "max_tokenizer_queue": 4, "request_body_timeout_s": 2.5}
+    assert args.enable_prompt_tokens_details is False
+    options = {
+        "max_pending_sequences": 48,
+        "max_tokenizer_queue": 4,
+        "request_body_timeout_s": 2.5,
+        "enable_prompt_tokens_details": True,
+    }
     http = record_binds(monkeypatch, AppArgs(model="tiny-opt", device="cpu", **options))["LLMServer"]["kwargs"]["http"]
     assert {k: http[k] for k in options} == options
