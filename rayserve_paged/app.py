@@ -139,6 +139,13 @@ class AppArgs(EngineConfig):
         "Off by default: the count tells a client whether another client already sent the same prefix; turn it "
         "on when every client is trusted, or when each tenant sends its own cache_salt.",
     )
+    metrics_cache_s: float = Field(
+        2.0,
+        ge=0,
+        description="GET /metrics (open by default) serves the fleet's merged metrics at most this old: each "
+        "replica lists the fleet's scheduler actors and calls them once per interval, however often it is "
+        "scraped. 0 fetches on every scrape.",
+    )
     stream_interval: int = Field(
         1,
         ge=1,
@@ -292,4 +299,5 @@ def build_app(args: AppArgs | dict):
         telemetry=args.telemetry.model_dump(),
         http=http,
         stream_interval=args.stream_interval,
+        metrics_cache_s=args.metrics_cache_s,
     )

@@ -32,7 +32,12 @@ from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
 from rayserve_paged.deployments.access import replica_api_key
 from rayserve_paged.deployments.autoscaling import EnginePressure, PressureReport
-from rayserve_paged.deployments.fleet_metrics import SCHEDULER_NAMESPACE, fleet_metrics_text, scheduler_actor_name
+from rayserve_paged.deployments.fleet_metrics import (
+    METRICS_CACHE_S,
+    SCHEDULER_NAMESPACE,
+    FleetMetricsCache,
+    scheduler_actor_name,
+)
 from rayserve_paged.engine.frontend import EngineFrontend
 from rayserve_paged.engine.llm_engine import RequestError
 from rayserve_paged.engine.outputs import RequestOutput
@@ -88,6 +93,7 @@ class LLMServer:
         http: dict | None = None,
         tokenizer=None,
         stream_interval: int = 1,
+        metrics_cache_s: float = METRICS_CACHE_S,
     ) -> None:
         config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
         self.config = config
@@ -105,6 +111,7 @@ class LLMServer:
                 .remote(config, worker_cpus=worker_cpus, telemetry={**(telemetry or {}), "replica": _replica_id()})
             )
         self.actor = scheduler_actor
+        self._fleet_metrics = None if self._app_name is None else FleetMetricsCache(self._app_name, metrics_cache_s)
         self._pressure = PressureReport()
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
         self._info = ray.get(self.actor.model_info.remote())  # waits for the model to load
@@ -168,11 +175,12 @@ class LLMServer:
         return await self.actor.stats.remote()
 
     async def metrics_text(self) -> str:
-        """Prometheus text of every replica of this application, merged (GET /metrics);
-        outside Serve (or with an injected engine), this replica's alone."""
-        if self._app_name is None:
+        """Prometheus text of every replica of this application, merged (GET /metrics), at
+        most `metrics_cache_s` old; outside Serve (or with an injected engine), this
+        replica's alone."""
+        if self._fleet_metrics is None:
             return await self.actor.metrics_text.remote()
-        return await fleet_metrics_text(self._app_name)
+        return await self._fleet_metrics.text()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve calls this every few seconds when autoscaling is on; the KV-pressure policy
