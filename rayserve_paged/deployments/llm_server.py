@@ -41,7 +41,7 @@ from rayserve_paged.deployments.fleet_metrics import (
 from rayserve_paged.engine.frontend import EngineFrontend
 from rayserve_paged.engine.llm_engine import RequestError
 from rayserve_paged.engine.outputs import RequestOutput
-from rayserve_paged.engine.ray_executor import scheduler_actor_options
+from rayserve_paged.engine.ray_executor import scheduler_actor_options, show_info_logs
 from rayserve_paged.engine.scheduler_actor import SchedulerActor
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,15 @@ def as_sampling_params(params: SamplingParams | dict | None) -> SamplingParams:
             raise SamplingParamsError(f"{unknown[0]}: unknown sampling parameter")
         return SamplingParams(**params)
     raise RequestError("sampling_params: expected SamplingParams or a dict of its fields")
+
+
+class ReplicaSchedulerActor(SchedulerActor):
+    """A replica's SchedulerActor, with the package's INFO lines in its log: at TP = 1 the
+    model loads in this process, and the loader's load-time / peak-memory line is INFO."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        show_info_logs()
+        super().__init__(*args, **kwargs)
 
 
 class ActorCore:
@@ -106,7 +115,7 @@ class LLMServer:
             self._app_name = _app_name()
             placement = scheduler_actor_options(config, scheduler_cpus, worker_cpus, get_current_placement_group())
             scheduler_actor = (
-                ray.remote(SchedulerActor)
+                ray.remote(ReplicaSchedulerActor)
                 .options(max_concurrency=10_000, **placement, **_fleet_name(self._app_name))
                 .remote(config, worker_cpus=worker_cpus, telemetry={**(telemetry or {}), "replica": _replica_id()})
             )

@@ -19,9 +19,12 @@ async def test_metrics_route_serves_prometheus_text(http, engine):
     usage = families["rayserve_paged_kv_cache_usage"]
     assert {s.labels.get("replica") for s in usage.samples} == {"test-replica"}
     assert all(0.0 <= s.value <= 1.0 for s in usage.samples)
+    # a CPU run: the KV cache is the "device" pool, nothing is labelled gpu
+    assert {s.labels["pool"] for s in usage.samples} == {"device", "cpu"}
+    assert 'pool="gpu"' not in r.text
     usage = engine.block_manager.usage()
     blocks = families["rayserve_paged_kv_cache_blocks"].samples
-    gpu = {s.labels["state"]: s.value for s in blocks if s.labels["pool"] == "gpu"}
+    gpu = {s.labels["state"]: s.value for s in blocks if s.labels["pool"] == "device"}
     cpu = {s.labels["state"]: s.value for s in blocks if s.labels["pool"] == "cpu"}
     assert sum(gpu.values()) == usage.gpu_total and gpu["used"] == 0  # the request has finished
     assert sum(cpu.values()) == usage.cpu_total
