@@ -23,7 +23,8 @@ Limits, checked before any work (outermost first):
     tokenizer      503   at most `max_tokenizer_queue` tokenizer jobs queued or running
     handle         503   Serve's BackPressureError (LLMServer's max_queued_requests)
 
-Every 503 is the same error (code "overloaded", a Retry-After header), like Serve's own.
+Every overload 503 is the same error (code "overloaded", a Retry-After header), like Serve's
+own; a replica whose model is still loading answers 503 "engine_starting" (Retry-After too).
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ class _RequestBodyMiddleware:
             declared = declared.strip()
             if not declared.isascii() or not declared.isdigit():  # "²".isdigit(), and int() refuses it
                 return await OpenAIError(400, "invalid Content-Length header").response()(scope, receive, send)
-            if int(declared) > self.max_bytes:
+            if len(declared) > 18 or int(declared) > self.max_bytes:  # int() refuses > 4300 digits
                 return await RequestBodyTooLarge(self.max_bytes).error.response()(scope, receive, send)
         num_received = 0
         is_complete = False

@@ -153,11 +153,13 @@ async def test_the_body_deadline_does_not_cut_a_long_answer(engine_client, engin
         assert (await http.post("/v1/completions", json=OK)).status_code == 200
 
 
-async def test_a_content_length_int_cannot_parse_is_a_400(engine_client, engine):
+async def test_a_content_length_int_cannot_parse_is_a_4xx(engine_client, engine):
     app = create_openai_app(engine_client, engine.tokenizer, MODEL)
     for value in ("²".encode("latin-1"), "³".encode("latin-1"), b"1_0", b"-1"):  # "²".isdigit() is true
         status, body, _ = await _call(app, [b"{}"], [(b"content-length", value)])
         assert status == 400 and "Content-Length" in body["error"]["message"]
+    status, body, num_read = await _call(app, [b"{}"], [(b"content-length", b"9" * 5000)])  # past int()'s limit
+    assert (status, body["error"]["code"], num_read) == (413, "request_too_large", 0)
     async with _http(app) as http:
         assert (await http.post("/v1/completions", json=OK)).status_code == 200
 
