@@ -21,11 +21,6 @@ from rayserve_paged.deployments.sse import json_response
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # the Retry-After of an overloaded answer, unless Serve gives its own
-STARTING_RETRY_AFTER_S = 5  # the Retry-After while the replica's model is still loading
-
-
-class EngineStarting(Exception):
-    """The replica is up but its model is still loading (answered 503 + Retry-After)."""
 
 class OpenAIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -92,16 +87,6 @@ class RequestBodyTimeout(RequestBodyRefused):
                 code="request_timeout",
             )
         )
-
-
-def engine_starting() -> OpenAIError:
-    return OpenAIError(
-        503,
-        "the server is starting: the model is still loading; retry later",
-        type="server_error",
-        code="engine_starting",
-        headers={"Retry-After": str(STARTING_RETRY_AFTER_S)},
-    )
 
 
 def internal_error() -> OpenAIError:

@@ -32,7 +32,6 @@ from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
 from rayserve_paged.deployments.access import replica_api_key
 from rayserve_paged.deployments.autoscaling import EnginePressure, PressureReport
-from rayserve_paged.deployments.errors import EngineStarting
 from rayserve_paged.deployments.fleet_metrics import (
     METRICS_CACHE_S,
     SCHEDULER_NAMESPACE,
@@ -124,10 +123,7 @@ class LLMServer:
         self._fleet_metrics = None if self._app_name is None else FleetMetricsCache(self._app_name, metrics_cache_s)
         self._pressure = PressureReport()
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
-        # the model loads in the actor, not awaited here: the replica is up at once and answers
-        # 503 + Retry-After until the model is in, so no request hangs in Serve's proxy
-        self._model_info_ref = self.actor.model_info.remote()
-        self._info: dict | None = None
+        self._info = ray.get(self.actor.model_info.remote())  # waits for the model to load
         self.frontend = EngineFrontend(ActorCore(self.actor), self.tokenizer, stream_interval)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
@@ -182,19 +178,7 @@ class LLMServer:
     async def model_info(self) -> dict:
         if self.frontend.failure is not None:  # /health answers 503 once the engine is gone
             raise RuntimeError(f"the engine failed: {self.frontend.failure!r}")
-        info = self._loaded_info()
-        if info is None:
-            raise EngineStarting("the model is still loading")
-        return dict(info)
-
-    def _loaded_info(self) -> dict | None:
-        """The model's info once it is loaded, None while it loads (never waits); a failed
-        load raises its error here, every time."""
-        if self._info is None:
-            ready, _ = ray.wait([self._model_info_ref], timeout=0)
-            if ready:
-                self._info = ray.get(self._model_info_ref)
-        return self._info
+        return dict(self._info)
 
     async def stats(self) -> dict:
         return await self.actor.stats.remote()
@@ -210,8 +194,6 @@ class LLMServer:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve calls this every few seconds when autoscaling is on; the KV-pressure policy
         (deployments/autoscaling.py) decides the replica count from these figures."""
-        if self._loaded_info() is None:
-            return {}  # still loading: nothing to report yet (the policy counts reporting replicas)
         pressure = await self.actor.engine_pressure.remote()
         return self._pressure.stats(EnginePressure.from_dict(pressure, time.monotonic()))
 
@@ -219,8 +201,6 @@ class LLMServer:
         """Serve calls this periodically; raising marks the replica unhealthy (replaced)."""
         if self.frontend.failure is not None:
             raise RuntimeError(f"the engine failed: {self.frontend.failure!r}")
-        if self._loaded_info() is None:
-            return  # still loading is healthy (a failed load raised in _loaded_info)
         await asyncio.wait_for(self.actor.check_health.remote(), timeout=20)
 
 

@@ -25,15 +25,7 @@ from fastapi.responses import Response
 
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
 from rayserve_paged.deployments.admission import Admission
-from rayserve_paged.deployments.errors import (
-    EngineStarting,
-    OpenAIError,
-    bad_request,
-    engine_starting,
-    internal_error,
-    overloaded,
-    to_openai_error,
-)
+from rayserve_paged.deployments.errors import OpenAIError, bad_request, internal_error, overloaded, to_openai_error
 from rayserve_paged.deployments.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -158,8 +150,6 @@ class OpenAIServing:
         if self._info is None:
             try:
                 self._info = await self.client.model_info()
-            except EngineStarting:
-                raise engine_starting() from None
             except Exception as exc:
                 logger.warning("engine model_info failed: %r", exc)
                 raise OpenAIError(

@@ -58,19 +58,9 @@ async def _refs(items):
         yield ref
 
 
-def local_ray(is_loaded=lambda: True, get=lambda ref: ref) -> SimpleNamespace:
-    """Stands in for `ray` in llm_server: ray.get is identity on _LocalActor results, and
-    ray.wait says the model has loaded once `is_loaded()`."""
-
-    def wait(refs, timeout=None):
-        return (list(refs), []) if is_loaded() else ([], list(refs))
-
-    return SimpleNamespace(get=get, wait=wait)
-
-
 @pytest.fixture
 async def server(engine, monkeypatch):
-    monkeypatch.setattr(llm_server, "ray", local_ray())
+    monkeypatch.setattr(llm_server, "ray", SimpleNamespace(get=lambda ref: ref))
     actor = SchedulerActor(engine.config, executor="in-process")
     server = LLMServer(engine.config, scheduler_actor=_LocalActor(actor))
     yield server

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -18,7 +19,7 @@ from rayserve_paged.deployments.llm_server import LLMServer, load_tokenizer
 from rayserve_paged.engine.scheduler_actor import SchedulerActor
 from tests.deployments.conftest import MODEL, parse_sse
 from tests.deployments.test_disconnect import _Connection, _scope
-from tests.deployments.test_llm_server import _LocalActor, local_ray
+from tests.deployments.test_llm_server import _LocalActor
 
 pytestmark = pytest.mark.anyio
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 async def replica(engine, monkeypatch):
     """An LLMServer replica object as Serve builds it: the class's __init__, then the app."""
-    monkeypatch.setattr(llm_server, "ray", local_ray())
+    monkeypatch.setattr(llm_server, "ray", SimpleNamespace(get=lambda ref: ref))
     monkeypatch.setenv("RAYSERVE_PAGED_API_KEY", "sk-serve")  # the key comes from the replica's environment
     actor = SchedulerActor(engine.config, executor="in-process")
     server = LLMServer(engine.config, scheduler_actor=_LocalActor(actor), http={"served_model_name": MODEL})
@@ -86,57 +87,3 @@ def test_load_tokenizer_resolves_the_tiny_names_like_the_engine(engine, tiny_opt
     text = "Hello world"
     assert load_tokenizer(tiny_opt_path)(text).input_ids == engine.tokenizer(text).input_ids
     assert load_tokenizer("tiny-opt")(text).input_ids == engine.tokenizer(text).input_ids  # same deterministic BPE
-
-
-async def test_a_request_while_the_model_loads_is_a_503_with_retry_after(engine, monkeypatch):
-    """The replica is up before its model: requests get a prompt 503 + Retry-After (not a
-    wait in Serve's proxy), Serve's health check passes, /health says not ready; once the
-    model is in, everything serves. A failed load makes the replica unhealthy."""
-    loaded = {"is": False}
-    monkeypatch.setattr(llm_server, "ray", local_ray(is_loaded=lambda: loaded["is"]))
-    monkeypatch.delenv("RAYSERVE_PAGED_API_KEY", raising=False)
-    actor = SchedulerActor(engine.config, executor="in-process")
-    server = LLMServer(engine.config, scheduler_actor=_LocalActor(actor), http={"served_model_name": MODEL})
-    app = server.__serve_build_asgi_app__()
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
-            for method, path, kwargs in (
-                ("POST", "/v1/completions", {"json": body}),
-                ("POST", "/v1/chat/completions", {"json": {**body, "messages": [{"role": "user", "content": "Hi"}]}}),
-                ("POST", "/tokenize", {"json": {"prompt": "Hi"}}),
-                ("GET", "/v1/models", {}),
-            ):
-                response = await http.request(method, path, **kwargs)
-                assert response.status_code == 503, (path, response.text)
-                assert response.json()["error"]["code"] == "engine_starting" and response.headers["retry-after"] == "5"
-            assert (await http.get("/health")).status_code == 503  # not ready (a readiness probe waits)
-            await server.check_health()  # loading is healthy: Serve does not replace the replica
-            assert await server.record_autoscaling_stats() == {}
-            loaded["is"] = True
-            assert (await http.get("/health")).json() == {"status": "ok"}
-            assert (await http.post("/v1/completions", json=body)).json()["usage"]["completion_tokens"] == 2
-            await server.check_health()
-    finally:
-        await server.frontend.close()
-        actor.shutdown()
-
-
-async def test_a_failed_load_makes_the_replica_unhealthy(engine, monkeypatch):
-    def get(ref):
-        raise RuntimeError("weights not found")
-
-    monkeypatch.setattr(llm_server, "ray", local_ray(get=get))
-    monkeypatch.delenv("RAYSERVE_PAGED_API_KEY", raising=False)
-    actor = SchedulerActor(engine.config, executor="in-process")
-    server = LLMServer(engine.config, scheduler_actor=_LocalActor(actor), http={"served_model_name": MODEL})
-    app = server.__serve_build_asgi_app__()
-    try:
-        with pytest.raises(RuntimeError, match="weights not found"):
-            await server.check_health()
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
-            response = await http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
-            assert response.status_code == 503 and response.json()["error"]["code"] == "engine_unavailable"
-    finally:
-        await server.frontend.close()
-        actor.shutdown()
