@@ -23,8 +23,7 @@ Limits, checked before any work (outermost first):
     tokenizer      503   at most `max_tokenizer_queue` tokenizer jobs queued or running
     handle         503   Serve's BackPressureError (LLMServer's max_queued_requests)
 
-Every overload 503 is the same error (code "overloaded", a Retry-After header), like Serve's
-own; a replica whose model is still loading answers 503 "engine_starting" (Retry-After too).
+Every overload 503 is the same error (code "overloaded", a Retry-After header), like Serve's own.
 """
 
 from __future__ import annotations
