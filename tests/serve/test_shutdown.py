@@ -70,6 +70,9 @@ def test_sigterm_drains_the_streams_in_flight_and_exits_0(ray_cluster, serve_por
         finally:
             if proc.poll() is None:
                 proc.kill()
+            from ray import serve
+
+            serve.shutdown()  # the command shut Serve down: drop this process's client of it too
     assert events[-1] == "data: [DONE]", events[-3:]
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
     assert all("error" not in chunk for chunk in chunks)
