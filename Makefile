@@ -30,9 +30,12 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # Serve the embedded SmolLM2-135M-Instruct on http://127.0.0.1:8000 in a fresh local Ray
-# instance (stop with Ctrl-C, or SIGTERM when it runs in the background).
+# instance. `rayserve-paged serve` is `serve run` that drains on SIGTERM or Ctrl-C: the
+# requests in flight finish (graceful_shutdown_timeout_s), then it exits 0. make passes a
+# SIGTERM on and waits for that, then reports the signal itself (exit 143): a supervisor
+# (systemd, Docker) should run the rayserve-paged command directly.
 run: install
-	$(VENV)/bin/serve run --address local configs/smollm2.yaml
+	$(VENV)/bin/rayserve-paged serve --address local configs/smollm2.yaml
 
 demo: install
 	$(VENV)/bin/rayserve-paged demo

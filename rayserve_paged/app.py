@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from rayserve_paged.config import EngineConfig
-from rayserve_paged.deployments.access import API_KEY_ENV, API_KEY_REFUSED, DEFAULT_OPEN_PATHS
+from rayserve_paged.deployments.access import API_KEY_ENV, API_KEY_FILE_ENV, API_KEY_REFUSED, DEFAULT_OPEN_PATHS
 from rayserve_paged.telemetry import TelemetryConfig
 
 
@@ -32,6 +32,12 @@ class AppArgs(EngineConfig):
     unauthenticated_paths: list[str] = Field(
         default_factory=lambda: list(DEFAULT_OPEN_PATHS),
         description=f"Routes that need no API key when {API_KEY_ENV} is set (as vLLM protects only /v1).",
+    )
+    require_api_key: bool = Field(
+        False,
+        description=f"A replica that finds no API key ({API_KEY_ENV} or {API_KEY_FILE_ENV}) in its environment "
+        "refuses to start. Off: no key serves every route to anyone who reaches the port, with one WARNING at "
+        "start-up. A key variable set but blank always refuses to start.",
     )
     autoscaling_config: dict[str, Any] | None = Field(
         None, description="Serve autoscaling for LLMServer (min_replicas, max_replicas, target_ongoing_requests ...)."
@@ -100,9 +106,45 @@ class AppArgs(EngineConfig):
         256,
         ge=1,
         description=(
-            "Completion requests in flight per LLMServer replica; more are answered 503 + Retry-After at once. "
+            "Completion, chat, /tokenize and /detokenize requests in flight per LLMServer replica; more are "
+            "answered 503 + Retry-After at once. "
             "Keep it <= max_ongoing_requests, or Serve queues the excess before it gets here."
         ),
+    )
+    max_pending_sequences: int = Field(
+        1024,
+        ge=1,
+        description=(
+            "Sequences in flight per LLMServer replica: each admitted completion or chat request takes "
+            "prompts x best_of (n when best_of is unset; the beam width with use_beam_search). A request "
+            "that does not fit while others run is answered 503 + Retry-After; one larger than the whole "
+            "budget, 400."
+        ),
+    )
+    max_tokenizer_queue: int = Field(
+        64,
+        ge=1,
+        description="Tokenizer jobs (prompts, chat templates, /tokenize, /detokenize) queued or running per "
+        "LLMServer replica; one more is answered 503 + Retry-After.",
+    )
+    request_body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A request whose body has not fully arrived this long after the request did is answered "
+        "408 and its admission slot freed (a client that sends half a body and stalls holds nothing).",
+    )
+    enable_prompt_tokens_details: bool = Field(
+        False,
+        description="Report usage.prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details). "
+        "Off by default: the count tells a client whether another client already sent the same prefix; turn it "
+        "on when every client is trusted, or when each tenant sends its own cache_salt.",
+    )
+    metrics_cache_s: float = Field(
+        2.0,
+        ge=0,
+        description="GET /metrics (open by default) serves the fleet's merged metrics at most this old: each "
+        "replica lists the fleet's scheduler actors and calls them once per interval, however often it is "
+        "scraped. 0 fetches on every scrape.",
     )
     stream_interval: int = Field(
         1,
@@ -239,7 +281,12 @@ def build_app(args: AppArgs | dict):
         "served_model_name": args.served_model_name or args.model,
         "max_request_body_bytes": args.max_request_body_bytes,
         "max_pending_requests": args.max_pending_requests,
+        "max_pending_sequences": args.max_pending_sequences,
+        "max_tokenizer_queue": args.max_tokenizer_queue,
+        "request_body_timeout_s": args.request_body_timeout_s,
         "open_paths": tuple(args.unauthenticated_paths),
+        "require_api_key": args.require_api_key,
+        "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
     }
     try:
         llm = serve.deployment(serve.ingress()(LLMServer), **llm_server_options(args))
@@ -252,4 +299,5 @@ def build_app(args: AppArgs | dict):
         telemetry=args.telemetry.model_dump(),
         http=http,
         stream_interval=args.stream_interval,
+        metrics_cache_s=args.metrics_cache_s,
     )

@@ -1,11 +1,14 @@
-"""The `rayserve-paged` command: make-tiny-model, generate, demo, bench."""
+"""The `rayserve-paged` command: serve, make-tiny-model, generate, demo, bench."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
+import os
+import signal
 import sys
+import time
 
 # name -> module in the top-level `benchmarks` package; each has main(argv) -> int
 BENCHMARKS = {
@@ -39,6 +42,69 @@ def _bench(argv: list[str]) -> int:
         return 2
     module = importlib.import_module(BENCHMARKS[argv[0]])
     return int(module.main(argv[1:]) or 0)
+
+
+class _Stop(BaseException):
+    """Ctrl-C in `rayserve-paged serve`: a BaseException other than KeyboardInterrupt, so
+    `serve run`'s own handler (which kills the proxies at once) does not take it."""
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _Stop(signum)
+
+
+def _serve(argv: list[str]) -> int:
+    """`serve run ARGS` in this process, stopped by SIGTERM (what systemd, Docker and a
+    background shell send) or Ctrl-C alike: the applications are deleted first, so every
+    replica stops taking requests and finishes its streams within its
+    graceful_shutdown_timeout_s while the proxies still carry them, then Serve shuts down
+    and the command exits 0. A second signal stops at once.
+
+    `serve run` alone stops Serve outright on Ctrl-C (in-flight streams are cut) and dies of
+    SIGTERM: Ray's driver turns SIGTERM into sys.exit(15), which ends up here as SystemExit.
+    Ray's C++ crash handler, which prints a stack trace for a SIGTERM and aborts the process
+    at exit, is left out of this process only (its Ray processes keep theirs)."""
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    try:
+        import ray  # noqa: F401  (reads the variable once, at import)
+        from ray.serve.scripts import run
+    finally:
+        if os.environ.get("RAY_DISABLE_FAILURE_SIGNAL_HANDLER") == "1":
+            del os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"]
+
+    previous = signal.signal(signal.SIGINT, _raise_stop)
+    try:
+        run.main(argv, prog_name="serve run", standalone_mode=False)
+        return 0
+    except (_Stop, SystemExit) as stop:
+        if isinstance(stop, SystemExit) and stop.code != signal.SIGTERM:
+            raise
+        return _drain_and_shut_down(signal.Signals(stop.args[0] if isinstance(stop, _Stop) else stop.code))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _drain_and_shut_down(signum: signal.Signals, poll_s: float = 0.5) -> int:
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():  # stopped before `serve run` connected: nothing runs yet
+        return 0
+    names = list(serve.status().applications)
+    print(f"Got {signum.name}: deleting {names}; their replicas finish the requests in flight "
+          "(graceful_shutdown_timeout_s), then Serve shuts down. Send it again to stop at once.", flush=True)  # fmt: skip
+    try:
+        for name in names:
+            serve.delete(name, _blocking=False)
+        while any(name in serve.status().applications for name in names):
+            time.sleep(poll_s)
+        print("Applications drained and deleted; shutting down Serve.", flush=True)
+    except (_Stop, SystemExit) as again:
+        if isinstance(again, SystemExit) and again.code != signal.SIGTERM:
+            raise
+        print("Second signal: shutting down Serve now.", flush=True)
+    serve.shutdown()
+    return 0
 
 
 def _make_tiny_model(args) -> int:
@@ -114,6 +180,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rayserve-paged", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="run a benchmark: rayserve-paged bench NAME --out DIR", add_help=False)
+    sub.add_parser(
+        "serve",
+        help="`serve run CONFIG [options]` that drains on SIGTERM or Ctrl-C (streams finish, exit 0)",
+        add_help=False,
+    )
 
     tiny = sub.add_parser("make-tiny-model", help="write a deterministic tiny checkpoint in HF format")
     tiny.add_argument("--arch", choices=["opt", "llama"], required=True)
@@ -148,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
+    if argv and argv[0] == "serve":
+        return _serve(argv[1:])
     args = _parser().parse_args(argv)
     return int(args.run(args) or 0)
 

@@ -14,6 +14,10 @@ Invariants (checked by tests after every operation):
     reusable full block of a prefix; free: ref 0 and empty);
   - block tables change only by appending or by replacing the last entry (copy-on-write).
 
+A request's `cache_salt` keys its first block's hash (the parent key of block 0 is derived
+from the salt instead of "no parent"), so its whole chain is found only by requests with
+the same salt: prefix reuse, and the timing and `cached_tokens` it shows, stay within them.
+
 Prefix-cache registration happens when a full block is scheduled to be computed, so a
 request admitted later in the same step may already share it. The model runner guarantees
 this is safe: in every layer the whole step's new K/V are written into the cache before any
@@ -35,6 +39,13 @@ BlockMapping = list[tuple[int, int]]
 
 def default_block_hash(parent_key: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((-1 if parent_key is None else parent_key, token_ids))
+
+
+def salt_key(cache_salt: str | None) -> int | None:
+    """The parent key of a salted chain's first block (None: unsalted). A hit also needs
+    the block's parent to be the very block before it, so a salted first block is never
+    taken as a later block of another chain, nor the other way round."""
+    return None if cache_salt is None else hash(("cache_salt", cache_salt))
 
 
 class AllocStatus(enum.Enum):
@@ -203,6 +214,8 @@ class BlockManager:
         self.cpu_tables: dict[int, list[int]] = {}
         # Leading blocks of each sequence already given a prefix-cache identity.
         self._num_registered: dict[int, int] = {}
+        # The first block's parent key of each salted sequence (salt_key); absent: unsalted.
+        self._salt_keys: dict[int, int] = {}
         self.counters = BlockCounters()
 
     # ------------------------------------------------------------------ queries
@@ -269,8 +282,9 @@ class BlockManager:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def _match_prefix(self, token_ids: list[int]) -> list[PhysicalBlock]:
-        """The longest chain of cached full blocks that starts the sequence.
+    def _match_prefix(self, token_ids: list[int], root_key: int | None = None) -> list[PhysicalBlock]:
+        """The longest chain of cached full blocks that starts the sequence (`root_key`:
+        the salted chain's, see salt_key).
 
         Only tokens[:-1] are looked up: the last token is always computed, so the step
         has at least one query to produce logits from.
@@ -280,7 +294,7 @@ class BlockManager:
         bs = self.block_size
         hits: list[PhysicalBlock] = []
         parent: PhysicalBlock | None = None
-        parent_key: int | None = None
+        parent_key = root_key
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             key = self.hash_fn(parent_key, tokens)
@@ -314,7 +328,8 @@ class BlockManager:
             block = blocks[table[i]]
             if block.key is None:
                 tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-                key = self.hash_fn(None if parent is None else parent.key, tokens)
+                parent_key = self._salt_keys.get(seq.seq_id) if parent is None else parent.key
+                key = self.hash_fn(parent_key, tokens)
                 self.gpu.register(block, parent, key, tokens)
             parent = block
         self._num_registered[seq.seq_id] = end
@@ -334,11 +349,12 @@ class BlockManager:
         """
         seqs = group.get_seqs(SequenceStatus.WAITING)
         first = seqs[0]
-        hits = [self._match_prefix(first.token_ids)]
+        root_key = salt_key(group.sampling_params.cache_salt)
+        hits = [self._match_prefix(first.token_ids, root_key)]
         num_shared = first.num_prompt_tokens // self.block_size if len(seqs) > 1 else 0
         total = self._num_blocks_for(len(first))
         for seq in seqs[1:]:
-            own_hits = self._match_prefix(seq.token_ids)[num_shared:]
+            own_hits = self._match_prefix(seq.token_ids, root_key)[num_shared:]
             hits.append(own_hits)
             total += self._num_blocks_for(len(seq)) - num_shared
         return seqs, hits, num_shared, total
@@ -361,6 +377,9 @@ class BlockManager:
         """Give the group's waiting sequences block tables; sets their computed-token counts
         (the prefix-cache hits). Blocks cover every token: a chunked prefill needs no more."""
         seqs, hits, num_shared, _ = self._plan(group)
+        root_key = salt_key(group.sampling_params.cache_salt)
+        if root_key is not None:
+            self._salt_keys.update((seq.seq_id, root_key) for seq in seqs)
         for seq_hits in hits:  # every hit is taken before any allocation may evict one
             for block in seq_hits:
                 self.gpu.reuse(block)
@@ -445,6 +464,8 @@ class BlockManager:
             self.gpu.incref(self.gpu.blocks[bid])
         self.gpu_tables[child.seq_id] = list(table)
         self._num_registered[child.seq_id] = self._num_registered.get(parent.seq_id, 0)
+        if parent.seq_id in self._salt_keys:
+            self._salt_keys[child.seq_id] = self._salt_keys[parent.seq_id]
 
     # ------------------------------------------------------------------ free
 
@@ -460,6 +481,7 @@ class BlockManager:
             for bid in reversed(table):
                 self.cpu.decref(self.cpu.blocks[bid])
         self._num_registered.pop(seq.seq_id, None)
+        self._salt_keys.pop(seq.seq_id, None)
 
     # ------------------------------------------------------------------ swapping
 

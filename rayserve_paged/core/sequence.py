@@ -82,6 +82,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+    # keys the prefix cache: a request reuses cached blocks only of requests with the same
+    # salt (None: the shared, unsalted cache), vLLM's `cache_salt`
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.best_of is None:
@@ -128,6 +131,8 @@ class SamplingParams:
             raise bad("logit_bias", "must map token ids >= 0 to biases in [-100, 100]")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise bad("cache_salt", "must be a non-empty string")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if not _is_finite(self.length_penalty) or not -10 <= self.length_penalty <= 10:

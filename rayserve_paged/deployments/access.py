@@ -14,13 +14,21 @@ ends up in every log. As vLLM reads VLLM_API_KEY, the replica reads:
 
 Do not put the key itself in `runtime_env.env_vars`: Ray's runtime-env agent logs every
 runtime env it creates in full ("Creating runtime env: {...}" in runtime_env_agent.log).
+
+The key cannot fail open: a variable that is set but blank (a Secret with an empty value), a
+key file that is missing or empty, or no key where the app requires one (`require_api_key`)
+stops the replica at start-up with an error naming the variable. Running without a key is
+a choice (`require_api_key: false`, the local configs), logged once at start-up as a WARNING.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "RAYSERVE_PAGED_API_KEY"
 API_KEY_FILE_ENV = "RAYSERVE_PAGED_API_KEY_FILE"
@@ -40,10 +48,16 @@ def api_key_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     """The API key the replica enforces, or None (no key: every route is open).
 
     RAYSERVE_PAGED_API_KEY wins over RAYSERVE_PAGED_API_KEY_FILE. Surrounding whitespace is
-    dropped (a Secret file often ends with a newline); an empty key is none. A key file that
-    cannot be read is an error (naming the variable, not the contents), never "no key"."""
+    dropped (a Secret file often ends with a newline). A variable set to a blank key, or a key
+    file that cannot be read or is empty, is an error (naming the variable, not the
+    contents), never "no key"."""
     environ = os.environ if environ is None else environ
     key = environ.get(API_KEY_ENV, "").strip()
+    if API_KEY_ENV in environ and not key:
+        raise RuntimeError(
+            f"{API_KEY_ENV} is set but blank (an empty Secret?): refusing to start without the key it was "
+            "meant to hold. Give it the key, or unset it to run without one"
+        )
     if not key and environ.get(API_KEY_FILE_ENV):
         path = Path(environ[API_KEY_FILE_ENV])
         try:
@@ -53,3 +67,23 @@ def api_key_from_env(environ: Mapping[str, str] | None = None) -> str | None:
         if not key:
             raise RuntimeError(f"{API_KEY_FILE_ENV}: the API key file {path} is empty")
     return key or None
+
+
+def replica_api_key(require: bool, environ: Mapping[str, str] | None = None) -> str | None:
+    """The key a replica starts with (api_key_from_env); with `require`, no key is an error.
+    Without a key and not required: one WARNING, at start-up, naming the variables."""
+    key = api_key_from_env(environ)
+    if key is None and require:
+        raise RuntimeError(
+            f"require_api_key is true but no API key is set: set {API_KEY_ENV} (or {API_KEY_FILE_ENV}) in "
+            "the replicas' environment (docs/DEPLOY.md, section 10), or require_api_key: false to serve "
+            "without one"
+        )
+    if key is None:
+        logger.warning(
+            "no API key: neither %s nor %s is set (require_api_key: false), so every route is open to "
+            "anyone who can reach the HTTP port",
+            API_KEY_ENV,
+            API_KEY_FILE_ENV,
+        )
+    return key

@@ -69,16 +69,35 @@ def overloaded(message: str, retry_after_s: float | None = None) -> OpenAIError:
     )
 
 
-class RequestBodyTooLarge(StarletteHTTPException):
+class RequestBodyRefused(StarletteHTTPException):
     """Raised while the body is read. An HTTPException, so FastAPI's body parsing lets it
     through instead of turning it into "There was an error parsing the body"."""
 
+    def __init__(self, error: OpenAIError) -> None:
+        super().__init__(error.status_code)
+        self.error = error
+
+
+class RequestBodyTooLarge(RequestBodyRefused):
     def __init__(self, max_bytes: int) -> None:
-        super().__init__(413)
-        self.error = OpenAIError(
-            413,
-            f"the request body is larger than this server's limit of {max_bytes} bytes",
-            code="request_too_large",
+        super().__init__(
+            OpenAIError(
+                413,
+                f"the request body is larger than this server's limit of {max_bytes} bytes",
+                code="request_too_large",
+            )
+        )
+
+
+class RequestBodyTimeout(RequestBodyRefused):
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            OpenAIError(
+                408,
+                f"the request body was not received within {timeout_s:g} s (request_body_timeout_s); "
+                "send the whole body at once",
+                code="request_timeout",
+            )
         )
 
 

@@ -12,12 +12,19 @@ live fleet. Every series already carries a `replica` label (and `tp_rank` for th
 per-rank figures), so the merge never mixes two replicas. A replica that does not answer
 within the timeout is left out of that scrape (its series go stale, as with a failed
 scrape) and the rest are still served. docs/TELEMETRY.md says why this path was chosen.
+
+/metrics is open by default (like vLLM's), so its cost must not grow with how often anyone
+calls it: each replica keeps the merged text for `metrics_cache_s` (FleetMetricsCache), and
+concurrent scrapes share one refresh. One actor listing and one call per scheduler per
+interval, however many scrapes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
 
 import ray
 
@@ -27,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 SCHEDULER_NAMESPACE = "rayserve_paged"
 SCRAPE_TIMEOUT_S = 5.0
+METRICS_CACHE_S = 2.0  # how long a replica serves the same merged fleet text
 
 
 def scheduler_actor_name(app_name: str, replica_id: str) -> str:
@@ -58,3 +66,39 @@ async def _metrics_text(name: str, timeout_s: float) -> str | None:
     except Exception as e:  # stopped between the listing and the call, or too slow: skip it
         logger.warning("metrics of %s left out of this scrape: %s: %s", name, type(e).__name__, e)
         return None
+
+
+class FleetMetricsCache:
+    """The merged fleet text of `app_name`, fetched at most once per `ttl_s`: a scrape
+    within the interval gets the last text; scrapes that arrive during a refresh await that
+    one refresh (a failed refresh is not kept: the next scrape tries again)."""
+
+    def __init__(
+        self,
+        app_name: str,
+        ttl_s: float = METRICS_CACHE_S,
+        fetch: Callable[[str], Awaitable[str]] = fleet_metrics_text,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.app_name = app_name
+        self.ttl_s = ttl_s
+        self._fetch = fetch
+        self._clock = clock
+        self._text: str | None = None
+        self._fetched_at = 0.0
+        self._refresh: asyncio.Future | None = None
+
+    async def text(self) -> str:
+        if self._text is not None and self._clock() - self._fetched_at < self.ttl_s:
+            return self._text
+        if self._refresh is None:
+            self._refresh = asyncio.ensure_future(self._fetch_now())
+        return await asyncio.shield(self._refresh)  # a scrape that leaves does not cancel it
+
+    async def _fetch_now(self) -> str:
+        try:
+            text = await self._fetch(self.app_name)
+            self._text, self._fetched_at = text, self._clock()
+            return text
+        finally:
+            self._refresh = None

@@ -31,13 +31,18 @@ from ray.util.placement_group import get_current_placement_group
 
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
-from rayserve_paged.deployments.access import api_key_from_env
+from rayserve_paged.deployments.access import replica_api_key
 from rayserve_paged.deployments.autoscaling import EnginePressure, PressureReport
-from rayserve_paged.deployments.fleet_metrics import SCHEDULER_NAMESPACE, fleet_metrics_text, scheduler_actor_name
+from rayserve_paged.deployments.fleet_metrics import (
+    METRICS_CACHE_S,
+    SCHEDULER_NAMESPACE,
+    FleetMetricsCache,
+    scheduler_actor_name,
+)
 from rayserve_paged.engine.frontend import EngineFrontend, EngineUnavailable
 from rayserve_paged.engine.llm_engine import RequestError
 from rayserve_paged.engine.outputs import RequestOutput
-from rayserve_paged.engine.ray_executor import scheduler_actor_options
+from rayserve_paged.engine.ray_executor import scheduler_actor_options, show_info_logs
 from rayserve_paged.engine.scheduler_actor import SchedulerActor
 
 logger = logging.getLogger(__name__)
@@ -56,6 +61,15 @@ def as_sampling_params(params: SamplingParams | dict | None) -> SamplingParams:
             raise SamplingParamsError(f"{unknown[0]}: unknown sampling parameter")
         return SamplingParams(**params)
     raise RequestError("sampling_params: expected SamplingParams or a dict of its fields")
+
+
+class ReplicaSchedulerActor(SchedulerActor):
+    """A replica's SchedulerActor, with the package's INFO lines in its log: at TP = 1 the
+    model loads in this process, and the loader's load-time / peak-memory line is INFO."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        show_info_logs()
+        super().__init__(*args, **kwargs)
 
 
 class ActorCore:
@@ -102,21 +116,26 @@ class LLMServer:
         http: dict | None = None,
         tokenizer=None,
         stream_interval: int = 1,
+        metrics_cache_s: float = METRICS_CACHE_S,
     ) -> None:
         config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
         self.config = config
+        self._http = dict(http or {})
+        # the key comes from this replica's environment, never from the app's arguments; a
+        # missing key that is required stops the replica here, before anything starts
+        self._api_key = replica_api_key(self._http.pop("require_api_key", False))
         self._app_name = None  # set when this replica's engine is findable by the fleet's /metrics
         if scheduler_actor is None:
             self._app_name = _app_name()
             placement = scheduler_actor_options(config, scheduler_cpus, worker_cpus, get_current_placement_group())
             scheduler_actor = (
-                ray.remote(SchedulerActor)
+                ray.remote(ReplicaSchedulerActor)
                 .options(max_concurrency=10_000, **placement, **_fleet_name(self._app_name))
                 .remote(config, worker_cpus=worker_cpus, telemetry={**(telemetry or {}), "replica": _replica_id()})
             )
         self.actor = scheduler_actor
+        self._fleet_metrics = None if self._app_name is None else FleetMetricsCache(self._app_name, metrics_cache_s)
         self._pressure = PressureReport()
-        self._http = dict(http or {})
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
         self._info = ray.get(self.actor.model_info.remote())  # waits for the model to load
         self.frontend = EngineFrontend(ActorCore(self.actor), self.tokenizer, stream_interval)
@@ -129,8 +148,7 @@ class LLMServer:
 
         http = dict(self._http)
         served_model_name = http.pop("served_model_name", None) or self.config.model
-        # the key comes from this replica's environment, never from the app's arguments
-        return create_openai_app(self, self.tokenizer, served_model_name, api_key_from_env(), **http)
+        return create_openai_app(self, self.tokenizer, served_model_name, self._api_key, **http)
 
     # ------------------------------------------------------------------ handle API
 
@@ -180,11 +198,12 @@ class LLMServer:
         return await self.actor.stats.remote()
 
     async def metrics_text(self) -> str:
-        """Prometheus text of every replica of this application, merged (GET /metrics);
-        outside Serve (or with an injected engine), this replica's alone."""
-        if self._app_name is None:
+        """Prometheus text of every replica of this application, merged (GET /metrics), at
+        most `metrics_cache_s` old; outside Serve (or with an injected engine), this
+        replica's alone."""
+        if self._fleet_metrics is None:
             return await self.actor.metrics_text.remote()
-        return await fleet_metrics_text(self._app_name)
+        return await self._fleet_metrics.text()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve calls this every few seconds when autoscaling is on; the KV-pressure policy

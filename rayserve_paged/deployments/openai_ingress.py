@@ -13,21 +13,26 @@ for a slow client, several) added to one request.
 
 Limits, checked before any work (outermost first):
 
-    API key        401   constant-time compare; /health is open
-    admission      503   at most `max_pending_requests` generation requests in flight here
+    API key        401   constant-time compare; /health and /metrics are open
+    admission      503   at most `max_pending_requests` generation and tokenizer requests in
+                         flight here (deployments/admission.py)
     body size      413   Content-Length first, then the bytes actually received
+    body time      408   the whole body within `request_body_timeout_s` of arrival
+    sequences      503   prompts x best_of within `max_pending_sequences` (400 if one request
+                         alone is larger)
+    tokenizer      503   at most `max_tokenizer_queue` tokenizer jobs queued or running
     handle         503   Serve's BackPressureError (LLMServer's max_queued_requests)
 
-Both 503s are the same error (code "overloaded", a Retry-After header), like Serve's own.
+Every overload 503 is the same error (code "overloaded", a Retry-After header), like Serve's own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,8 +43,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from rayserve_paged.deployments.access import DEFAULT_OPEN_PATHS
+from rayserve_paged.deployments.admission import (
+    DEFAULT_MAX_PENDING_REQUESTS,
+    DEFAULT_MAX_PENDING_SEQUENCES,
+    SCOPE_KEY,
+    AdmissionLimit,
+)
 from rayserve_paged.deployments.errors import (
     OpenAIError,
+    RequestBodyRefused,
+    RequestBodyTimeout,
     RequestBodyTooLarge,
     body_parse_error,
     engine_unavailable,
@@ -59,14 +72,15 @@ from rayserve_paged.deployments.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from rayserve_paged.deployments.serving import EngineClient, OpenAIServing
+from rayserve_paged.deployments.serving import MAX_TOKENIZER_QUEUE, EngineClient, OpenAIServing
 from rayserve_paged.telemetry import PROMETHEUS_CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20  # 1 MiB: 128 prompts of ~2k tokens fit easily
-DEFAULT_MAX_PENDING_REQUESTS = 256  # per replica
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # what admission counts
+DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0  # arrival to the body's last byte
+# what admission counts: the routes that tokenize or generate
+ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 
 
 class _APIKeyMiddleware:
@@ -91,28 +105,18 @@ class _APIKeyMiddleware:
         await error.response()(scope, receive, send)
 
 
-@dataclass(slots=True)
-class AdmissionLimit:
-    """Generation requests in flight in this ingress replica, from arrival until the last
-    byte of the answer (a stream included) or the client leaving."""
-
-    max_pending: int
-    num_pending: int = 0
-
-    def can_admit(self) -> bool:
-        return self.num_pending < self.max_pending
-
-
 class _AdmissionMiddleware:
-    """Over the limit, a generation request is answered 503 at once: it never waits in an
-    unbounded queue, never reads its body, never reaches the engine."""
+    """Over the limit, a generation or tokenizer request is answered 503 at once: it never
+    waits in an unbounded queue, never reads its body, never reaches the engine. An
+    admitted request carries its Admission in the scope (the routes reserve its sequences
+    there); the slot and the sequences come back when the answer ends, however it ends."""
 
     def __init__(self, app, limit: AdmissionLimit) -> None:
         self.app = app
         self.limit = limit
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or _route_path(scope) not in GENERATION_PATHS:
+        if scope["type"] != "http" or _route_path(scope) not in ADMITTED_PATHS:
             return await self.app(scope, receive, send)
         if not self.limit.can_admit():
             error = overloaded(
@@ -120,40 +124,57 @@ class _AdmissionMiddleware:
                 f"replica (the limit is {self.limit.max_pending}); retry later"
             )
             return await error.response()(scope, receive, send)
-        self.limit.num_pending += 1
+        admission = scope[SCOPE_KEY] = self.limit.admit()
         try:
             await self.app(scope, receive, send)
         finally:
-            self.limit.num_pending -= 1
+            admission.release()
 
 
-class _BodySizeLimitMiddleware:
-    """A body over `max_bytes` is a 413 before it is parsed: a declared Content-Length is
-    checked before a byte is read, and the bytes received are counted as they arrive (a
-    chunked body, or one longer than declared), so at most max_bytes + one chunk are held."""
+class _RequestBodyMiddleware:
+    """The body within bounds before it is parsed.
 
-    def __init__(self, app, max_bytes: int) -> None:
+    Size: over `max_bytes` is a 413; a declared Content-Length is checked before a byte is
+    read, and the bytes received are counted as they arrive (a chunked body, or one longer
+    than declared), so at most max_bytes + one chunk are held.
+    Time: a body not received in full within `timeout_s` of the request's arrival is a 408,
+    and the request ends (its admission slot comes back). Once the body is complete, the
+    connection is read without a deadline (a stream waits for the client leaving)."""
+
+    def __init__(self, app, max_bytes: int, timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = Headers(scope=scope).get("content-length")
         if declared is not None:
-            if not declared.strip().isdigit():
+            declared = declared.strip()
+            if not declared.isascii() or not declared.isdigit():  # "²".isdigit(), and int() refuses it
                 return await OpenAIError(400, "invalid Content-Length header").response()(scope, receive, send)
-            if int(declared) > self.max_bytes:
+            if len(declared) > 18 or int(declared) > self.max_bytes:  # int() refuses > 4300 digits
                 return await RequestBodyTooLarge(self.max_bytes).error.response()(scope, receive, send)
         num_received = 0
+        is_complete = False
+        deadline = time.monotonic() + self.timeout_s
 
-        async def counting_receive():
-            nonlocal num_received
-            message = await receive()
+        async def bounded_receive():
+            nonlocal num_received, is_complete
+            if is_complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise RequestBodyTimeout(self.timeout_s) from None
             if message["type"] == "http.request":
                 num_received += len(message.get("body", b""))
                 if num_received > self.max_bytes:
                     raise RequestBodyTooLarge(self.max_bytes)
+                is_complete = not message.get("more_body", False)
+            else:
+                is_complete = True  # the client left
             return message
 
         is_started = False
@@ -164,8 +185,8 @@ class _BodySizeLimitMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, counting_receive, tracking_send)
-        except RequestBodyTooLarge as exc:  # read outside a route's body parsing
+            await self.app(scope, bounded_receive, tracking_send)
+        except RequestBodyRefused as exc:  # read outside a route's body parsing
             if is_started:
                 raise
             await exc.error.response()(scope, receive, send)
@@ -211,17 +232,21 @@ def create_openai_app(
     *,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
+    max_pending_sequences: int = DEFAULT_MAX_PENDING_SEQUENCES,
+    max_tokenizer_queue: int = MAX_TOKENIZER_QUEUE,
+    request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
+    enable_prompt_tokens_details: bool = False,
     open_paths: Iterable[str] = DEFAULT_OPEN_PATHS,
 ) -> FastAPI:
     """The OpenAI-compatible FastAPI app over `client` (docs/API.md describes the API).
     With `api_key`, every route but `open_paths` requires it."""
-    serving = OpenAIServing(client, tokenizer, served_model_name)
+    serving = OpenAIServing(client, tokenizer, served_model_name, max_tokenizer_queue, enable_prompt_tokens_details)
     app = FastAPI(
         title="rayserve-paged",
         summary="OpenAI-compatible LLM serving with PagedAttention on Ray Serve",
     )
     app.state.serving = serving
-    app.state.admission = admission = AdmissionLimit(max_pending_requests)
+    app.state.admission = admission = AdmissionLimit(max_pending_requests, max_pending_sequences)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_, exc: OpenAIError) -> Response:
@@ -231,8 +256,8 @@ def create_openai_app(
     async def _invalid_request(_, exc: RequestValidationError) -> Response:
         return validation_error(exc).response()
 
-    @app.exception_handler(RequestBodyTooLarge)
-    async def _body_too_large(_, exc: RequestBodyTooLarge) -> Response:
+    @app.exception_handler(RequestBodyRefused)
+    async def _body_refused(_, exc: RequestBodyRefused) -> Response:
         return exc.error.response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -244,12 +269,12 @@ def create_openai_app(
         return OpenAIError(exc.status_code, message, type=kind).response()
 
     @app.post("/v1/completions", response_model=None, responses={200: {"model": CompletionResponse}})
-    async def completions(request: CompletionRequest) -> Response:
-        return await serving.create_completion(request)
+    async def completions(request: CompletionRequest, http: Request) -> Response:
+        return await serving.create_completion(request, http.scope.get(SCOPE_KEY))
 
     @app.post("/v1/chat/completions", response_model=None, responses={200: {"model": ChatCompletionResponse}})
-    async def chat_completions(request: ChatCompletionRequest) -> Response:
-        return await serving.create_chat_completion(request)
+    async def chat_completions(request: ChatCompletionRequest, http: Request) -> Response:
+        return await serving.create_chat_completion(request, http.scope.get(SCOPE_KEY))
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
@@ -278,8 +303,8 @@ def create_openai_app(
             return JSONResponse({"status": "ok"})
         return engine_unavailable("the engine is not healthy").response()
 
-    # the last added runs first: API key, admission, internal errors, body size, the routes
-    app.add_middleware(_BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
+    # the last added runs first: API key, admission, internal errors, body size and time, the routes
+    app.add_middleware(_RequestBodyMiddleware, max_bytes=max_request_body_bytes, timeout_s=request_body_timeout_s)
     app.add_middleware(_InternalErrorMiddleware)
     app.add_middleware(_AdmissionMiddleware, limit=admission)
     if api_key:

@@ -35,6 +35,10 @@ MAX_LENGTH_PENALTY = 10.0
 
 _REQUEST = ConfigDict(extra="allow", strict=True)
 MAX_LOGIT_BIAS = 300  # most token ids in one logit_bias
+MAX_CACHE_SALT_CHARS = 256
+# a logit_bias key: ASCII digits only, as int() parses them ("²" and "--5" are not token
+# ids; str.isdigit() accepts the first); 10 digits cover any vocabulary
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}", re.ASCII)
 
 
 class _RequestModel(BaseModel):
@@ -185,6 +189,13 @@ class _SamplingFields(_RequestModel):
         description=f"Token id (as a string) -> bias in [-100, 100] added to its logit; at most {MAX_LOGIT_BIAS}.",
     )
     min_tokens: int = Field(0, ge=0, description="Generate at least this many tokens before EOS or stop tokens.")
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_CACHE_SALT_CHARS,
+        description="vLLM's: requests share prefix-cache blocks only with requests of the same salt (e.g. one "
+        "per tenant), so cache hits, their timing and cached_tokens reveal nothing across salts.",
+    )
     response_format: ResponseFormat | None = Field(None, description="{'type': 'text'} only.")
     stream: bool = Field(False, description="Answer with server-sent events, one chunk per step.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options; only with stream: true.")
@@ -197,8 +208,8 @@ class _SamplingFields(_RequestModel):
         if len(bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} token ids (got {len(bias)})")
         for key, value in bias.items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"keys must be token ids (got {key!r})")
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                raise ValueError(f"keys must be token ids written in ASCII digits (got {ascii(key[:24])})")
             if not -100 <= value <= 100:
                 raise ValueError(f"biases must be in [-100, 100] (got {value} for {key})")
         return bias
@@ -272,10 +283,10 @@ class ChatMessage(_RequestModel):
     )
     tool_call_id: str | None = Field(None, description="The call a tool message answers (passed to the template).")
 
-    @field_validator("content")
+    @field_validator("content", "name", "tool_call_id", "tool_calls")
     @classmethod
-    def _check_content(cls, content):
-        return _check_unicode(content) if isinstance(content, str) else content
+    def _check_text(cls, value):
+        return _check_unicode_within(value)
 
     @model_validator(mode="after")
     def _content_unless_tool_calls(self):
@@ -324,6 +335,11 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = Field(
         None, description="'none' leaves the tools out of the prompt; anything else passes them to the template."
     )
+
+    @field_validator("tools", "tool_choice")
+    @classmethod
+    def _check_tools(cls, value):
+        return _check_unicode_within(value)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -377,6 +393,23 @@ def _check_unicode(text: str) -> str:
     return text
 
 
+def _check_unicode_within(value):
+    """_check_unicode on every string in a JSON value, dict keys included: what the chat
+    template renders (names, tool calls, tool definitions) must be encodable too. A stack,
+    not recursion: the body's nesting depth is the client's choice."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            _check_unicode(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return value
+
+
 # --------------------------------------------------------------------------- to SamplingParams
 
 
@@ -422,6 +455,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_l
         "skip_special_tokens": request.skip_special_tokens,
         "logit_bias": {int(k): v for k, v in (request.logit_bias or {}).items()},
         "min_tokens": request.min_tokens,
+        "cache_salt": request.cache_salt,
     }
     try:
         return SamplingParams(**options)
@@ -489,15 +523,19 @@ class UsageInfo(BaseModel):
     prompt_tokens: int = Field(description="Prompt tokens (each prompt counted once, whatever n).")
     completion_tokens: int = Field(description="Tokens in the returned choices.")
     total_tokens: int = Field(description="prompt_tokens + completion_tokens.")
-    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    prompt_tokens_details: PromptTokensDetails | None = Field(
+        None, description="Only when the server reports them (enable_prompt_tokens_details), as vLLM."
+    )
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
+        """cached_tokens None: not reported (prompt_tokens_details is null)."""
+        details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            prompt_tokens_details=details,
         )
 
 

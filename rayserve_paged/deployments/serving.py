@@ -24,11 +24,13 @@ from typing import Protocol
 from fastapi.responses import Response
 
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
+from rayserve_paged.deployments.admission import Admission
 from rayserve_paged.deployments.errors import (
     OpenAIError,
     bad_request,
     engine_unavailable,
     internal_error,
+    overloaded,
     to_openai_error,
 )
 from rayserve_paged.deployments.protocol import (
@@ -64,6 +66,7 @@ logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 10.0
 TOKENIZER_THREADS = 2  # prompt tokenization and chat templates, off the event loop
+MAX_TOKENIZER_QUEUE = 64  # tokenizer jobs queued or running; more are answered 503
 
 
 class EngineClient(Protocol):
@@ -110,18 +113,43 @@ class _ChoiceProgress:
 class OpenAIServing:
     """The logic behind the routes, independent of FastAPI wiring."""
 
-    def __init__(self, client: EngineClient, tokenizer, served_model_name: str) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer,
+        served_model_name: str,
+        max_tokenizer_queue: int = MAX_TOKENIZER_QUEUE,
+        enable_prompt_tokens_details: bool = False,
+    ) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
+        self.max_tokenizer_queue = max_tokenizer_queue
+        # usage.prompt_tokens_details.cached_tokens tells whether someone sent a prefix
+        # before: reported only when the operator turns it on (docs/DEPLOY.md, section 10)
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
+        self.num_tokenizer_jobs = 0  # queued or running in the pool (a job outlives a caller that left)
         self._info: dict | None = None
         self._token_texts = TokenTexts(tokenizer)
         self._background: set[asyncio.Task] = set()  # detached aborts, referenced until done
         self._pool = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
     async def _in_pool(self, fn):
-        """Tokenizer work (encoding, chat templates) off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        """Tokenizer work (encoding, chat templates) off the event loop, in a bounded queue:
+        a job past `max_tokenizer_queue` is a 503 + Retry-After, never a wait."""
+        if self.num_tokenizer_jobs >= self.max_tokenizer_queue:
+            raise overloaded(
+                f"the server is overloaded: {self.num_tokenizer_jobs} tokenizer jobs are queued on this replica "
+                f"(the limit is {self.max_tokenizer_queue}); retry later"
+            )
+        loop = asyncio.get_running_loop()
+        self.num_tokenizer_jobs += 1
+        job = self._pool.submit(fn)
+        job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._tokenizer_job_done))
+        return await asyncio.wrap_future(job)
+
+    def _tokenizer_job_done(self) -> None:
+        self.num_tokenizer_jobs -= 1
 
     # ---------------------------------------------------------------- model info, health
 
@@ -164,14 +192,17 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- /v1/completions
 
-    async def create_completion(self, request: CompletionRequest) -> Response:
+    async def create_completion(self, request: CompletionRequest, admission: Admission | None = None) -> Response:
         _log_unknown_fields(request)
         self.check_model(request.model)
         info = await self.model_info()
         params = _sampling_params(request, info)
         if request.echo and request.logprobs is not None:
             raise bad_request("echo: cannot be combined with logprobs (prompt logprobs are not computed)")
-        prompts = await self._in_pool(lambda: [self._completion_prompt(p) for p in _prompt_list(request.prompt)])
+        texts = _prompt_list(request.prompt)
+        if admission is not None:
+            admission.reserve_sequences(len(texts), params.best_of, "prompt" if len(texts) > 1 else _width_field(request))
+        prompts = await self._in_pool(lambda: [self._completion_prompt(p) for p in texts])
         for prompt in prompts:
             _check_fits(prompt.token_ids, params.max_tokens, info, "prompt", "max_tokens")
         response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -191,14 +222,24 @@ class OpenAIServing:
             for out in result.outputs
         ]
         body = CompletionResponse(
-            id=response_id, model=self.served_model_name, choices=choices, usage=_usage(prompts, results)
+            id=response_id, model=self.served_model_name, choices=choices, usage=self._usage(prompts, results)
         )
         return json_response(body)
 
     def _completion_prompt(self, prompt: str | list[int]) -> _Prompt:
         if isinstance(prompt, str):
-            return _Prompt(prompt, list(self.tokenizer(prompt).input_ids))
+            return _Prompt(prompt, self._encode(prompt, "prompt"))
         return _Prompt(None, list(prompt))
+
+    def _encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; a text the tokenizer refuses (a ValueError, such as a
+        UnicodeError, or a TypeError) is the client's 400 naming `field`: validation lets no
+        such text through, this is the last guard. Anything else is the server's 500."""
+        try:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        except (ValueError, TypeError) as exc:
+            logger.warning("tokenization of %s failed: %s", field, type(exc).__name__)
+            raise bad_request(f"{field}: the text cannot be tokenized ({type(exc).__name__})", param=field) from None
 
     def _echo_text(self, request: CompletionRequest, prompt: _Prompt) -> str:
         if prompt.text is not None:
@@ -286,7 +327,8 @@ class OpenAIServing:
                 for event in events(index, result):
                     yield event
             if include_usage:
-                yield chunk([], _stream_usage(prompts, progress.values(), sum(cached.values())))
+                num_cached = sum(cached.values()) if self.enable_prompt_tokens_details else None
+                yield chunk([], _stream_usage(prompts, progress.values(), num_cached))
             yield SSE_DONE
         except Exception as exc:
             yield sse_event(ErrorResponse(error=to_openai_error(exc, _engine_renames(request)).info))
@@ -321,11 +363,15 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- /v1/chat/completions
 
-    async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, admission: Admission | None = None
+    ) -> Response:
         _log_unknown_fields(request)
         self.check_model(request.model)
         info = await self.model_info()
         params = _sampling_params(request, info)
+        if admission is not None:
+            admission.reserve_sequences(1, params.best_of, _width_field(request))
         prompt = await self._in_pool(lambda: self._chat_prompt(request))
         max_tokens_field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         _check_fits(prompt.token_ids, params.max_tokens, info, "messages", max_tokens_field)
@@ -351,7 +397,7 @@ class OpenAIServing:
             for out in result.outputs
         ]
         body = ChatCompletionResponse(
-            id=response_id, model=self.served_model_name, choices=choices, usage=_usage([prompt], [result])
+            id=response_id, model=self.served_model_name, choices=choices, usage=self._usage([prompt], [result])
         )
         return json_response(body)
 
@@ -372,7 +418,7 @@ class OpenAIServing:
         except Exception as exc:  # the template's own checks (e.g. role order) raise
             raise bad_request(f"messages: the chat template rejected the conversation: {exc}", param="messages")
         # the template renders the BOS itself: no special tokens added on top
-        return _Prompt(text, list(self.tokenizer(text, add_special_tokens=False).input_ids))
+        return _Prompt(text, self._encode(text, "messages", add_special_tokens=False))
 
     # ---------------------------------------------------------------- /tokenize, /detokenize
 
@@ -385,7 +431,7 @@ class OpenAIServing:
             token_ids = prompt.token_ids
         else:
             prompt, add_special = request.prompt, request.add_special_tokens
-            token_ids = await self._in_pool(lambda: list(self.tokenizer(prompt, add_special_tokens=add_special).input_ids))
+            token_ids = await self._in_pool(lambda: self._encode(prompt, "prompt", add_special))
         return TokenizeResponse(count=len(token_ids), max_model_len=info["max_model_len"], tokens=token_ids)
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
@@ -554,6 +600,11 @@ class OpenAIServing:
     def _token_text(self, token_id: int) -> str:
         return self._token_texts.text(token_id)
 
+    def _usage(self, prompts: list[_Prompt], results: list[RequestOutput]) -> UsageInfo:
+        num_completion = sum(len(out.token_ids) for result in results for out in result.outputs)
+        num_cached = sum(r.num_cached_tokens for r in results) if self.enable_prompt_tokens_details else None
+        return UsageInfo.of(sum(len(p.token_ids) for p in prompts), num_completion, num_cached)
+
 
 class TokenTexts:
     """Each token's own text for logprobs, cached.
@@ -613,11 +664,30 @@ def _raw_token_bytes(raw: str) -> list[int] | None:
     return None
 
 
+MAX_LOGGED_FIELDS = 8  # unknown field names one log line names
+MAX_LOGGED_FIELD_CHARS = 64  # of each name, once escaped
+
+
 def _log_unknown_fields(request: CompletionRequest | ChatCompletionRequest) -> None:
-    """Unknown fields are ignored, as vLLM's server does; the log says which."""
+    """Unknown fields are ignored, as vLLM's server does; the log says which, in one line
+    of bounded length: names are the client's text, so each is escaped (a newline cannot
+    forge a log line) and cut, and at most MAX_LOGGED_FIELDS are named."""
     unknown = request.unknown_fields()
-    if unknown:
-        logger.warning("ignored unknown request fields: %s", ", ".join(sorted(unknown)))
+    if not unknown:
+        return
+    names = sorted(unknown)
+    shown = ", ".join(_loggable(name) for name in names[:MAX_LOGGED_FIELDS])
+    more = f" (and {len(names) - MAX_LOGGED_FIELDS} more)" if len(names) > MAX_LOGGED_FIELDS else ""
+    logger.warning("ignored %d unknown request fields: %s%s", len(names), shown, more)
+
+
+def _loggable(name: str) -> str:
+    """ASCII only, control characters and non-ASCII as backslash escapes, at most
+    MAX_LOGGED_FIELD_CHARS characters (a cut name ends with "...")."""
+    escaped = name.encode("unicode_escape").decode("ascii")
+    if len(escaped) > MAX_LOGGED_FIELD_CHARS:
+        return escaped[: MAX_LOGGED_FIELD_CHARS - 3] + "..."
+    return escaped
 
 
 def _engine_renames(request: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
@@ -628,6 +698,11 @@ def _engine_renames(request: CompletionRequest | ChatCompletionRequest) -> dict[
     if request.best_of is None:
         renames["best_of"] = "n"
     return renames
+
+
+def _width_field(request: CompletionRequest | ChatCompletionRequest) -> str:
+    """The field that set how many sequences each prompt starts."""
+    return "best_of" if request.best_of is not None else "n"
 
 
 def _sampling_params(request: CompletionRequest | ChatCompletionRequest, info: dict) -> SamplingParams:
@@ -668,14 +743,7 @@ def _check_served(result: RequestOutput) -> None:
         raise ValueError(f"prompt: {result.error}")
 
 
-def _usage(prompts: list[_Prompt], results: Iterable[RequestOutput]) -> UsageInfo:
-    results = list(results)
-    num_completion = sum(len(out.token_ids) for result in results for out in result.outputs)
-    num_cached = sum(result.num_cached_tokens for result in results)
-    return UsageInfo.of(sum(len(p.token_ids) for p in prompts), num_completion, num_cached)
-
-
-def _stream_usage(prompts: list[_Prompt], progress: Iterable[_ChoiceProgress], num_cached: int) -> UsageInfo:
+def _stream_usage(prompts: list[_Prompt], progress: Iterable[_ChoiceProgress], num_cached: int | None) -> UsageInfo:
     num_completion = sum(state.num_tokens for state in progress)
     return UsageInfo.of(sum(len(p.token_ids) for p in prompts), num_completion, num_cached)
 

@@ -33,6 +33,22 @@ from rayserve_paged.worker.worker import CacheSizes, Worker
 logger = logging.getLogger(__name__)
 
 
+def show_info_logs() -> None:
+    """Show the package's INFO lines (the loader's load time and peak memory among them) in
+    this Ray actor's log. An actor process's root logger has no handler, so Python would
+    show only WARNING and up; where the root logger has one (configured by the operator),
+    nothing changes. Idempotent."""
+    package = logging.getLogger("rayserve_paged")
+    if logging.getLogger().handlers or any(getattr(h, "is_rayserve_paged", False) for h in package.handlers):
+        return
+    handler = logging.StreamHandler()  # stderr: Ray writes it to the actor's log and the driver
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s -- %(message)s"))
+    handler.is_rayserve_paged = True
+    package.addHandler(handler)
+    if package.getEffectiveLevel() > logging.INFO:
+        package.setLevel(logging.INFO)
+
+
 class WorkerActor(Worker):
     """A Worker that can also join the tensor-parallel process group and name its node."""
 
@@ -44,6 +60,7 @@ class WorkerActor(Worker):
         return ip, port
 
     def init_distributed(self, init_method: str) -> None:
+        show_info_logs()  # the model loads here
         if self.world_size == 1:
             self.load_model()
             return

@@ -73,7 +73,7 @@ class EngineMetrics:
             names.KV_CACHE_BLOCKS,
             callbacks=[self._observe_blocks],
             unit="{block}",
-            description="KV cache blocks by pool (gpu, cpu) and state (used: held by sequences; "
+            description="KV cache blocks by pool (device, cpu: the swap pool) and state (used: held by sequences; "
             "cached: free but holding a reusable prefix; free).",
         )
         meter.create_observable_gauge(
@@ -216,19 +216,19 @@ class EngineMetrics:
     def _observe_blocks(self, options: CallbackOptions) -> Iterable[Observation]:
         u = self.engine.block_manager.usage()
         rows = (
-            ("gpu", "used", u.gpu_used),
-            ("gpu", "cached", u.gpu_cached),
-            ("gpu", "free", u.gpu_free),
-            ("cpu", "used", u.cpu_used),
-            ("cpu", "free", u.cpu_free),
+            (names.DEVICE_POOL, "used", u.gpu_used),
+            (names.DEVICE_POOL, "cached", u.gpu_cached),
+            (names.DEVICE_POOL, "free", u.gpu_free),
+            (names.SWAP_POOL, "used", u.cpu_used),
+            (names.SWAP_POOL, "free", u.cpu_free),
         )
         return [Observation(n, {**self._attrs, names.POOL: pool, names.STATE: state}) for pool, state, n in rows]
 
     def _observe_usage(self, options: CallbackOptions) -> Iterable[Observation]:
         u = self.engine.block_manager.usage()
         return [
-            Observation(u.gpu_usage, {**self._attrs, names.POOL: "gpu"}),
-            Observation(u.cpu_usage, {**self._attrs, names.POOL: "cpu"}),
+            Observation(u.gpu_usage, {**self._attrs, names.POOL: names.DEVICE_POOL}),
+            Observation(u.cpu_usage, {**self._attrs, names.POOL: names.SWAP_POOL}),
         ]
 
     def _slot_usage(self):
@@ -236,7 +236,7 @@ class EngineMetrics:
         s = self.engine.scheduler
         seqs = [seq for group in (*list(s.running), *list(s.swapped)) for seq in list(group.seqs)]
         gpu, cpu = self.engine.block_manager.slot_usage(seqs)
-        return (("gpu", gpu), ("cpu", cpu))
+        return ((names.DEVICE_POOL, gpu), (names.SWAP_POOL, cpu))
 
     def _observe_token_slots(self, options: CallbackOptions) -> Iterable[Observation]:
         out = []

@@ -213,7 +213,7 @@ class GpuMetrics:
             names.KV_CACHE_MEMORY,
             callbacks=[self._observe_cache_bytes],
             unit="By",
-            description="Bytes of the KV cache tensors on this rank, by pool (gpu: device cache; cpu: swap pool).",
+            description="Bytes of the KV cache tensors on this rank, by pool (device: the device cache; cpu: the swap pool).",
         )
 
     def update(self, snapshots: Iterable[GpuSnapshot | Mapping[str, Any]]) -> None:
@@ -254,8 +254,8 @@ class GpuMetrics:
     def _observe_cache_bytes(self, options: CallbackOptions) -> Iterable[Observation]:
         out = []
         for snap, attrs in self._snapshots:
-            out.append(Observation(snap.kv_cache_bytes, {**attrs, names.POOL: "gpu"}))
-            out.append(Observation(snap.cpu_swap_bytes, {**attrs, names.POOL: "cpu"}))
+            out.append(Observation(snap.kv_cache_bytes, {**attrs, names.POOL: names.DEVICE_POOL}))
+            out.append(Observation(snap.cpu_swap_bytes, {**attrs, names.POOL: names.SWAP_POOL}))
         return out
 
 

@@ -160,6 +160,70 @@ def test_a_hash_collision_never_returns_a_block_with_other_tokens():
     check_block_manager(bm)
 
 
+def test_cache_salt_keys_the_first_block_so_only_the_same_salt_hits():
+    bm = BlockManager(16, 12, 4)
+    prompt = list(range(100, 140))  # 40 tokens: blocks full at 0, 1
+    a = make_group("a", prompt, cache_salt="tenant-a")
+    admit(bm, a)
+    assert bm.get_block_table(a.seqs[0]) == [0, 1, 2]
+    bm.free(a.seqs[0])
+    # unsalted, and another salt: the same tokens find nothing
+    for request_id, salt in (("none", None), ("b", "tenant-b")):
+        group = make_group(request_id, prompt, cache_salt=salt)
+        bm.allocate(group)
+        assert group.seqs[0].num_computed_tokens == 0, request_id
+        assert not set(bm.get_block_table(group.seqs[0])) & {0, 1}, request_id
+        bm.free(group.seqs[0])
+    assert bm.counters.prefix_cache_hits == 0
+    # the same salt: the whole chain, the same block ids
+    again = make_group("a2", prompt, cache_salt="tenant-a")
+    bm.allocate(again)
+    assert again.seqs[0].num_computed_tokens == 32
+    assert bm.get_block_table(again.seqs[0])[:2] == [0, 1]
+    assert bm.counters.prefix_cache_hits == 32
+    check_block_manager(bm)
+
+
+def test_an_unsalted_chain_is_not_found_by_a_salted_request_and_salts_follow_forks():
+    bm = BlockManager(16, 12, 4)
+    plain = make_group("plain", list(range(700, 720)))  # block 0 full, 4 tokens in block 1
+    admit(bm, plain)
+    salted = make_group("salted", list(range(700, 720)), cache_salt="s")
+    bm.allocate(salted)
+    assert salted.seqs[0].num_computed_tokens == 0 and bm.get_block_table(salted.seqs[0]) == [2, 3]
+    bm.free(salted.seqs[0])
+    # a fork registers its own first block under its group's salt
+    short = make_group("short", [700, 701, 702, 703], cache_salt="s")
+    admit(bm, short)
+    (child,) = fork_group_direct(bm, short, 1)
+    for i in range(12):  # the child's copy of block 0 fills: it gets a (salted) identity
+        decode(bm, child, token=704 + i)
+    child_block = bm.get_block_table(child)[0]
+    assert child.token_ids == list(range(700, 716)) and bm.gpu.blocks[child_block].is_cached
+    bm.free(short.seqs[0])
+    bm.free(child)
+    prompt = list(range(700, 716)) + [9]
+    same_salt = make_group("same", prompt, cache_salt="s")
+    bm.allocate(same_salt)
+    assert same_salt.seqs[0].num_computed_tokens == 16
+    assert bm.get_block_table(same_salt.seqs[0])[0] == child_block
+    unsalted = make_group("unsalted", prompt)
+    bm.allocate(unsalted)
+    assert unsalted.seqs[0].num_computed_tokens == 16
+    assert bm.get_block_table(unsalted.seqs[0])[0] == 0  # plain's block, not the salted one
+    assert child_block != 0
+    check_block_manager(bm)
+
+
+def test_cache_salt_must_be_a_non_empty_string():
+    from rayserve_paged.core import SamplingParams, SamplingParamsError
+
+    for bad in ("", 5, b"x"):
+        with pytest.raises(SamplingParamsError, match="cache_salt: must be a non-empty string"):
+            SamplingParams(cache_salt=bad)
+    assert SamplingParams(cache_salt="t").cache_salt == "t" and SamplingParams().cache_salt is None
+
+
 def test_can_allocate_says_never_for_a_prompt_that_cannot_fit_and_later_when_busy():
     bm = BlockManager(16, 12, 4)
     assert bm.can_allocate(make_group("x", 12 * 16 + 1)) is AllocStatus.NEVER

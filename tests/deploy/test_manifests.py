@@ -10,6 +10,8 @@ What is checked against what:
   shipped in the ray package) plus the launcher's semantic rules; the GPU node types fit
   configs/opt13b.yaml and configs/opt13b-tp2.yaml.
 - deploy/Dockerfile: a CUDA base, `pip install .[gpu]`, the same Ray version as the manifests.
+- deploy/networkpolicy.yaml: selects every Ray pod of every RayService; from outside the Ray
+  pods only the Serve port is open (the KubeRay operator: the dashboard and its agent only).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 RAYSERVICES = sorted(DEPLOY.glob("rayservice-*.yaml"))
 LAUNCHER = DEPLOY / "cluster-launcher-gpu.yaml"
+NETWORK_POLICY = DEPLOY / "networkpolicy.yaml"
 DOCKERFILE = DEPLOY / "Dockerfile"
 DOC = ROOT / "docs" / "DEPLOY.md"
 IMPORT_PATH = "rayserve_paged.app:build_app"
@@ -172,7 +175,9 @@ def test_serve_config_v2_is_a_valid_serve_config_string(path):
     config = yaml.safe_load(raw)
     assert isinstance(config, dict) and config["applications"]
     ServeDeploySchema.model_validate(config)  # what `serve deploy` / the dashboard API accept
-    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}, "pods must listen on all interfaces"
+    http = config["http_options"]
+    assert (http["host"], http["port"]) == ("0.0.0.0", 8000), "pods must listen on all interfaces"
+    assert http["request_timeout_s"] > 0, "no request holds the proxy without bound"
     (app,) = config["applications"]
     assert app["import_path"] == IMPORT_PATH
 
@@ -401,6 +406,7 @@ def test_deploy_doc_covers_the_files_and_commands():
         "deploy/rayservice-opt13b.yaml",
         "deploy/rayservice-opt13b-tp2.yaml",
         "deploy/cluster-launcher-gpu.yaml",
+        "deploy/networkpolicy.yaml",
         "helm install",
         "get rayservice",
         "port-forward",
@@ -415,22 +421,82 @@ def test_deploy_doc_covers_the_files_and_commands():
 
 
 @each_rayservice
-def test_api_key_comes_from_a_secret_into_every_ray_pod(path):
+def test_api_key_comes_from_a_required_secret_into_the_replica_pods_only(path):
     """The key is never a Serve argument (Serve logs those): every pod that may run a replica
-    gets RAYSERVE_PAGED_API_KEY from a Kubernetes Secret, never as a literal value."""
-    from rayserve_paged.deployments.access import API_KEY_ENV
+    (the GPU workers) gets RAYSERVE_PAGED_API_KEY from a Kubernetes Secret that is not
+    optional (no Secret: the pod does not start), never as a literal value; the head, which
+    runs no replica, does not get it; and the app requires it (a blank key stops a replica)."""
+    from rayserve_paged.deployments.access import API_KEY_ENV, API_KEY_FILE_ENV
 
     cluster = _cluster(path)
-    assert "api_key" not in _args(_serve_config(path))
-    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+    args = _args(_serve_config(path))
+    assert "api_key" not in args and args["require_api_key"] is True
+    head_env = {e["name"] for e in _container(cluster["headGroupSpec"]).get("env", [])}
+    assert not head_env & {API_KEY_ENV, API_KEY_FILE_ENV}, "the head runs no replica"
+    for group in cluster["workerGroupSpecs"]:
+        assert _ray_resources(group)["GPU"] > 0  # where the replicas run
         env = {e["name"]: e for e in _container(group).get("env", [])}
-        assert API_KEY_ENV in env, group.get("groupName", "head")
+        assert API_KEY_ENV in env, group["groupName"]
         assert "value" not in env[API_KEY_ENV]
         ref = env[API_KEY_ENV]["valueFrom"]["secretKeyRef"]
         assert (ref["name"], ref["key"]) == ("rayserve-paged-api-key", "key")
+        assert ref.get("optional", False) is False, "an optional Secret fails open"
 
 
 @each_rayservice
 def test_gpu_configs_scale_on_kv_pressure_and_drain_on_scale_down(path):
     args = _args(_serve_config(path))
     assert args["autoscaling_policy"] == "kv" and args["graceful_shutdown_timeout_s"] >= 300
+
+
+# ---------------------------------------------------------------- NetworkPolicy
+
+OPERATOR_PORTS = {8265, 52365}  # the dashboard (serveConfigV2, Serve status) and its agent
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    assert set(selector) == {"matchLabels"}, "only matchLabels selectors are checked here"
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def _ray_pod_labels(path: Path) -> list[dict]:
+    cluster = _cluster(path)
+    return [g["template"]["metadata"]["labels"] for g in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]]
+
+
+def _ports(rule: dict) -> set[int]:
+    assert all(p.get("protocol", "TCP") == "TCP" for p in rule["ports"])
+    return {p["port"] for p in rule["ports"]}
+
+
+def test_network_policy_admits_only_the_serve_port_from_outside_the_ray_pods():
+    policy = _yaml(NETWORK_POLICY)
+    assert (policy["apiVersion"], policy["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    selector = spec["podSelector"]
+    for path in RAYSERVICES:  # every Ray pod (head and workers) of every RayService is covered
+        assert all(_matches(selector, labels) for labels in _ray_pod_labels(path)), path.name
+    serve_ports = {yaml.safe_load(_yaml(p)["spec"]["serveConfigV2"])["http_options"]["port"] for p in RAYSERVICES}
+    open_to_all: set[int] = set()
+    kinds = []
+    for rule in spec["ingress"]:
+        sources = rule.get("from")
+        if sources is None:  # from anywhere: the Serve port and nothing else
+            open_to_all |= _ports(rule)
+            kinds.append("anyone")
+            continue
+        assert all("ipBlock" not in source for source in sources), "no address range is admitted"
+        (source,) = sources
+        if set(source) == {"podSelector"} and source["podSelector"] == selector:
+            assert "ports" not in rule  # Ray pods talk to each other on every port
+            kinds.append("ray pods")
+        else:  # the operator, wherever it runs, to the dashboard and its agent only
+            assert source["namespaceSelector"] == {}
+            assert source["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}
+            assert _ports(rule) == OPERATOR_PORTS
+            kinds.append("operator")
+    assert sorted(kinds) == ["anyone", "operator", "ray pods"]
+    assert open_to_all == serve_ports == {8000}
+    # the dashboard, GCS and Ray client ports are open to no one outside the Ray pods
+    assert not open_to_all & {6379, 8265, 10001, 52365}

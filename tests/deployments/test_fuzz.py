@@ -5,6 +5,8 @@ schema (huge numbers, wrong types, missing fields, boundary values ...). Each mu
 answered, within REQUEST_TIMEOUT_S, with a 2xx or with a 4xx in OpenAI's error shape: never
 a 5xx, never a hang. Hypothesis leaves lone surrogates out of generated text, which JSON can
 carry as escapes ("\\ud800"), so a second test puts any code point into every text field.
+The schema run is repeated with the API key set (and sent), so the key middleware sits in
+front of every route as in a keyed deployment.
 
 The engine client validates each request with the real engine (`add_request`: vocabulary,
 context length, logprobs and max_num_seqs limits), aborts it at once and answers two
@@ -31,6 +33,7 @@ from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
 from tests.deployments.conftest import MODEL
 
 MAX_EXAMPLES = 50  # per operation (schemathesis adds its own boundary-value cases)
+API_KEY = "sk-fuzz-31c7"
 REQUEST_TIMEOUT_S = 10.0
 
 SCHEMA = schemathesis.openapi.from_dict(create_openai_app(None, None, MODEL).openapi())
@@ -77,20 +80,32 @@ class _ValidatingClient:
         return RequestOutput(request_id, None, prompt, outputs, finished=True)
 
 
-@pytest.fixture(scope="module")
-def send(engine):
-    """send(case) -> httpx.Response, through the app on one event loop (a blocking portal)."""
+def _sender(engine, api_key: str | None = None):
+    """send(case) -> httpx.Response, through the app on one event loop (a blocking portal);
+    with `api_key`, the app requires it and every request carries it."""
     client = _ValidatingClient(engine)
-    app = create_openai_app(client, engine.tokenizer, MODEL)
+    app = create_openai_app(client, engine.tokenizer, MODEL, api_key=api_key)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def request(kwargs: dict) -> httpx.Response:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", headers=headers) as http:
             with anyio.fail_after(REQUEST_TIMEOUT_S):  # a hang fails the test, it does not stall it
                 return await http.request(**kwargs)
 
     with start_blocking_portal() as portal:
         yield lambda kwargs: portal.call(request, kwargs)
     assert not engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="module")
+def send(engine):
+    yield from _sender(engine)
+
+
+@pytest.fixture(scope="module")
+def send_with_key(engine):
+    yield from _sender(engine, API_KEY)
 
 
 def _httpx_kwargs(case) -> dict:
@@ -117,11 +132,21 @@ def test_schema_fuzz_never_5xx_never_hangs(case, send):
     _check(send(_httpx_kwargs(case)), case.path)
 
 
+@SCHEMA.parametrize()
+@settings(_FUZZ, max_examples=MAX_EXAMPLES // 2)
+def test_schema_fuzz_with_the_api_key_set(case, send_with_key):
+    """Every route again behind the key middleware, the key sent: past it, still no 5xx."""
+    response = send_with_key(_httpx_kwargs(case))
+    assert response.status_code != 401, f"{case.path}: the key was refused"
+    _check(response, case.path)
+
+
 @settings(_FUZZ, max_examples=3 * MAX_EXAMPLES)  # cheap: one small request each
 @given(
     text=_ANY_TEXT,
     where=st.sampled_from(
-        ["prompt", "prompt list", "stop", "stop list", "user", "model", "chat content", "chat part", "chat name"]
+        ["prompt", "prompt list", "stop", "stop list", "user", "model", "logit_bias key", "chat content",
+         "chat part", "chat name", "tool_call_id", "tool_calls", "tools"]
     ),
     stream=st.booleans(),
 )
@@ -141,6 +166,16 @@ def test_any_code_point_in_any_text_field(send, text, where, stream):
             "/v1/chat/completions",
         ),
         "chat name": ({**chat, "messages": [{"role": "user", "content": "Hi", "name": text}]}, "/v1/chat/completions"),
+        "logit_bias key": ({**completion, "logit_bias": {text: 1.0}}, "/v1/completions"),
+        "tool_call_id": (
+            {**chat, "messages": [*chat["messages"], {"role": "tool", "content": "1", "tool_call_id": text}]},
+            "/v1/chat/completions",
+        ),
+        "tool_calls": (
+            {**chat, "messages": [{"role": "assistant", "tool_calls": [{"id": text, text: text}]}]},
+            "/v1/chat/completions",
+        ),
+        "tools": ({**chat, "tools": [{"type": "function", "function": {"name": text}}]}, "/v1/chat/completions"),
     }[where]
     content = json.dumps(body).encode()  # ASCII: a lone surrogate travels as a JSON escape
     _check(send({"method": "POST", "url": path, "content": content, "headers": _JSON}), path)

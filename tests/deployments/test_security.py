@@ -103,7 +103,10 @@ def test_the_key_is_read_from_the_environment(monkeypatch):
 
     assert API_KEY_ENV == "RAYSERVE_PAGED_API_KEY"
     assert api_key_from_env({API_KEY_ENV: f" {KEY}\n"}) == KEY  # a Secret file's newline is not part of it
-    assert api_key_from_env({API_KEY_ENV: ""}) is None and api_key_from_env({}) is None
+    assert api_key_from_env({}) is None
+    for blank in ("", " \n"):  # set but blank (an empty Secret): never "no key"
+        with pytest.raises(RuntimeError, match=f"{API_KEY_ENV} is set but blank"):
+            api_key_from_env({API_KEY_ENV: blank})
     monkeypatch.setenv(API_KEY_ENV, KEY)
     assert api_key_from_env() == KEY
 
@@ -120,6 +123,46 @@ def test_the_key_can_come_from_a_file_named_in_the_environment(tmp_path):
     path.write_text("\n")
     with pytest.raises(RuntimeError, match="is empty"):  # a broken Secret never means "no key"
         api_key_from_env({API_KEY_FILE_ENV: str(path)})
+
+
+def test_a_required_key_that_is_missing_stops_the_replica_and_no_key_warns_once(caplog):
+    from rayserve_paged.deployments.access import API_KEY_ENV, API_KEY_FILE_ENV, replica_api_key
+
+    with pytest.raises(RuntimeError, match=f"require_api_key is true but no API key is set: set {API_KEY_ENV}"):
+        replica_api_key(True, {})
+    with pytest.raises(RuntimeError, match="set but blank"):
+        replica_api_key(False, {API_KEY_ENV: ""})
+    caplog.set_level(logging.WARNING, logger="rayserve_paged.deployments.access")
+    assert replica_api_key(True, {API_KEY_ENV: KEY}) == KEY and replica_api_key(False, {API_KEY_ENV: KEY}) == KEY
+    assert caplog.records == []
+    assert replica_api_key(False, {}) is None
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert API_KEY_ENV in record.getMessage() and API_KEY_FILE_ENV in record.getMessage()
+    assert "every route is open" in record.getMessage()
+
+
+def test_require_api_key_reaches_the_replica(monkeypatch):
+    assert AppArgs(model="tiny-opt").require_api_key is False
+    bound = record_binds(monkeypatch, AppArgs(model="tiny-opt", device="cpu", require_api_key=True))
+    assert bound["LLMServer"]["kwargs"]["http"]["require_api_key"] is True
+
+
+def test_a_replica_without_its_required_key_refuses_before_it_starts_anything(monkeypatch, engine):
+    from rayserve_paged.deployments.access import API_KEY_ENV, API_KEY_FILE_ENV
+    from rayserve_paged.deployments.llm_server import LLMServer
+
+    class _Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"the scheduler actor was used ({name}) before the key check")
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.delenv(API_KEY_FILE_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="require_api_key is true"):
+        LLMServer(engine.config, scheduler_actor=_Untouchable(), http={"require_api_key": True})
+    monkeypatch.setenv(API_KEY_ENV, "")
+    with pytest.raises(RuntimeError, match="set but blank"):
+        LLMServer(engine.config, scheduler_actor=_Untouchable(), http={"require_api_key": False})
 
 
 async def test_the_key_is_compared_in_constant_time(keyed_app, monkeypatch):

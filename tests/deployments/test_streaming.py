@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from rayserve_paged.core.sequence import SamplingParams
+from rayserve_paged.deployments.openai_ingress import create_openai_app
 from tests.deployments.conftest import MODEL, parse_sse
 
 pytestmark = pytest.mark.anyio
@@ -97,7 +98,15 @@ async def test_streamed_chat_equals_the_whole_one(http):
         assert got["tokens"] == [t["token"] for t in choice["logprobs"]["content"]]
 
 
-async def test_a_repeated_long_prompt_reports_cached_tokens(http, engine):
+@pytest.fixture
+async def http_with_details(engine_client, engine):
+    app = create_openai_app(engine_client, engine.tokenizer, MODEL, enable_prompt_tokens_details=True)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        yield client
+
+
+async def test_a_repeated_long_prompt_reports_cached_tokens(http_with_details, engine):
+    http = http_with_details
     prompt = " ".join(["blocks of sixteen tokens"] * 6)  # several full blocks
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
     first = await _post(http, "/v1/completions", body)
@@ -142,3 +151,34 @@ async def test_a_reader_that_stops_reading_does_not_stall_others(engine_client, 
     assert len(rest) < 29
     assert first.outputs[0].token_ids + [t for out in rest for t in out.outputs[0].token_ids] == other.outputs[0].token_ids
     assert first.outputs[0].text + "".join(out.outputs[0].text for out in rest) == other.outputs[0].text
+
+
+async def test_cached_tokens_are_not_reported_by_default(http):
+    prompt = " ".join(["blocks of sixteen tokens"] * 6)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    for _ in range(2):
+        assert (await _post(http, "/v1/completions", body))["usage"]["prompt_tokens_details"] is None
+    response = await http.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert parse_sse(response)[-1]["usage"]["prompt_tokens_details"] is None
+
+
+async def test_cache_salt_keeps_each_tenants_prefix_to_itself(http_with_details, engine):
+    """Salted requests share cached blocks only with the same salt: another salt (or none)
+    sees no hit, so neither cached_tokens nor the time to first token tells it anything."""
+    http = http_with_details
+    prompt = " ".join(["a secret system prompt of many blocks"] * 4)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    usage = (await _post(http, "/v1/completions", {**body, "cache_salt": "tenant-a"}))["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    block = engine.config.block_size
+    full = (usage["prompt_tokens"] - 1) // block * block
+    for salt, expected in (("tenant-b", 0), (None, 0), ("tenant-a", full)):
+        salted = {**body, "cache_salt": salt} if salt else body
+        got = (await _post(http, "/v1/completions", salted))["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert got == expected, salt
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2, "cache_salt": "c"}
+    first = (await _post(http, "/v1/chat/completions", chat))["usage"]["prompt_tokens_details"]["cached_tokens"]
+    again = (await _post(http, "/v1/chat/completions", chat))["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert (first, again > 0) == (0, True)
+    response = await http.post("/v1/completions", json={**body, "cache_salt": ""})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt"

@@ -95,3 +95,17 @@ def test_scheduler_actor_takes_the_bundle_the_layout_reserves_for_it(tp):
         assert bundles[1:] == [{"CPU": 0.5}] * tp
     # the same CPUs in all as before the scheduler hosted rank 0
     assert sum(b["CPU"] for b in bundles) == replica_cpus + args.scheduler_cpus + tp * args.worker_cpus
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_bounds_the_proxy_queue_and_the_request_time(path):
+    """Past max_ongoing_requests Serve's proxy queues a bounded number (then answers 503),
+    and no request holds the proxy longer than request_timeout_s (then 408)."""
+    from ray.serve.schema import HTTPOptionsSchema
+
+    config = yaml.safe_load(path.read_text())
+    http = HTTPOptionsSchema.model_validate(config["http_options"])
+    assert http.request_timeout_s is not None and 60 <= http.request_timeout_s <= 3600
+    args = AppArgs(**_app_args(path))
+    assert 1 <= args.max_queued_requests <= args.max_ongoing_requests
+    assert llm_server_options(args)["max_queued_requests"] == args.max_queued_requests

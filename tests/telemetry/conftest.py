@@ -68,7 +68,7 @@ def swap_run(tiny_opt) -> SwapRun:
         telemetry.record_outputs(outputs)
         finished += [o for o in outputs if o.finished]
         readings = Readings.collect(reader)
-        max_used = max(max_used, readings.value("rayserve_paged.kv_cache.blocks", pool="gpu", state="used"))
+        max_used = max(max_used, readings.value("rayserve_paged.kv_cache.blocks", pool="device", state="used"))
         max_swapped = max(max_swapped, readings.value("rayserve_paged.scheduler.requests", state="swapped"))
     yield SwapRun(engine, telemetry, reader, finished, max_used, max_swapped)
     telemetry.shutdown()

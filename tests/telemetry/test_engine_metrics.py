@@ -55,13 +55,13 @@ def test_token_counters_equal_the_engine(swap_run, readings):
 def test_kv_usage_rose_during_the_run_and_returns_to_zero(swap_run, readings):
     assert swap_run.max_gpu_blocks_used == 12  # the pool filled up: that is why it preempted
     assert swap_run.max_swapped >= 1
-    assert readings.value(names.KV_CACHE_BLOCKS, pool="gpu", state="used") == 0
-    assert readings.value(names.KV_CACHE_BLOCKS, pool="gpu", state="free") == 12
-    assert readings.value(names.KV_CACHE_BLOCKS, pool="gpu", state="cached") == 0
+    assert readings.value(names.KV_CACHE_BLOCKS, pool="device", state="used") == 0
+    assert readings.value(names.KV_CACHE_BLOCKS, pool="device", state="free") == 12
+    assert readings.value(names.KV_CACHE_BLOCKS, pool="device", state="cached") == 0
     assert readings.value(names.KV_CACHE_BLOCKS, pool="cpu", state="used") == 0
     usage = swap_run.engine.block_manager.usage()
     assert readings.value(names.KV_CACHE_BLOCKS, pool="cpu", state="free") == usage.cpu_total
-    assert readings.value(names.KV_CACHE_USAGE, pool="gpu") == 0.0
+    assert readings.value(names.KV_CACHE_USAGE, pool="device") == 0.0
     assert readings.value(names.KV_CACHE_USAGE, pool="cpu") == 0.0
 
 
@@ -172,14 +172,14 @@ def test_token_slots_and_fragmentation_of_a_live_engine(tiny_opt):
     add_requests(engine)
     engine.step()
     readings = Readings.collect(reader)
-    assert readings.value(names.KV_CACHE_TOKEN_SLOTS, pool="gpu", state="used") == 84
-    assert readings.value(names.KV_CACHE_TOKEN_SLOTS, pool="gpu", state="allocated") == 128
-    assert readings.value(names.KV_CACHE_FRAGMENTATION, pool="gpu") == pytest.approx(1 - 84 / 128)
-    assert readings.value(names.KV_CACHE_SHARED_BLOCKS, pool="gpu") == 0
+    assert readings.value(names.KV_CACHE_TOKEN_SLOTS, pool="device", state="used") == 84
+    assert readings.value(names.KV_CACHE_TOKEN_SLOTS, pool="device", state="allocated") == 128
+    assert readings.value(names.KV_CACHE_FRAGMENTATION, pool="device") == pytest.approx(1 - 84 / 128)
+    assert readings.value(names.KV_CACHE_SHARED_BLOCKS, pool="device") == 0
     assert readings.value(names.KV_CACHE_TOKEN_SLOTS, pool="cpu", state="allocated") == 0
     assert readings.value(names.KV_CACHE_FRAGMENTATION, pool="cpu") == 0.0
     while engine.has_unfinished_requests():
         engine.step()
     readings = Readings.collect(reader)
-    assert readings.value(names.KV_CACHE_TOKEN_SLOTS, pool="gpu", state="allocated") == 0
-    assert readings.value(names.KV_CACHE_FRAGMENTATION, pool="gpu") == 0.0
+    assert readings.value(names.KV_CACHE_TOKEN_SLOTS, pool="device", state="allocated") == 0
+    assert readings.value(names.KV_CACHE_FRAGMENTATION, pool="device") == 0.0

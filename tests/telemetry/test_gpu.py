@@ -113,7 +113,7 @@ def test_nvml_absent_starts_measures_the_rest_and_logs_once(caplog, metrics):
     assert snaps[0].memory_total_bytes is None and snaps[0].utilization is None and snaps[0].gpu_index is None
     r = Readings.collect(reader)
     assert not set(names.NVML_INSTRUMENTS) & r.metrics.keys()
-    assert r.value(names.KV_CACHE_MEMORY, pool="gpu", tp_rank=0) == 2 * 4 * 16 * 2 * 8 * 4
+    assert r.value(names.KV_CACHE_MEMORY, pool="device", tp_rank=0) == 2 * 4 * 16 * 2 * 8 * 4
     assert r.value(names.KV_CACHE_MEMORY, pool="cpu", tp_rank=0) == 0
     records = telemetry_records(caplog)
     assert len(records) == 1 and records[0].levelno == logging.WARNING
@@ -226,5 +226,5 @@ def test_without_nvml_the_replica_metrics_still_flow(swap_run):
         swap_run.telemetry.update_gpu([])
     assert "hw_gpu" not in text and "rayserve_paged_gpu_memory" not in text
     kv_bytes = float(tensor_bytes(worker.kv_caches))
-    assert f'rayserve_paged_kv_cache_memory_bytes{{pool="gpu",replica="replica-a",tp_rank="0"}} {kv_bytes}' in text
+    assert f'rayserve_paged_kv_cache_memory_bytes{{pool="device",replica="replica-a",tp_rank="0"}} {kv_bytes}' in text
     assert "rayserve_paged_scheduler_preemptions_total" in text

@@ -77,7 +77,7 @@ def test_the_same_metrics_arrive_over_otlp(swap_run, receiver, monkeypatch):
     assert preemptions == engine.scheduler.counters.preemptions_swap > 0
     assert r.value(names.KV_CACHE_SWAPPED_BLOCKS, direction="out") == engine.block_manager.counters.swapped_out_blocks
     assert r.monotonic[names.KV_CACHE_SWAPPED_BLOCKS]
-    assert r.value(names.KV_CACHE_BLOCKS, pool="gpu", state="used") == 0
+    assert r.value(names.KV_CACHE_BLOCKS, pool="device", state="used") == 0
     assert r.value(names.TOKENS, type="prompt") == engine.num_prompt_tokens
     assert r.value(names.REQUEST_FINISHED, finish_reason="length") == NUM_REQUESTS
     ttft = r.point(names.REQUEST_TIME_TO_FIRST_TOKEN)

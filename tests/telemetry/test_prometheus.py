@@ -67,8 +67,8 @@ def test_engine_metrics_parse_with_the_replica_label_and_the_run_values(swap_run
     generated = sample(fams, "rayserve_paged_tokens", "rayserve_paged_tokens_total", type="generation")
     assert generated == NUM_REQUESTS * MAX_TOKENS
     assert fams["rayserve_paged_kv_cache_usage"].type == "gauge"
-    assert sample(fams, "rayserve_paged_kv_cache_usage", pool="gpu", replica=REPLICA) == 0.0
-    assert sample(fams, "rayserve_paged_kv_cache_blocks", pool="gpu", state="free") == 12
+    assert sample(fams, "rayserve_paged_kv_cache_usage", pool="device", replica=REPLICA) == 0.0
+    assert sample(fams, "rayserve_paged_kv_cache_blocks", pool="device", state="free") == 12
     assert sample(fams, "rayserve_paged_scheduler_requests", state="waiting") == 0
     assert sample(fams, "rayserve_paged_request_finished", "rayserve_paged_request_finished_total",
                   finish_reason="length") == NUM_REQUESTS  # fmt: skip
@@ -100,7 +100,7 @@ def test_gpu_metrics_carry_rank_device_and_replica(full_text):
     assert sample(fams, "rayserve_paged_torch_memory_allocated_bytes", **labels) == 11
     assert sample(fams, "rayserve_paged_torch_memory_reserved_bytes", **labels) == 12
     assert sample(fams, "rayserve_paged_torch_memory_peak_allocated_bytes", **labels) == 13
-    assert sample(fams, "rayserve_paged_kv_cache_memory_bytes", pool="gpu", **labels) == 1001
+    assert sample(fams, "rayserve_paged_kv_cache_memory_bytes", pool="device", **labels) == 1001
     assert sample(fams, "rayserve_paged_kv_cache_memory_bytes", pool="cpu", tp_rank="0", gpu_index="3") == 2000
 
 
@@ -134,7 +134,7 @@ def test_prometheus_http_server_serves_the_same_metrics(swap_run):
         port = prometheus_server_port(server.provider)
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         fams = families(body)
-        assert sample(fams, "rayserve_paged_kv_cache_blocks", pool="gpu", state="free", replica="served") == 12
+        assert sample(fams, "rayserve_paged_kv_cache_blocks", pool="device", state="free", replica="served") == 12
         assert families(server.metrics_text()).keys() == fams.keys()
     finally:
         server.shutdown()
