@@ -77,6 +77,11 @@ class SamplingBatch:
     penalties: dict[int, RowPenalty] = field(default_factory=dict)
     logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)  # row -> {token: added}
     banned_tokens: dict[int, Sequence[int]] = field(default_factory=dict)  # row -> masked tokens (min_tokens)
+    # constrained rows (structured outputs): row i of token_bitmask ([k, ceil(vocab / 32)]
+    # int32, bit j of word w = token 32 * w + j allowed) belongs to logits row
+    # token_bitmask_rows[i]; tokens past the bitmask's end are not allowed
+    token_bitmask_rows: Sequence[int] = ()
+    token_bitmask: torch.Tensor | None = None
 
     is_all_greedy: bool = field(init=False)
     has_top_k_or_p: bool = field(init=False)
@@ -85,7 +90,7 @@ class SamplingBatch:
     has_logprobs: bool = field(init=False)
     has_beams: bool = field(init=False)
     has_multi_draws: bool = field(init=False)
-    has_controls: bool = field(init=False)  # penalties, logit_bias or banned tokens on some row
+    has_controls: bool = field(init=False)  # penalties, logit_bias, banned tokens or a bitmask on some row
     is_plain_greedy: bool = field(init=False)  # the fast path: argmax + gather, nothing else
 
     def __post_init__(self) -> None:
@@ -101,7 +106,7 @@ class SamplingBatch:
         self.has_logprobs = self.logprobs.count(None) != n
         self.has_beams = any(self.beam_widths)
         self.has_multi_draws = n > 0 and max(self.num_draws) > 1
-        self.has_controls = bool(self.penalties or self.logit_bias or self.banned_tokens)
+        self.has_controls = bool(self.penalties or self.logit_bias or self.banned_tokens or self.token_bitmask_rows)
         self.is_plain_greedy = self.is_all_greedy and not (
             self.has_logprobs or self.has_beams or self.has_multi_draws or self.has_controls
         )
@@ -165,8 +170,10 @@ class Sampler:
     # ------------------------------------------------------------------ penalties and controls
 
     def _apply_controls(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Penalties, then logit_bias added to its tokens, then the banned tokens (EOS and
-        stop tokens before min_tokens) masked. Only the rows that ask are touched."""
+        """Penalties, then logit_bias added to its tokens, then the token bitmasks of the
+        constrained rows, then the banned tokens (EOS and stop tokens before min_tokens)
+        masked, except on a constrained row where they are all its grammar allows (the
+        grammar wins). Only the rows that ask are touched."""
         if not batch.has_controls:
             return logits
         logits = logits.clone()
@@ -186,8 +193,19 @@ class Sampler:
             ids = [t for t in logit_bias if t < vocab]
             bias = torch.tensor([logit_bias[t] for t in ids], dtype=logits.dtype, device=logits.device)
             logits[row, ids] += bias
+        constrained = set(batch.token_bitmask_rows)
+        if constrained:
+            rows = torch.tensor(batch.token_bitmask_rows, device=logits.device)
+            allowed = unpack_bitmask(batch.token_bitmask.to(logits.device), vocab)  # [k, vocab]
+            logits[rows] = logits[rows].masked_fill(~allowed, _MASK)
         for row, tokens in batch.banned_tokens.items():
-            logits[row, [t for t in tokens if t < vocab]] = _MASK
+            banned = [t for t in tokens if t < vocab]
+            if row in constrained:
+                left = torch.isfinite(logits[row])
+                left[banned] = False
+                if not left.any():
+                    continue
+            logits[row, banned] = _MASK
         return logits
 
     # ------------------------------------------------------------------ drawing
@@ -290,6 +308,18 @@ def _plain_greedy(logits: torch.Tensor, raw_logprobs: torch.Tensor, seq_ids: Seq
     chosen = raw_logprobs.gather(1, tokens)  # [num_rows, 1]
     # tolist() of [num_rows, 1] gives each SeqSample its one-token lists, built in C
     return SamplerOutput(list(map(SeqSample, seq_ids, tokens.tolist(), chosen.tolist())))
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[k, words] int32 packed bitmasks -> [k, vocab] bool (True: allowed); tokens past the
+    bitmask's 32 * words are not allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [k, words, 32]
+    allowed = bits.view(bitmask.shape[0], -1).bool()  # [k, 32 * words]
+    if allowed.shape[1] >= vocab:
+        return allowed[:, :vocab]
+    pad = torch.zeros(bitmask.shape[0], vocab - allowed.shape[1], dtype=torch.bool, device=bitmask.device)
+    return torch.cat([allowed, pad], dim=1)
 
 
 def _top_logprobs(logprobs: torch.Tensor, token: int, token_logprob: float, k: int) -> dict[int, float]:
