@@ -212,10 +212,11 @@ def create_openai_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
     open_paths: Iterable[str] = DEFAULT_OPEN_PATHS,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible FastAPI app over `client` (docs/API.md describes the API).
     With `api_key`, every route but `open_paths` requires it."""
-    serving = OpenAIServing(client, tokenizer, served_model_name)
+    serving = OpenAIServing(client, tokenizer, served_model_name, tool_call_parser)
     app = FastAPI(
         title="rayserve-paged",
         summary="OpenAI-compatible LLM serving with PagedAttention on Ray Serve",

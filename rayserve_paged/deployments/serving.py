@@ -12,6 +12,7 @@ shielded task, so a cancelled HTTP task still gets its aborts through.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import time
@@ -23,7 +24,7 @@ from typing import Protocol
 
 from fastapi.responses import Response
 
-from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
+from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from rayserve_paged.deployments.errors import (
     OpenAIError,
     bad_request,
@@ -55,10 +56,21 @@ from rayserve_paged.deployments.protocol import (
     TokenizeResponse,
     TopLogprob,
     UsageInfo,
+    constraint_field_names,
+    requested_constraint,
     to_sampling_params,
 )
 from rayserve_paged.deployments.sse import SSE_DONE, EventStreamResponse, json_response, sse_event
 from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
+from rayserve_paged.engine.tool_calls import (
+    TOOL_CALL_PARSERS,
+    ToolCall,
+    ToolChoiceError,
+    forced_calls,
+    forced_schema,
+    named_function,
+    parse_tool_calls,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -105,15 +117,22 @@ class _ChoiceProgress:
     num_tokens: int = 0
     text_offset: int = 0
     is_started: bool = False
+    held: list[str] = dataclasses.field(default_factory=list)  # text kept back to parse tool calls at the end
+    call_id: str = ""  # a named tool choice's call, streamed as its arguments grow
 
 
 class OpenAIServing:
     """The logic behind the routes, independent of FastAPI wiring."""
 
-    def __init__(self, client: EngineClient, tokenizer, served_model_name: str) -> None:
+    def __init__(
+        self, client: EngineClient, tokenizer, served_model_name: str, tool_call_parser: str | None = None
+    ) -> None:
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser: expected one of {', '.join(TOOL_CALL_PARSERS)} (got {tool_call_parser!r})")
         self.client = client
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
+        self.tool_call_parser = tool_call_parser  # reads tool calls out of tool_choice "auto" outputs
         self._info: dict | None = None
         self._token_texts = TokenTexts(tokenizer)
         self._background: set[asyncio.Task] = set()  # detached aborts, referenced until done
@@ -325,7 +344,8 @@ class OpenAIServing:
         _log_unknown_fields(request)
         self.check_model(request.model)
         info = await self.model_info()
-        params = _sampling_params(request, info)
+        params = _with_forced_tool_calls(request, _sampling_params(request, info))
+        tools = self._tool_mode(request)
         prompt = await self._in_pool(lambda: self._chat_prompt(request))
         max_tokens_field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         _check_fits(prompt.token_ids, params.max_tokens, info, "messages", max_tokens_field)
@@ -334,26 +354,48 @@ class OpenAIServing:
         if request.stream:
             outputs = self._stream_outputs([prompt], params, request_ids)
             first = await _first_output(outputs, _engine_renames(request))
-            events = self._chat_events(request, params, prompt, first, outputs, response_id)
+            events = self._chat_events(request, params, prompt, first, outputs, response_id, tools)
             return EventStreamResponse(events, outputs)
         try:
             (result,) = await self._generate_outputs([prompt], params, request_ids)
         except Exception as exc:
             raise to_openai_error(exc, _engine_renames(request)) from exc
-        choices = [
-            ChatChoice(
-                index=out.index,
-                message=AssistantMessage(content=out.text),
-                logprobs=self._chat_logprobs(request, out.token_ids, out.logprobs),
-                finish_reason=out.finish_reason,
-                stop_reason=out.stop_reason,
+        choices = []
+        for out in result.outputs:
+            content, calls = self._tool_calls(request, tools, out.text, out.finish_reason)
+            choices.append(
+                ChatChoice(
+                    index=out.index,
+                    message=AssistantMessage(content=content, tool_calls=[c.as_openai() for c in calls] or None),
+                    logprobs=self._chat_logprobs(request, out.token_ids, out.logprobs),
+                    finish_reason="tool_calls" if calls else out.finish_reason,
+                    stop_reason=out.stop_reason,
+                )
             )
-            for out in result.outputs
-        ]
         body = ChatCompletionResponse(
             id=response_id, model=self.served_model_name, choices=choices, usage=_usage([prompt], [result])
         )
         return json_response(body)
+
+    def _tool_mode(self, request: ChatCompletionRequest) -> str | None:
+        """How this request's tool calls are read: "forced" (required / named: the output
+        is constrained to calls), "auto" (the deployment's parser reads them), or None."""
+        if not request.tools or request.tool_choice == "none":
+            return None
+        if request.tool_choice not in (None, "auto"):
+            return "forced"
+        return "auto" if self.tool_call_parser is not None else None
+
+    def _tool_calls(
+        self, request: ChatCompletionRequest, mode: str | None, text: str, finish_reason: str | None
+    ) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of a finished choice. A forced call cut short (length,
+        abort) is not a call: its text stays content."""
+        if mode == "forced" and finish_reason == "stop":
+            return None, forced_calls(text, request.tool_choice)
+        if mode == "auto":
+            return parse_tool_calls(self.tool_call_parser, text)
+        return text, []
 
     def _chat_prompt(self, request: ChatCompletionRequest, add_generation_prompt: bool = True) -> _Prompt:
         if getattr(self.tokenizer, "chat_template", None) is None:
@@ -425,6 +467,7 @@ class OpenAIServing:
         first: tuple[int, RequestOutput],
         outputs: AsyncIterator[tuple[int, RequestOutput]],
         response_id: str,
+        tools: str | None = None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
 
@@ -435,6 +478,8 @@ class OpenAIServing:
             return sse_event(body)
 
         def to_choice(_: int, out: CompletionOutput, state: _ChoiceProgress) -> ChatChunkChoice:
+            if tools is not None:
+                return self._chat_tool_delta(request, tools, out, state)
             return self._chat_delta(request, out, state)
 
         # the role comes first, in a chunk of its own per choice
@@ -454,6 +499,36 @@ class OpenAIServing:
             finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
         )
+
+    def _chat_tool_delta(
+        self, request: ChatCompletionRequest, mode: str, out: CompletionOutput, state: _ChoiceProgress
+    ) -> ChatChunkChoice:
+        """A stream's delta when tool calls may come: a named function's arguments stream as
+        they grow (delta.tool_calls[0].function.arguments); 'required' and 'auto' hold the
+        text back and send the calls (or the text as content) with the choice's end."""
+        choice = self._chat_delta(request, out, state)
+        if mode == "forced" and named_function(request.tool_choice) is not None:
+            if out.text:
+                call: dict = {"index": 0, "function": {"arguments": out.text}}
+                if not state.call_id:
+                    state.call_id = ToolCall("", "").id
+                    call.update(id=state.call_id, type="function")
+                    call["function"] = {"name": named_function(request.tool_choice), "arguments": out.text}
+                choice.delta = DeltaMessage(tool_calls=[call])
+            if choice.finish_reason == "stop":
+                choice.finish_reason = "tool_calls"
+            return choice
+        state.held.append(out.text)
+        choice.delta = DeltaMessage()
+        if out.finish_reason is None:
+            return choice
+        content, calls = self._tool_calls(request, mode, "".join(state.held), out.finish_reason)
+        if calls:
+            choice.delta = DeltaMessage(content=content, tool_calls=[c.as_openai(i) for i, c in enumerate(calls)])
+            choice.finish_reason = "tool_calls"
+        elif content:
+            choice.delta = DeltaMessage(content=content)
+        return choice
 
     # ---------------------------------------------------------------- engine requests
 
@@ -627,7 +702,33 @@ def _engine_renames(request: CompletionRequest | ChatCompletionRequest) -> dict[
         renames = {"prompt_token_ids": "messages", "prompt": "messages", "logprobs": "top_logprobs"}
     if request.best_of is None:
         renames["best_of"] = "n"
+    try:
+        _, field = requested_constraint(request)
+    except SamplingParamsError:
+        field = ""
+    if field:
+        renames.update(constraint_field_names(field))
+    elif isinstance(request, ChatCompletionRequest) and request.tool_choice not in (None, "none", "auto"):
+        renames.update(constraint_field_names("tools"))
     return renames
+
+
+def _with_forced_tool_calls(request: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
+    """tool_choice 'required' or a named function: the output is constrained to the calls."""
+    if not request.tools or request.tool_choice in (None, "none", "auto"):
+        if request.tool_choice not in (None, "none", "auto") and not request.tools:
+            raise bad_request("tool_choice: needs tools", param="tool_choice")
+        return params
+    try:
+        schema = forced_schema(request.tools, request.tool_choice, request.parallel_tool_calls)
+    except ToolChoiceError as exc:
+        raise bad_request(str(exc)) from None
+    if params.structured_outputs is not None:
+        raise bad_request("tool_choice: cannot be combined with response_format or structured_outputs")
+    try:
+        return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
+    except SamplingParamsError as exc:
+        raise bad_request(f"tools: {exc}") from None
 
 
 def _sampling_params(request: CompletionRequest | ChatCompletionRequest, info: dict) -> SamplingParams:

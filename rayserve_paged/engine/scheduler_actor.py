@@ -96,7 +96,9 @@ class SchedulerActor:
             return
         timeout = self.engine.grammars.timeout_s
         # asyncio.wait, not wait_for: a caller that goes away must not cancel the shared compile
-        await asyncio.wait({asyncio.wrap_future(compiled)}, timeout=timeout)
+        waiter = asyncio.wrap_future(compiled)
+        waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # the engine reports it
+        await asyncio.wait({waiter}, timeout=timeout)
         if not compiled.done():
             raise SamplingParamsError(
                 f"structured_outputs.{params.structured_outputs.kind}: compiling took longer than {timeout:g} s"

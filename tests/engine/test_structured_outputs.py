@@ -227,3 +227,54 @@ def test_the_sampler_applies_packed_bitmasks_to_their_rows_only():
     assert out.samples[1].token_ids[0] == best_allowed
     out = Sampler()(logits, batch(token_bitmask_rows=[1], token_bitmask=bitmask, banned_tokens={1: [best_allowed]}))
     assert out.samples[1].token_ids[0] != best_allowed and allowed[out.samples[1].token_ids[0]]
+
+
+def test_the_scheduler_actor_compiles_off_the_step_loop(tiny_paths):
+    """A constrained request waits for its grammar outside the step loop: a slow compile
+    runs past the limit (the caller's 400) while a free request keeps stepping; a bad
+    grammar is the caller's error; a good one is served."""
+    import asyncio
+    import threading
+
+    from rayserve_paged.config import EngineConfig
+    from rayserve_paged.engine.scheduler_actor import SchedulerActor
+
+    config = EngineConfig(model=tiny_paths["opt"], max_model_len=128, num_gpu_blocks_override=32, swap_space_gb=0.01)
+    actor = SchedulerActor(config, executor="in-process")
+    engine = actor.engine
+    release = threading.Event()
+    real = engine.grammars._compile
+
+    def slow(constraint):
+        if constraint.regex == "slow":
+            release.wait(10)
+        return real(constraint)
+
+    engine.grammars._compile = slow
+    engine.grammars.timeout_s = 0.5
+
+    async def main():
+        stream = actor.outputs()
+        await actor.add_request("free", None, [5, 6, 7], SamplingParams(max_tokens=30, temperature=0.0))
+        with pytest.raises(SamplingParamsError, match=r"structured_outputs.regex: compiling took longer than 0.5 s"):
+            await actor.add_request("slow", None, [5, 6], SamplingParams(structured_outputs={"regex": "slow"}))
+        with pytest.raises(SamplingParamsError, match="structured_outputs.grammar: .*unknown name"):
+            await actor.add_request("bad", None, [5, 6], SamplingParams(structured_outputs={"grammar": "start: x"}))
+        await actor.add_request("ok", None, [5, 6], SamplingParams(structured_outputs={"choice": ["yes", "no"]}))
+        release.set()
+        steps_of_free, finished, texts = 0, set(), {}
+        while finished != {"free", "ok"}:
+            for out in await anext(stream):
+                if out.request_id == "free":
+                    steps_of_free += 1
+                texts.setdefault(out.request_id, []).extend(t for d in out.outputs for t in d.token_ids)
+                if out.finished:
+                    finished.add(out.request_id)
+        assert steps_of_free >= 1 and len(texts["free"]) == 30
+        assert engine.tokenizer.decode(texts["ok"]) in ("yes", "no")
+
+    try:
+        asyncio.run(main())
+    finally:
+        actor.shutdown()
+    assert not engine.structured.matchers
