@@ -392,7 +392,8 @@ class OpenAIServing:
         """(content, tool calls) of a finished choice. A forced call cut short (length,
         abort) is not a call: its text stays content."""
         if mode == "forced" and finish_reason == "stop":
-            return None, forced_calls(text, request.tool_choice)
+            calls = forced_calls(text, request.tool_choice)
+            return (None, calls) if calls else (text, [])
         if mode == "auto":
             return parse_tool_calls(self.tool_call_parser, text)
         return text, []

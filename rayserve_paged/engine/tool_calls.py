@@ -109,11 +109,18 @@ def forced_schema(tools: list[dict] | None, tool_choice, parallel_tool_calls: bo
 
 
 def forced_calls(text: str, tool_choice) -> list[ToolCall]:
-    """The calls in an output produced under forced_schema's constraint."""
+    """The calls in an output produced under forced_schema's constraint; none when the text
+    is not whole (a stop string or an abort cut it)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []
     name = named_function(tool_choice)
     if name is not None:
         return [ToolCall(name, text)]
-    return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+    if not isinstance(value, list) or not all(isinstance(c, dict) and "name" in c for c in value):
+        return []
+    return [ToolCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value]
 
 
 # --------------------------------------------------------------------------- parsers (auto)
