@@ -148,6 +148,10 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
         if batch.is_plain_greedy:
             return _plain_greedy(logits, raw_logprobs, batch.seq_ids)
+        if batch.is_all_greedy and not (batch.has_logprobs or batch.has_beams or batch.has_multi_draws):
+            # greedy rows with controls only (penalties, biases, bitmasks): argmax of the
+            # controlled logits, the model's own logprobs
+            return _plain_greedy(self._apply_controls(logits, batch), raw_logprobs, batch.seq_ids)
         samples: list[SeqSample] = []
         draws: list[_Row] = []  # non-beam rows to draw, expanded for best_of
         owners: list[tuple[int, int]] = []  # (samples index, copies) for each draw group
