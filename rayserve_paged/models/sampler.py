@@ -199,9 +199,11 @@ class Sampler:
             logits[row, ids] += bias
         constrained = set(batch.token_bitmask_rows)
         if constrained:
-            rows = torch.tensor(batch.token_bitmask_rows, device=logits.device)
-            allowed = unpack_bitmask(batch.token_bitmask.to(logits.device), vocab)  # [k, vocab]
-            logits[rows] = logits[rows].masked_fill(~allowed, _MASK)
+            bias = bitmask_bias(batch.token_bitmask.to(logits.device), vocab)  # [k, vocab]: 0 or -inf
+            if len(constrained) == logits.shape[0] and list(batch.token_bitmask_rows) == list(range(len(constrained))):
+                logits += bias
+            else:
+                logits.index_add_(0, torch.tensor(batch.token_bitmask_rows, device=logits.device), bias)
         for row, tokens in batch.banned_tokens.items():
             banned = [t for t in tokens if t < vocab]
             if row in constrained:
@@ -314,16 +316,27 @@ def _plain_greedy(logits: torch.Tensor, raw_logprobs: torch.Tensor, seq_ids: Seq
     return SamplerOutput(list(map(SeqSample, seq_ids, tokens.tolist(), chosen.tolist())))
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[k, words] int32 packed bitmasks -> [k, vocab] bool (True: allowed); tokens past the
-    bitmask's 32 * words are not allowed."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [k, words, 32]
-    allowed = bits.view(bitmask.shape[0], -1).bool()  # [k, 32 * words]
-    if allowed.shape[1] >= vocab:
-        return allowed[:, :vocab]
-    pad = torch.zeros(bitmask.shape[0], vocab - allowed.shape[1], dtype=torch.bool, device=bitmask.device)
-    return torch.cat([allowed, pad], dim=1)
+_BYTE_BIASES: dict[torch.device, torch.Tensor] = {}
+
+
+def bitmask_bias(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[k, words] int32 packed bitmasks (little-endian) -> [k, vocab] float32: 0 where a
+    token is allowed, -inf where not (tokens past the bitmask's 32 * words are not).
+
+    Each byte of the masks looks up its 8 biases in a [256, 8] table (one embedding
+    gather), and the caller adds them: branch-free, several times faster on CPU than
+    unpacking bits and masked_fill (benchmarks/structured_outputs.py)."""
+    table = _BYTE_BIASES.get(bitmask.device)
+    if table is None:
+        bits = (torch.arange(256, dtype=torch.int32).unsqueeze(-1) >> torch.arange(8, dtype=torch.int32)) & 1
+        table = _BYTE_BIASES[bitmask.device] = torch.where(bits.bool(), 0.0, _MASK).to(bitmask.device)  # [256, 8]
+    num_rows = bitmask.shape[0]
+    byte_ids = bitmask.contiguous().view(torch.uint8).long()  # [k, 4 * words]
+    bias = torch.nn.functional.embedding(byte_ids, table).view(num_rows, -1)  # [k, 32 * words]
+    if bias.shape[1] >= vocab:
+        return bias[:, :vocab]
+    pad = torch.full((num_rows, vocab - bias.shape[1]), _MASK, device=bitmask.device)
+    return torch.cat([bias, pad], dim=1)
 
 
 def _top_logprobs(logprobs: torch.Tensor, token: int, token_logprob: float, k: int) -> dict[int, float]:

@@ -13,7 +13,7 @@ import torch
 
 from rayserve_paged import LLM, SamplingParams
 from rayserve_paged.core.sequence import SamplingParamsError, StructuredOutputsParams
-from rayserve_paged.models.sampler import Sampler, SamplingBatch, unpack_bitmask
+from rayserve_paged.models.sampler import Sampler, SamplingBatch, bitmask_bias
 
 SCHEMA = {
     "type": "object",
@@ -210,16 +210,24 @@ def test_the_sampler_applies_packed_bitmasks_to_their_rows_only():
     for t in (3, 17, 33, 39):
         words[t // 32] |= np.uint32(1 << (t % 32))
     bitmask = torch.from_numpy(words.view(np.int32).copy()).unsqueeze(0)  # [1, 2]
-    assert unpack_bitmask(bitmask, vocab)[0].tolist() == allowed.tolist()
-    assert unpack_bitmask(bitmask, 70)[0, 40:].any().item() is False  # past the mask: not allowed
+    assert (bitmask_bias(bitmask, vocab)[0] == 0).tolist() == allowed.tolist()
+    assert torch.isneginf(bitmask_bias(bitmask, vocab)[0, ~allowed]).all()
+    assert torch.isneginf(bitmask_bias(bitmask, 70)[0, 40:]).all()  # past the mask: not allowed
 
     def batch(**kw):
         return SamplingBatch((0, 1, 2), (0.0,) * 3, (-1,) * 3, (1.0,) * 3, (0.0,) * 3, (None,) * 3, (0,) * 3,
                              (0,) * 3, (1,) * 3, (0,) * 3, (None,) * 3, **kw)
 
     out = Sampler()(logits, batch(token_bitmask_rows=[1], token_bitmask=bitmask))
+    every = Sampler()(logits[1:2], SamplingBatch((1,), (0.0,), (-1,), (1.0,), (0.0,), (None,), (0,), (0,), (1,), (0,),
+                                                 (None,), token_bitmask_rows=[0], token_bitmask=bitmask))  # fmt: skip
     best_allowed = int(torch.where(allowed, logits[1], -torch.inf).argmax())
     assert [s.token_ids[0] for s in out.samples] == [int(logits[0].argmax()), best_allowed, int(logits[2].argmax())]
+    assert every.samples[0].token_ids == [best_allowed]  # every row constrained: the in-place path
+    hot = SamplingBatch((0, 1, 2), (0.0, 5.0, 0.0), (-1,) * 3, (1.0,) * 3, (0.0,) * 3, (None,) * 3, (0,) * 3, (0,) * 3,
+                        (1,) * 3, (0,) * 3, (None,) * 3, token_bitmask_rows=[1], token_bitmask=bitmask)  # fmt: skip
+    drawn = {Sampler()(logits, hot).samples[1].token_ids[0] for _ in range(40)}
+    assert drawn <= {3, 17, 33, 39} and len(drawn) > 1  # sampled, only ever among the allowed
     # logprobs stay the model's own
     assert out.samples[1].logprobs[0] == pytest.approx(torch.log_softmax(logits[1], -1)[best_allowed].item())
     # banned tokens (min_tokens) give way where they are all the grammar allows
