@@ -15,7 +15,9 @@ time (cold and cached), and engine tokens/s with 0%, 50% and 100% of a batch con
               each, greedy, ignore_eos) on the throughput benchmark's small OPT (6 layers,
               hidden 512, vocab 512); 0, 32 or 64 of them constrained by LONG_SCHEMA (a JSON
               object whose one string needs more than 64 tokens: every row runs its 64).
-              Output tokens / wall seconds, the median of --repeats runs after one warm-up.
+              Output tokens / wall seconds and / CPU seconds (this process, all threads: the
+              steadier figure on a shared machine), the median of --repeats rounds after a
+              warm-up round; each round runs the three shares in turn.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ def time_compile(llm: LLM) -> dict:
             "cached_ms": round((t3 - t2) * 1e3, 3)}  # fmt: skip
 
 
-def time_batch(llm: LLM, num_constrained: int, repeats: int, seed: int) -> dict:
+def batch_requests(num_constrained: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(f"structured-{seed}")
     first = len(SPECIAL_TOKENS)
     prompts = [[rng.randrange(first, TINY_VOCAB_SIZE) for _ in range(PROMPT_LEN)] for _ in range(NUM_REQUESTS)]
@@ -134,17 +136,29 @@ def time_batch(llm: LLM, num_constrained: int, repeats: int, seed: int) -> dict:
     step = NUM_REQUESTS // num_constrained if num_constrained else 0
     params = [constrained if step and i % step == 0 and i // step < num_constrained else free
               for i in range(NUM_REQUESTS)]  # fmt: skip
-    runs = []
-    outputs = None
+    return prompts, params
+
+
+def time_batches(llm: LLM, shares: tuple[int, ...], repeats: int, seed: int) -> list[dict]:
+    """Rounds over the shares, interleaved (a warm-up round first), so that a shared
+    machine's load changes hit every share alike; the median wall and CPU seconds each."""
+    work = {share: batch_requests(share, seed) for share in shares}
+    runs: dict[int, list[tuple[float, float]]] = {share: [] for share in shares}
     for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-        runs.append(time.perf_counter() - t0)
-    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert num_tokens == NUM_REQUESTS * OUTPUT_LEN, num_tokens
-    wall = statistics.median(runs[1:])
-    return {"constrained": num_constrained, "output_tokens": num_tokens, "seconds": round(wall, 3),
-            "tokens_per_s": round(num_tokens / wall, 1)}  # fmt: skip
+        for share, (prompts, params) in work.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+            runs[share].append((time.perf_counter() - t0, time.process_time() - c0))
+            num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            assert num_tokens == NUM_REQUESTS * OUTPUT_LEN, num_tokens
+    results = []
+    for share in shares:
+        wall = statistics.median(w for w, _ in runs[share][1:])
+        cpu = statistics.median(c for _, c in runs[share][1:])
+        results.append({"constrained": share, "output_tokens": NUM_REQUESTS * OUTPUT_LEN, "seconds": round(wall, 3),
+                        "cpu_seconds": round(cpu, 3), "tokens_per_s": round(NUM_REQUESTS * OUTPUT_LEN / wall, 1),
+                        "tokens_per_cpu_s": round(NUM_REQUESTS * OUTPUT_LEN / cpu, 1)})  # fmt: skip
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,10 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = str(make_tiny_model("opt", tmp, **SMALL_OPT))
             llm = _engine(model_dir, kv_cache_memory_gb=0.2)
-            for share in (0, NUM_REQUESTS // 2, NUM_REQUESTS):
-                row = time_batch(llm, share, args.repeats, args.seed)
-                results["batch"].append(row)
-                print(f"  batch of {NUM_REQUESTS}, {share} constrained: {row}")
+            results["batch"] = time_batches(llm, (0, NUM_REQUESTS // 2, NUM_REQUESTS), args.repeats, args.seed)
+            for row in results["batch"]:
+                print(f"  batch of {NUM_REQUESTS}, {row['constrained']} constrained: {row}")
     if args.out:
         write_record(args.out, "structured-outputs", results)
     return 0

@@ -148,7 +148,9 @@ class GrammarCompiler:
         field = f"structured_outputs.{constraint.kind}"
         grammar = grammar_text(constraint)
         try:
-            matcher = llguidance.LLMatcher(self.ll_tokenizer(), grammar, log_level=0)
+            # verbose_errors off: a message names the problem, not the parser's state
+            limits = llguidance.LLParserLimits(verbose_errors=False)
+            matcher = llguidance.LLMatcher(self.ll_tokenizer(), grammar, log_level=0, limits=limits)
         except Exception as e:  # the library documents none for bad grammars: still the caller's error
             raise SamplingParamsError(f"{field}: {_first_line(e)}") from None
         if matcher.is_error():
@@ -156,7 +158,7 @@ class GrammarCompiler:
         mask = np.empty((1, self.num_words), dtype=np.int32)
         fill_next_token_bitmask(matcher, mask)
         if not mask.any() or matcher.is_error():
-            raise SamplingParamsError(f"{field}: no output can match it ({_first_line(matcher.get_error())})")
+            raise SamplingParamsError(f"{field}: no output can match it")
         return matcher
 
     def shutdown(self) -> None:
