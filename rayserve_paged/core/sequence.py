@@ -95,6 +95,17 @@ class StructuredOutputsParams:
             if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice) or not self.choice:
                 raise SamplingParamsError("structured_outputs.choice: must be a non-empty list of non-empty strings")
             object.__setattr__(self, "choice", tuple(self.choice))
+        kind, text = self.key
+        if kind == "json":
+            text = json.dumps(json.loads(text), ensure_ascii=False)
+        elif kind == "choice":
+            text = "".join(self.choice)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise SamplingParamsError(
+                f"structured_outputs.{kind}: must be valid Unicode (a lone surrogate U+{ord(e.object[e.start]):04X})"
+            ) from None
 
     @property
     def kind(self) -> str:

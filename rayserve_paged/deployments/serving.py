@@ -726,6 +726,8 @@ def _with_forced_tool_calls(request: ChatCompletionRequest, params: SamplingPara
         raise bad_request(str(exc)) from None
     if params.structured_outputs is not None:
         raise bad_request("tool_choice: cannot be combined with response_format or structured_outputs")
+    if params.use_beam_search:
+        raise bad_request("tool_choice: forced tool calls cannot be combined with use_beam_search")
     try:
         return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
     except SamplingParamsError as exc:

@@ -113,6 +113,11 @@ async def test_vllm_constraint_fields(http):
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "cannot be combined"),
         ({"response_format": {"type": "xml"}}, "response_format.type", None),
         ({"use_beam_search": True, "n": 2, "temperature": 0, "guided_regex": "a+"}, "guided_regex", "beam search"),
+        ({"guided_choice": ["ok", "\ud800"]}, "guided_choice", "lone surrogate U+D800"),
+        ({"guided_json": {"enum": ["\udfff"]}}, "guided_json", "lone surrogate U+DFFF"),
+        ({"guided_json": {"type": "array", "items": {"$ref": "#/nope"}}}, "guided_json", "does not exist"),
+        ({"guided_json": {"type": "string", "pattern": "(?=a)"}}, "guided_json", "look-around"),
+        ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
     ],
 )
 async def test_bad_constraints_are_400s_naming_the_field(http, extra, param, words):
@@ -120,7 +125,9 @@ async def test_bad_constraints_are_400s_naming_the_field(http, extra, param, wor
         body = {"model": MODEL, "prompt": "Go:", "max_tokens": 8, "stream": stream, **extra}
         if stream and extra.get("use_beam_search"):
             continue  # streaming beam search is its own 400
-        error = assert_openai_error(await http.post("/v1/completions", json=body), 400, param)
+        # json.dumps escapes a lone surrogate as JSON may ("\ud800"); httpx's json= cannot encode it
+        response = await http.post("/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"})
+        error = assert_openai_error(response, 400, param)
         if words is not None:
             assert words in error["message"], error
     ok = await http.post("/v1/completions", json={"model": MODEL, "prompt": "Go:", "guided_choice": ["fine"]})
@@ -217,6 +224,9 @@ async def test_bad_tool_choices_are_400s(http):
         ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"}, "tools[0].function.name"),
         ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "use_beam_search": True, "n": 2, "temperature": 0}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+          "tool_choice": "required"}, "tools"),
     ]
     for extra, param in cases:
         assert_openai_error(await http.post("/v1/chat/completions", json={**base, **extra}), 400, param)
