@@ -65,6 +65,7 @@ from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
 from rayserve_paged.engine.tool_calls import (
     TOOL_CALL_PARSERS,
     ToolCall,
+    ToolCallStream,
     ToolChoiceError,
     forced_calls,
     forced_schema,
@@ -117,7 +118,8 @@ class _ChoiceProgress:
     num_tokens: int = 0
     text_offset: int = 0
     is_started: bool = False
-    held: list[str] = dataclasses.field(default_factory=list)  # text kept back to parse tool calls at the end
+    held: list[str] = dataclasses.field(default_factory=list)  # tool_choice "required": the calls' text so far
+    tool_stream: ToolCallStream | None = None  # tool_choice "auto": what the parser holds back
     call_id: str = ""  # a named tool choice's call, streamed as its arguments grow
 
 
@@ -505,8 +507,9 @@ class OpenAIServing:
         self, request: ChatCompletionRequest, mode: str, out: CompletionOutput, state: _ChoiceProgress
     ) -> ChatChunkChoice:
         """A stream's delta when tool calls may come: a named function's arguments stream as
-        they grow (delta.tool_calls[0].function.arguments); 'required' and 'auto' hold the
-        text back and send the calls (or the text as content) with the choice's end."""
+        they grow (delta.tool_calls[0].function.arguments); 'required' holds the text back
+        and sends the calls with the choice's end; 'auto' sends content until a call may
+        begin (the parser's ToolCallStream), then the calls (or the held text) at the end."""
         choice = self._chat_delta(request, out, state)
         if mode == "forced" and named_function(request.tool_choice) is not None:
             if out.text:
@@ -519,16 +522,22 @@ class OpenAIServing:
             if choice.finish_reason == "stop":
                 choice.finish_reason = "tool_calls"
             return choice
-        state.held.append(out.text)
-        choice.delta = DeltaMessage()
-        if out.finish_reason is None:
-            return choice
-        content, calls = self._tool_calls(request, mode, "".join(state.held), out.finish_reason)
+        if mode == "auto":
+            if state.tool_stream is None:
+                state.tool_stream = ToolCallStream(self.tool_call_parser)
+            content, calls = state.tool_stream.feed(out.text), []
+            if out.finish_reason is not None:
+                rest, calls = state.tool_stream.finish()
+                content += rest
+        else:
+            state.held.append(out.text)
+            content, calls = "", []
+            if out.finish_reason is not None:
+                content, calls = self._tool_calls(request, mode, "".join(state.held), out.finish_reason)
+        choice.delta = DeltaMessage(content=content or None,
+                                    tool_calls=[c.as_openai(i) for i, c in enumerate(calls)] or None)  # fmt: skip
         if calls:
-            choice.delta = DeltaMessage(content=content, tool_calls=[c.as_openai(i) for i, c in enumerate(calls)])
             choice.finish_reason = "tool_calls"
-        elif content:
-            choice.delta = DeltaMessage(content=content)
         return choice
 
     # ---------------------------------------------------------------- engine requests

@@ -181,3 +181,65 @@ def _parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
         while pos < len(body) and body[pos] in " \t\n;":
             pos += 1
     return None, calls
+
+
+class ToolCallStream:
+    """A streamed free output under a parser: text that cannot be part of a call is sent as
+    content at once; from where a call may begin (hermes: "<tool_call>", or a piece of it at
+    the end of the text so far; llama3_json: an output that opens with "{" or
+    "<|python_tag|>") the text is held, and `finish` reads the calls out of it."""
+
+    def __init__(self, parser: str) -> None:
+        if parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser: expected one of {', '.join(TOOL_CALL_PARSERS)} (got {parser!r})")
+        self.parser = parser
+        self.held = ""
+        self.is_holding = False  # a call may have begun: nothing more is sent until the end
+        self.num_sent = 0  # characters sent as content
+
+    def feed(self, text: str) -> str:
+        """The content that can be sent now."""
+        self.held += text
+        if self.is_holding:
+            return ""
+        if self.parser == "hermes":
+            start = self.held.find(_HERMES_OPEN)
+            if start != -1:
+                self.is_holding = True
+                return self._send(start)
+            return self._send(len(self.held) - _partial_suffix(self.held, _HERMES_OPEN))
+        body = self.held.lstrip()
+        if self.num_sent or not body:  # llama3_json calls are the whole output, from its start
+            return self._send(len(self.held)) if self.num_sent else ""
+        if body.startswith("{") or body.startswith(_PYTHON_TAG):
+            self.is_holding = True
+            return ""
+        if _PYTHON_TAG.startswith(body):
+            return ""  # perhaps the tag: wait for the next piece
+        return self._send(len(self.held))
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(the content still to send, the calls)."""
+        if self.is_holding:
+            _, calls = parse_tool_calls(self.parser, self.held)
+            if calls:
+                return "", calls
+        rest, self.held = self.held, ""
+        return rest, []
+
+    def _send(self, end: int) -> str:
+        out, self.held = self.held[:end], self.held[end:]
+        self.num_sent += len(out)
+        return out
+
+
+_HERMES_OPEN = "<tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that begins `marker` (it may be completed next)."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

@@ -195,11 +195,16 @@ async def test_auto_with_the_hermes_parser_on_a_scripted_output(hermes_http):
     deltas = [e["choices"][0]["delta"] for e in events]
     (streamed,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
     assert streamed[0]["function"] == call["function"] and streamed[0]["index"] == 0
+    assert "".join(d.get("content", "") for d in deltas) == "Let me look. "  # sent before the call began
+    assert len([d for d in deltas if d.get("content")]) > 1  # as it came, not at the end
     # plain text is content, finish_reason unchanged
     body["structured_outputs"] = {"choice": ["no tools needed"]}
     choice = (await hermes_http.post("/v1/chat/completions", json=body)).json()["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "no tools needed"}
     assert choice["finish_reason"] == "stop"
+    events = parse_sse(await hermes_http.post("/v1/chat/completions", json={**body, "stream": True}))
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == "no tools needed"
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 async def test_tool_results_continue_through_the_template(client):

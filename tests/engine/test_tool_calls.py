@@ -81,3 +81,28 @@ def test_llm_chat_with_required_and_named_tools(tiny_paths):
     assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Rome")
     (free,) = llm.chat(messages, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False, tools=TOOLS)
     assert free.outputs[0].tool_calls is None  # no parser, no forced choice: plain text
+
+
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_a_stream_sends_content_until_a_call_may_begin(pieces):
+    from rayserve_paged.engine.tool_calls import ToolCallStream
+
+    def run(parser, text):
+        stream = ToolCallStream(parser)
+        size = max(1, len(text) // pieces) if pieces > 1 else 1  # one character at a time, or in chunks
+        sent = "".join(stream.feed(text[i : i + size]) for i in range(0, len(text), size))
+        rest, calls = stream.finish()
+        return sent, rest, [(c.name, c.arguments) for c in calls]
+
+    call = '<tool_call>{"name": "ping", "arguments": {"x": 1}}</tool_call>'
+    sent, rest, calls = run("hermes", "Let me see. " + call)
+    assert sent == "Let me see. " and rest == "" and calls == [("ping", '{"x": 1}')]
+    # a "<" that starts no call is held only until it cannot be one
+    assert run("hermes", "a < b <tool no") == ("a < b <tool no", "", [])
+    assert run("hermes", "x <tool") == ("x ", "<tool", [])  # it may have begun: held, then sent at the end
+    sent, rest, calls = run("hermes", "a < b, <tool_call>{broken")
+    assert (sent, rest, calls) == ("a < b, ", "<tool_call>{broken", [])  # not a call: the rest is content
+    sent, rest, calls = run("llama3_json", '<|python_tag|>{"name": "ping", "parameters": {}}')
+    assert (sent, rest, calls) == ("", "", [("ping", "{}")])
+    sent, rest, calls = run("llama3_json", "Hello {there}")
+    assert sent + rest == "Hello {there}" and calls == []
