@@ -29,6 +29,9 @@ class AppArgs(EngineConfig):
     model_config = ConfigDict(**EngineConfig.model_config, hide_input_in_errors=True)
 
     served_model_name: str | None = Field(None, description="Model name in the API; defaults to `model`.")
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None, description="Reads tool calls out of tool_choice 'auto' outputs (as vllm serve --tool-call-parser)."
+    )
     unauthenticated_paths: list[str] = Field(
         default_factory=lambda: list(DEFAULT_OPEN_PATHS),
         description=f"Routes that need no API key when {API_KEY_ENV} is set (as vLLM protects only /v1).",
@@ -287,6 +290,7 @@ def build_app(args: AppArgs | dict):
         "open_paths": tuple(args.unauthenticated_paths),
         "require_api_key": args.require_api_key,
         "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
+        "tool_call_parser": args.tool_call_parser,
     }
     try:
         llm = serve.deployment(serve.ingress()(LLMServer), **llm_server_options(args))

@@ -23,6 +23,7 @@ BENCHMARKS = {
     "sampler-host": "benchmarks.sampler_host",
     "serving": "benchmarks.serving",
     "smollm2": "benchmarks.smollm2",
+    "structured-outputs": "benchmarks.structured_outputs",
 }
 
 DEMO_QUESTIONS = [

@@ -73,6 +73,11 @@ class StepMessage:
     unsampled_seq_ids: list[int] = field(default_factory=list)
     # rows whose group samples for the first time: best_of draws (n > 1 forks from them)
     first_step_seq_ids: list[int] = field(default_factory=list)
+    # constrained rows (structured outputs): the engine's grammar matchers allow only some
+    # tokens next. token_bitmasks packs one bitmask per seq id in bitmask_seq_ids, in order:
+    # little-endian int32 words, bit j of word w set = token 32 * w + j allowed
+    bitmask_seq_ids: list[int] = field(default_factory=list)
+    token_bitmasks: bytes = b""
 
     @property
     def is_empty(self) -> bool:
@@ -92,6 +97,8 @@ class StepMessage:
             or self.blocks_to_copy
             or self.unsampled_seq_ids
             or self.first_step_seq_ids
+            or self.bitmask_seq_ids
+            or self.token_bitmasks
         )
 
     @property

@@ -8,6 +8,7 @@ the block manager keeps one block table per sequence.
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -52,6 +53,78 @@ class SamplingParamsError(ValueError):
     """Invalid sampling parameters; the message names the field."""
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's `structured_outputs`): exactly one of a JSON schema
+    (`json`), any JSON object (`json_object`), a regular expression, a list of choices or a
+    grammar (Lark, or GBNF / EBNF as llama.cpp writes it). The engine compiles it into a
+    token-level matcher; `key` names the compiled grammar in the cache."""
+
+    json: str | dict | bool | None = None  # a JSON schema (dict, or its JSON text)
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise SamplingParamsError(
+                f"structured_outputs: give exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} (got {given or 'none'})"
+            )
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise SamplingParamsError(f"structured_outputs.json: not valid JSON ({e})") from None
+            if not isinstance(schema, (dict, bool)):
+                raise SamplingParamsError("structured_outputs.json: a JSON schema is an object or a boolean")
+            object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
+        if self.json_object is not False and self.json_object is not True:
+            raise SamplingParamsError("structured_outputs.json_object: must be true or false")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SamplingParamsError(f"structured_outputs.{name}: must be a non-empty string")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice) or not self.choice:
+                raise SamplingParamsError("structured_outputs.choice: must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kind, text = self.key
+        if kind == "json":
+            text = json.dumps(json.loads(text), ensure_ascii=False)
+        elif kind == "choice":
+            text = "".join(self.choice)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise SamplingParamsError(
+                f"structured_outputs.{kind}: must be valid Unicode (a lone surrogate U+{ord(e.object[e.start]):04X})"
+            ) from None
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints share one compiled grammar."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "choice":
+            return kind, json.dumps(list(value))
+        return kind, "" if kind == "json_object" else value
+
+    @property
+    def num_chars(self) -> int:
+        return len(self.key[1])
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to decode one request (the vLLM / OpenAI vocabulary).
@@ -85,10 +158,17 @@ class SamplingParams:
     # keys the prefix cache: a request reuses cached blocks only of requests with the same
     # salt (None: the shared, unsalted cache), vLLM's `cache_salt`
     cache_salt: str | None = None
+    # a constraint on the output (JSON schema, regex, choice, grammar); None: free text
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.best_of is None:
             self.best_of = self.n
+        if isinstance(self.structured_outputs, dict):
+            unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_OUTPUT_KINDS))
+            if unknown:
+                raise SamplingParamsError(f"structured_outputs.{unknown[0]}: unknown constraint")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
@@ -139,7 +219,11 @@ class SamplingParams:
             raise bad("length_penalty", "must be in [-10, 10]")
         if self.early_stopping not in (True, False, "never"):
             raise bad("early_stopping", "must be true, false or 'never'")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise SamplingParamsError("structured_outputs: must be StructuredOutputsParams or a dict of its fields")
         if self.use_beam_search:
+            if self.structured_outputs is not None:
+                raise SamplingParamsError("structured_outputs: beam search cannot be combined with a constraint")
             if self.best_of < 2:
                 raise bad("best_of", "beam search needs a beam width (best_of or n) >= 2")
             if self.temperature > 1e-5:

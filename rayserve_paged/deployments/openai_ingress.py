@@ -237,10 +237,13 @@ def create_openai_app(
     request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
     enable_prompt_tokens_details: bool = False,
     open_paths: Iterable[str] = DEFAULT_OPEN_PATHS,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible FastAPI app over `client` (docs/API.md describes the API).
     With `api_key`, every route but `open_paths` requires it."""
-    serving = OpenAIServing(client, tokenizer, served_model_name, max_tokenizer_queue, enable_prompt_tokens_details)
+    serving = OpenAIServing(
+        client, tokenizer, served_model_name, max_tokenizer_queue, enable_prompt_tokens_details, tool_call_parser
+    )
     app = FastAPI(
         title="rayserve-paged",
         summary="OpenAI-compatible LLM serving with PagedAttention on Ray Serve",

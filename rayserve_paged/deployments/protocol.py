@@ -103,15 +103,41 @@ class StreamOptions(_RequestModel):
     include_usage: bool = Field(False, description="Send a last chunk with usage counts (and no choices).")
 
 
-class ResponseFormat(_RequestModel):
-    type: str = Field(description="Only 'text' is supported (no JSON mode or schemas).")
+class JsonSchemaFormat(_RequestModel):
+    name: str = Field("response", description="The schema's name (accepted, not used).")
+    description: str | None = Field(None, description="What the schema is for (accepted, not used).")
+    schema_: dict[str, Any] | None = Field(
+        None, alias="schema", description="The JSON schema the output must meet (omitted: any JSON object)."
+    )
+    strict: bool | None = Field(None, description="Accepted; the schema is always enforced (constrained decoding).")
 
-    @field_validator("type")
-    @classmethod
-    def _only_text(cls, kind: str) -> str:
-        if kind != "text":
-            raise ValueError(f"only 'text' is supported (got {kind!r}); structured output is not implemented")
-        return kind
+
+class ResponseFormat(_RequestModel):
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        description="text (free), json_object (any JSON object) or json_schema (the given schema)."
+    )
+    json_schema: JsonSchemaFormat | None = Field(None, description="With type json_schema: the schema.")
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema: required when type is 'json_schema'")
+        return self
+
+
+class StructuredOutputsRequest(_RequestModel):
+    """vLLM's `structured_outputs` field: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON schema (object or its text).")
+    json_object: bool | None = Field(None, description="true: any JSON object.")
+    regex: str | None = Field(None, description="A regular expression the whole output matches.")
+    choice: list[str] | None = Field(None, description="The output is exactly one of these strings.")
+    grammar: str | None = Field(None, description="A Lark or GBNF (llama.cpp) grammar.")
+
+    def constraint(self) -> dict[str, Any]:
+        given = {"json": self.json_, "json_object": self.json_object or None, "regex": self.regex,
+                 "choice": self.choice, "grammar": self.grammar}  # fmt: skip
+        return {key: value for key, value in given.items() if value is not None}
 
 
 class _SamplingFields(_RequestModel):
@@ -196,7 +222,16 @@ class _SamplingFields(_RequestModel):
         description="vLLM's: requests share prefix-cache blocks only with requests of the same salt (e.g. one "
         "per tenant), so cache hits, their timing and cached_tokens reveal nothing across salts.",
     )
-    response_format: ResponseFormat | None = Field(None, description="{'type': 'text'} only.")
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object or json_schema: the output is constrained to valid JSON (docs/API.md)."
+    )
+    structured_outputs: StructuredOutputsRequest | None = Field(
+        None, description="vLLM's constraint: one of json (a schema), json_object, regex, choice, grammar."
+    )
+    guided_json: dict[str, Any] | str | None = Field(None, description="Older vLLM name of structured_outputs.json.")
+    guided_regex: str | None = Field(None, description="Older vLLM name of structured_outputs.regex.")
+    guided_choice: list[str] | None = Field(None, description="Older vLLM name of structured_outputs.choice.")
+    guided_grammar: str | None = Field(None, description="Older vLLM name of structured_outputs.grammar.")
     stream: bool = Field(False, description="Answer with server-sent events, one chunk per step.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options; only with stream: true.")
 
@@ -330,11 +365,16 @@ class ChatCompletionRequest(_SamplingFields):
         None, ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs: also this many most likely tokens per position."
     )
     tools: list[dict[str, Any]] | None = Field(
-        None, description="Tool definitions, passed to the chat template (tool calls in the output are not parsed)."
+        None,
+        description="Tool definitions ({'type': 'function', 'function': {name, description, parameters}}), "
+        "passed to the chat template.",
     )
     tool_choice: str | dict[str, Any] | None = Field(
-        None, description="'none' leaves the tools out of the prompt; anything else passes them to the template."
+        None,
+        description="'none' (no tools), 'auto' (the server's tool_call_parser reads calls from the output), "
+        "'required' (the output is one or more calls) or {'type': 'function', 'function': {'name': ...}}.",
     )
+    parallel_tool_calls: bool = Field(True, description="With tool_choice 'required': allow more than one call.")
 
     @field_validator("tools", "tool_choice")
     @classmethod
@@ -457,10 +497,49 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_l
         "min_tokens": request.min_tokens,
         "cache_salt": request.cache_salt,
     }
+    names = _field_names(request, logprobs_field)
+    constraint, field = requested_constraint(request)
+    if constraint is not None:
+        options["structured_outputs"] = constraint
+        names.update(constraint_field_names(field))
     try:
         return SamplingParams(**options)
     except SamplingParamsError as exc:
-        raise SamplingParamsError(_rename_field(str(exc), _field_names(request, logprobs_field))) from None
+        raise SamplingParamsError(_rename_field(str(exc), names)) from None
+
+
+_CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def requested_constraint(request: CompletionRequest | ChatCompletionRequest) -> tuple[dict | None, str]:
+    """The output constraint the request asks for, from whichever field it used (at most
+    one), and that field's name; tool_choice 'required' / named is the chat route's."""
+    found: list[tuple[dict, str]] = []
+    fmt = request.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(({"json_object": True}, "response_format"))
+    elif fmt is not None and fmt.type == "json_schema":
+        schema = fmt.json_schema.schema_
+        found.append(({"json": schema} if schema is not None else {"json_object": True}, "response_format.json_schema"))
+    if request.structured_outputs is not None:
+        found.append((request.structured_outputs.constraint(), "structured_outputs"))
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(request, f"guided_{kind}")
+        if value is not None:
+            found.append(({kind: value}, f"guided_{kind}"))
+    if len(found) > 1:
+        raise SamplingParamsError(f"{found[1][1]}: cannot be combined with {found[0][1]} (give one constraint)")
+    return found[0] if found else (None, "")
+
+
+def constraint_field_names(field: str) -> dict[str, str]:
+    """The engine's constraint fields -> the request field the client wrote."""
+    if field == "structured_outputs":
+        return {}
+    if field == "response_format.json_schema":
+        return {"structured_outputs": field, "structured_outputs.json": field + ".schema",
+                "structured_outputs.json_object": field + ".schema"}  # fmt: skip
+    return {"structured_outputs": field, **{f"structured_outputs.{kind}": field for kind in _CONSTRAINT_KINDS}}
 
 
 def _check_beam_search(request: CompletionRequest | ChatCompletionRequest) -> None:
@@ -595,7 +674,17 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="The calls the model made: [{id, type: 'function', function: {name, arguments}}]."
+    )
+
+    @model_serializer(mode="wrap")
+    def _no_absent_tool_calls(self, handler):
+        body = handler(self)
+        if body.get("tool_calls") is None:
+            body.pop("tool_calls", None)
+        return body
 
 
 class ChatChoice(BaseModel):
@@ -620,6 +709,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's chunks: [{index, id, type, function}]
 
     @model_serializer(mode="wrap")
     def _drop_absent(self, handler):

@@ -12,6 +12,7 @@ shielded task, so a cancelled HTTP task still gets its aborts through.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import time
@@ -23,7 +24,7 @@ from typing import Protocol
 
 from fastapi.responses import Response
 
-from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
+from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from rayserve_paged.deployments.admission import Admission
 from rayserve_paged.deployments.errors import (
     OpenAIError,
@@ -57,10 +58,22 @@ from rayserve_paged.deployments.protocol import (
     TokenizeResponse,
     TopLogprob,
     UsageInfo,
+    constraint_field_names,
+    requested_constraint,
     to_sampling_params,
 )
 from rayserve_paged.deployments.sse import SSE_DONE, EventStreamResponse, json_response, sse_event
 from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
+from rayserve_paged.engine.tool_calls import (
+    TOOL_CALL_PARSERS,
+    ToolCall,
+    ToolCallStream,
+    ToolChoiceError,
+    forced_calls,
+    forced_schema,
+    named_function,
+    parse_tool_calls,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +121,9 @@ class _ChoiceProgress:
     num_tokens: int = 0
     text_offset: int = 0
     is_started: bool = False
+    held: list[str] = dataclasses.field(default_factory=list)  # tool_choice "required": the calls' text so far
+    tool_stream: ToolCallStream | None = None  # tool_choice "auto": what the parser holds back
+    call_id: str = ""  # a named tool choice's call, streamed as its arguments grow
 
 
 class OpenAIServing:
@@ -120,7 +136,10 @@ class OpenAIServing:
         served_model_name: str,
         max_tokenizer_queue: int = MAX_TOKENIZER_QUEUE,
         enable_prompt_tokens_details: bool = False,
+        tool_call_parser: str | None = None,
     ) -> None:
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser: expected one of {', '.join(TOOL_CALL_PARSERS)} (got {tool_call_parser!r})")
         self.client = client
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -129,6 +148,7 @@ class OpenAIServing:
         # before: reported only when the operator turns it on (docs/DEPLOY.md, section 10)
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.num_tokenizer_jobs = 0  # queued or running in the pool (a job outlives a caller that left)
+        self.tool_call_parser = tool_call_parser  # reads tool calls out of tool_choice "auto" outputs
         self._info: dict | None = None
         self._token_texts = TokenTexts(tokenizer)
         self._background: set[asyncio.Task] = set()  # detached aborts, referenced until done
@@ -369,9 +389,10 @@ class OpenAIServing:
         _log_unknown_fields(request)
         self.check_model(request.model)
         info = await self.model_info()
-        params = _sampling_params(request, info)
+        params = _with_forced_tool_calls(request, _sampling_params(request, info))
         if admission is not None:
             admission.reserve_sequences(1, params.best_of, _width_field(request))
+        tools = self._tool_mode(request)
         prompt = await self._in_pool(lambda: self._chat_prompt(request))
         max_tokens_field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         _check_fits(prompt.token_ids, params.max_tokens, info, "messages", max_tokens_field)
@@ -380,26 +401,49 @@ class OpenAIServing:
         if request.stream:
             outputs = self._stream_outputs([prompt], params, request_ids)
             first = await _first_output(outputs, _engine_renames(request))
-            events = self._chat_events(request, params, prompt, first, outputs, response_id)
+            events = self._chat_events(request, params, prompt, first, outputs, response_id, tools)
             return EventStreamResponse(events, outputs)
         try:
             (result,) = await self._generate_outputs([prompt], params, request_ids)
         except Exception as exc:
             raise to_openai_error(exc, _engine_renames(request)) from exc
-        choices = [
-            ChatChoice(
-                index=out.index,
-                message=AssistantMessage(content=out.text),
-                logprobs=self._chat_logprobs(request, out.token_ids, out.logprobs),
-                finish_reason=out.finish_reason,
-                stop_reason=out.stop_reason,
+        choices = []
+        for out in result.outputs:
+            content, calls = self._tool_calls(request, tools, out.text, out.finish_reason)
+            choices.append(
+                ChatChoice(
+                    index=out.index,
+                    message=AssistantMessage(content=content, tool_calls=[c.as_openai() for c in calls] or None),
+                    logprobs=self._chat_logprobs(request, out.token_ids, out.logprobs),
+                    finish_reason="tool_calls" if calls else out.finish_reason,
+                    stop_reason=out.stop_reason,
+                )
             )
-            for out in result.outputs
-        ]
         body = ChatCompletionResponse(
             id=response_id, model=self.served_model_name, choices=choices, usage=self._usage([prompt], [result])
         )
         return json_response(body)
+
+    def _tool_mode(self, request: ChatCompletionRequest) -> str | None:
+        """How this request's tool calls are read: "forced" (required / named: the output
+        is constrained to calls), "auto" (the deployment's parser reads them), or None."""
+        if not request.tools or request.tool_choice == "none":
+            return None
+        if request.tool_choice not in (None, "auto"):
+            return "forced"
+        return "auto" if self.tool_call_parser is not None else None
+
+    def _tool_calls(
+        self, request: ChatCompletionRequest, mode: str | None, text: str, finish_reason: str | None
+    ) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of a finished choice. A forced call cut short (length,
+        abort) is not a call: its text stays content."""
+        if mode == "forced" and finish_reason == "stop":
+            calls = forced_calls(text, request.tool_choice)
+            return (None, calls) if calls else (text, [])
+        if mode == "auto":
+            return parse_tool_calls(self.tool_call_parser, text)
+        return text, []
 
     def _chat_prompt(self, request: ChatCompletionRequest, add_generation_prompt: bool = True) -> _Prompt:
         if getattr(self.tokenizer, "chat_template", None) is None:
@@ -471,6 +515,7 @@ class OpenAIServing:
         first: tuple[int, RequestOutput],
         outputs: AsyncIterator[tuple[int, RequestOutput]],
         response_id: str,
+        tools: str | None = None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
 
@@ -481,6 +526,8 @@ class OpenAIServing:
             return sse_event(body)
 
         def to_choice(_: int, out: CompletionOutput, state: _ChoiceProgress) -> ChatChunkChoice:
+            if tools is not None:
+                return self._chat_tool_delta(request, tools, out, state)
             return self._chat_delta(request, out, state)
 
         # the role comes first, in a chunk of its own per choice
@@ -500,6 +547,43 @@ class OpenAIServing:
             finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
         )
+
+    def _chat_tool_delta(
+        self, request: ChatCompletionRequest, mode: str, out: CompletionOutput, state: _ChoiceProgress
+    ) -> ChatChunkChoice:
+        """A stream's delta when tool calls may come: a named function's arguments stream as
+        they grow (delta.tool_calls[0].function.arguments); 'required' holds the text back
+        and sends the calls with the choice's end; 'auto' sends content until a call may
+        begin (the parser's ToolCallStream), then the calls (or the held text) at the end."""
+        choice = self._chat_delta(request, out, state)
+        if mode == "forced" and named_function(request.tool_choice) is not None:
+            if out.text:
+                call: dict = {"index": 0, "function": {"arguments": out.text}}
+                if not state.call_id:
+                    state.call_id = ToolCall("", "").id
+                    call.update(id=state.call_id, type="function")
+                    call["function"] = {"name": named_function(request.tool_choice), "arguments": out.text}
+                choice.delta = DeltaMessage(tool_calls=[call])
+            if choice.finish_reason == "stop":
+                choice.finish_reason = "tool_calls"
+            return choice
+        if mode == "auto":
+            if state.tool_stream is None:
+                state.tool_stream = ToolCallStream(self.tool_call_parser)
+            content, calls = state.tool_stream.feed(out.text), []
+            if out.finish_reason is not None:
+                rest, calls = state.tool_stream.finish()
+                content += rest
+        else:
+            state.held.append(out.text)
+            content, calls = "", []
+            if out.finish_reason is not None:
+                content, calls = self._tool_calls(request, mode, "".join(state.held), out.finish_reason)
+        choice.delta = DeltaMessage(content=content or None,
+                                    tool_calls=[c.as_openai(i) for i, c in enumerate(calls)] or None)  # fmt: skip
+        if calls:
+            choice.finish_reason = "tool_calls"
+        return choice
 
     # ---------------------------------------------------------------- engine requests
 
@@ -697,12 +781,40 @@ def _engine_renames(request: CompletionRequest | ChatCompletionRequest) -> dict[
         renames = {"prompt_token_ids": "messages", "prompt": "messages", "logprobs": "top_logprobs"}
     if request.best_of is None:
         renames["best_of"] = "n"
+    try:
+        _, field = requested_constraint(request)
+    except SamplingParamsError:
+        field = ""
+    if field:
+        renames.update(constraint_field_names(field))
+    elif isinstance(request, ChatCompletionRequest) and request.tool_choice not in (None, "none", "auto"):
+        renames.update(constraint_field_names("tools"))
     return renames
 
 
 def _width_field(request: CompletionRequest | ChatCompletionRequest) -> str:
     """The field that set how many sequences each prompt starts."""
     return "best_of" if request.best_of is not None else "n"
+
+
+def _with_forced_tool_calls(request: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
+    """tool_choice 'required' or a named function: the output is constrained to the calls."""
+    if not request.tools or request.tool_choice in (None, "none", "auto"):
+        if request.tool_choice not in (None, "none", "auto") and not request.tools:
+            raise bad_request("tool_choice: needs tools", param="tool_choice")
+        return params
+    try:
+        schema = forced_schema(request.tools, request.tool_choice, request.parallel_tool_calls)
+    except ToolChoiceError as exc:
+        raise bad_request(str(exc)) from None
+    if params.structured_outputs is not None:
+        raise bad_request("tool_choice: cannot be combined with response_format or structured_outputs")
+    if params.use_beam_search:
+        raise bad_request("tool_choice: forced tool calls cannot be combined with use_beam_search")
+    try:
+        return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
+    except SamplingParamsError as exc:
+        raise bad_request(f"tools: {exc}") from None
 
 
 def _sampling_params(request: CompletionRequest | ChatCompletionRequest, info: dict) -> SamplingParams:

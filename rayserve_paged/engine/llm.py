@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 
 from rayserve_paged.config import EngineConfig
-from rayserve_paged.core.sequence import SamplingParams
+from rayserve_paged.core.sequence import SamplingParams, StructuredOutputsParams
 from rayserve_paged.engine.llm_engine import LLMEngine
 from rayserve_paged.engine.output_processor import OutputProcessor
 from rayserve_paged.engine.outputs import RequestOutput
+from rayserve_paged.engine.tool_calls import forced_calls, forced_schema, parse_tool_calls
 
 PromptLike = str | list[int] | dict
 
@@ -59,19 +61,40 @@ class LLM:
         messages: list[dict] | Seq[list[dict]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        tool_call_parser: str | None = None,
     ) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation ([{"role", "content"}, ...]) or to
-        each of several, rendered with the tokenizer's chat template (as /v1/chat/completions)."""
+        each of several, rendered with the tokenizer's chat template (as /v1/chat/completions).
+
+        With `tools` (OpenAI's tool definitions, passed to the template) and tool_choice
+        "required" or {"type": "function", "function": {"name": ...}}, the output is
+        constrained to calls; with "auto" and a `tool_call_parser` ("hermes",
+        "llama3_json") calls are read from the text. Either way each choice's
+        `tool_calls` holds them (ToolCall: name, arguments as JSON text, id)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(f"the model {self.engine.config.model!r} has no chat template; use generate()")
+        use_tools = bool(tools) and tool_choice != "none"
+        options = {"tools": tools} if use_tools else {}
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **options)
             # the template renders the BOS itself: no special tokens added on top
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        schema = forced_schema(tools, tool_choice) if use_tools else None
+        if schema is not None:
+            sampling_params = _constrained(sampling_params, StructuredOutputsParams(json=schema))
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        if use_tools and (schema is not None or tool_call_parser is not None):
+            for choice in (c for o in outputs for c in o.outputs):
+                if schema is not None:
+                    choice.tool_calls = forced_calls(choice.text, tool_choice) if choice.finish_reason == "stop" else []
+                else:
+                    choice.tool_calls = parse_tool_calls(tool_call_parser, choice.text)[1]
+        return outputs
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)
@@ -101,6 +124,17 @@ class LLM:
             if bar is not None:
                 bar.close()
         return results
+
+
+def _constrained(params, constraint: StructuredOutputsParams):
+    """The sampling parameters with the tool-call constraint (one or a list)."""
+    if params is None:
+        params = SamplingParams()
+    if isinstance(params, Seq):
+        return [_constrained(p, constraint) for p in params]
+    if params.structured_outputs is not None:
+        raise ValueError("tool_choice: cannot be combined with structured_outputs")
+    return dataclasses.replace(params, structured_outputs=constraint)
 
 
 def _normalise_prompts(prompts, prompt_token_ids) -> list[tuple[str | None, list[int] | None]]:

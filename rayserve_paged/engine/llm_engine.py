@@ -35,6 +35,7 @@ from rayserve_paged.core.sequence import (
 from rayserve_paged.engine.detokenizer import DecodeState, Detokenizer
 from rayserve_paged.engine.executor import Executor, InProcessExecutor
 from rayserve_paged.engine.outputs import RequestMetrics, SequenceDelta, StepOutput
+from rayserve_paged.engine.structured_outputs import GrammarCompiler, StructuredOutputs
 from rayserve_paged.models.loader import get_model_config, load_tokenizer
 from rayserve_paged.models.sampler import SamplerOutput, SeqSample
 from rayserve_paged.models.tiny import resolve_model
@@ -97,6 +98,10 @@ class LLMEngine:
         self._num_sent: dict[int, int] = {}  # seq id -> output tokens already emitted
         self._metrics: dict[str, RequestMetrics] = {}
         self._num_cached: dict[str, int] = {}  # request id -> prefix-cache hit, until its first output
+        # structured outputs: grammars compiled off the step loop, a matcher per sequence
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, tuple(self.eos_token_ids))
+        self.structured = StructuredOutputs(self.grammars)
+        self._constrained: dict[str, SequenceGroup] = {}  # request id -> its group, while it lives
         self.num_prompt_tokens = 0  # computed prompt tokens (after prefix-cache hits)
         self.num_generation_tokens = 0
         logger.info(
@@ -155,6 +160,10 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), prompt_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = SequenceGroup(request_id, [seq], sampling_params, arrival, next(self._arrivals))
+        if sampling_params.structured_outputs is not None:
+            # waits for the grammar (compiled ahead by prepare_constraint where a caller can)
+            self.structured.add(seq.seq_id, sampling_params.structured_outputs)
+            self._constrained[request_id] = group
         self.scheduler.add_group(group)
         self._metrics[request_id] = RequestMetrics(arrival_time=arrival)
         if sampling_params.use_beam_search:
@@ -180,10 +189,20 @@ class LLMEngine:
             raise SamplingParamsError(f"logit_bias: token id {bad_bias} is outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise SamplingParamsError(f"logprobs: at most {self.config.max_logprobs} (got {params.logprobs})")
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
         if params.best_of > self.config.max_num_seqs:
             raise SamplingParamsError(
                 f"best_of: {params.best_of} sequences exceed max_num_seqs {self.config.max_num_seqs}"
             )
+
+    def prepare_constraint(self, params: SamplingParams):
+        """Start compiling the request's grammar (a future; None without a constraint): a
+        caller off the step loop awaits it before add_request, so the step loop never waits
+        for a compile. Thread-safe."""
+        if params.structured_outputs is None:
+            return None
+        return self.grammars.submit(params.structured_outputs)
 
     def abort_request(self, request_id: str) -> bool:
         group = self.scheduler.abort(request_id)
@@ -230,6 +249,8 @@ class LLMEngine:
         results = [self._ignored_output(rid) for rid in out.ignored]
         if out.is_empty:
             return results
+        if self._constrained:
+            self._fill_bitmasks(out)
         try:
             sampled = self.executor.execute(out.message)
         except Exception:
@@ -286,8 +307,22 @@ class LLMEngine:
                 self._metrics[rid].num_preemptions += 1
         return results
 
+    def _fill_bitmasks(self, out: SchedulerOutput) -> None:
+        """The token bitmasks of the step's constrained sampled rows, into its message."""
+        msg = out.message
+        seq_ids = []
+        matchers = self.structured.matchers
+        for group, first_row, num_rows, do_sample, _ in out.scheduled:
+            if do_sample and group.request_id in self._constrained:
+                seq_ids += [s for s in msg.seq_ids[first_row : first_row + num_rows] if s in matchers]
+        if seq_ids:
+            msg.bitmask_seq_ids = seq_ids
+            msg.token_bitmasks = self.structured.bitmasks(seq_ids)
+
     def _new_child(self, group: SequenceGroup, parent: Sequence, with_blocks: bool = True) -> Sequence:
         child = parent.fork(next(self._seq_ids))
+        if group.request_id in self._constrained:
+            self.structured.fork(parent.seq_id, child.seq_id)
         if with_blocks:
             self.scheduler.fork_seq(group, parent, child)
         return child
@@ -297,6 +332,7 @@ class LLMEngine:
     def _process_samples(self, group: SequenceGroup, samples: list[SeqSample], is_first_step: bool) -> None:
         by_id = {s.seq_id: s for s in group.seqs}
         params = group.sampling_params
+        is_constrained = group.request_id in self._constrained
         for sample in samples:
             seq = by_id[sample.seq_id]
             picks = list(range(len(sample.token_ids)))
@@ -306,7 +342,11 @@ class LLMEngine:
                 target.append_token(sample.token_ids[i], sample.logprobs[i])
                 if sample.top_logprobs is not None:
                     target.output_logprobs.append(sample.top_logprobs[i])
+                is_complete = is_constrained and self.structured.accept(target.seq_id, sample.token_ids[i])
                 self._check_stop(target, params)
+                if is_complete and target.status is not SequenceStatus.FINISHED_STOPPED:
+                    # the grammar is complete (only EOS may follow): the output is whole
+                    self._finish(target, SequenceStatus.FINISHED_STOPPED, None)
 
     def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
         """Stop tokens, EOS and lengths; stop strings are the output processor's."""
@@ -498,6 +538,10 @@ class LLMEngine:
 
     def _ignored_output(self, request_id: str) -> StepOutput:
         metrics = self._metrics.pop(request_id, None)
+        group = self._constrained.pop(request_id, None)
+        if group is not None:
+            for seq in group.seqs:
+                self.structured.remove(seq.seq_id)
         self._beams.pop(request_id, None)
         self._num_cached.pop(request_id, None)
         return StepOutput(
@@ -513,6 +557,9 @@ class LLMEngine:
         )
 
     def _forget(self, group: SequenceGroup) -> None:
+        if self._constrained.pop(group.request_id, None) is not None:
+            for seq in group.seqs:
+                self.structured.remove(seq.seq_id)
         self._beams.pop(group.request_id, None)
         self._num_cached.pop(group.request_id, None)
         self._metrics.pop(group.request_id, None)

@@ -65,6 +65,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None  # per token: sampled token and top-k alternatives
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    tool_calls: list | None = None  # LLM.chat with tools: the ToolCalls read from the text (engine/tool_calls.py)
 
     @property
     def finished(self) -> bool:

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from rayserve_paged.config import EngineConfig
-from rayserve_paged.core.sequence import SamplingParams
+from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
 from rayserve_paged.engine.frontend import EngineUnavailable
 from rayserve_paged.engine.llm_engine import LLMEngine
 from rayserve_paged.telemetry import ReplicaTelemetry, TelemetryConfig
@@ -81,9 +81,28 @@ class SchedulerActor:
         self._attach_loop()
         if self._error is not None:
             raise EngineUnavailable(f"the engine failed: {self._error!r}")
+        await self._wait_for_grammar(params)
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(("add", (request_id, prompt, params, prompt_token_ids), done))
         await asyncio.wrap_future(done)
+
+    async def _wait_for_grammar(self, params: SamplingParams) -> None:
+        """A constrained request waits here, off the step loop, until its grammar is
+        compiled (or the compile fails or runs past the limit: the caller's error)."""
+        if not isinstance(params, SamplingParams):
+            return  # the engine names the problem
+        compiled = self.engine.prepare_constraint(params)
+        if compiled is None:
+            return
+        timeout = self.engine.grammars.timeout_s
+        # asyncio.wait, not wait_for: a caller that goes away must not cancel the shared compile
+        waiter = asyncio.wrap_future(compiled)
+        waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # the engine reports it
+        await asyncio.wait({waiter}, timeout=timeout)
+        if not compiled.done():
+            raise SamplingParamsError(
+                f"structured_outputs.{params.structured_outputs.kind}: compiling took longer than {timeout:g} s"
+            )
 
     async def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id, None))

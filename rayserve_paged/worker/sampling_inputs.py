@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from rayserve_paged.core.outputs import StepMessage
 from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.models.sampler import RowPenalty, SamplingBatch
@@ -67,10 +69,13 @@ def row_template(params: SamplingParams, eos_token_ids: Sequence[int] = ()) -> R
     )
 
 
-def sampling_batch(rows: Sequence[SamplingRow]) -> SamplingBatch:
+def sampling_batch(
+    rows: Sequence[SamplingRow], bitmask_rows: Sequence[int] = (), bitmask: torch.Tensor | None = None
+) -> SamplingBatch:
     """One SamplingBatch row per entry, in order. On a group's first step a row draws
     num_draws = template.num_first_draws tokens seeded by sample indices 0, 1, ...: pass
-    sample_index 0 there, the sequence's own index afterwards."""
+    sample_index 0 there, the sequence's own index afterwards. `bitmask` [k, words] holds
+    the token bitmasks of the constrained rows `bitmask_rows`."""
     if not rows:
         return SamplingBatch((), (), (), (), (), (), (), (), (), (), ())
     templates, seq_ids, sample_indices, output_indices, num_draws, histories, num_prompt_tokens = zip(*rows)
@@ -90,7 +95,7 @@ def sampling_batch(rows: Sequence[SamplingRow]) -> SamplingBatch:
                 banned_tokens[row] = t.banned_tokens
     return SamplingBatch(
         seq_ids, temperatures, top_ks, top_ps, min_ps, seeds, sample_indices, output_indices, num_draws,
-        beam_widths, logprobs, penalties, logit_bias, banned_tokens,
+        beam_widths, logprobs, penalties, logit_bias, banned_tokens, bitmask_rows, bitmask,
     )
 
 
@@ -114,4 +119,13 @@ def batch_from_step(msg: StepMessage, rows: Sequence[SeqState]) -> SamplingBatch
             append((t, seq_id, 0, starts[i] + counts[i] - num_prompt, t.num_first_draws, seq.history, num_prompt))
         else:
             append((t, seq_id, seq.sample_index, starts[i] + counts[i] - num_prompt, 1, seq.history, num_prompt))
-    return sampling_batch(batch_rows)
+    if not msg.bitmask_seq_ids:
+        return sampling_batch(batch_rows)
+    row_of = {row[1]: i for i, row in enumerate(batch_rows)}
+    bitmask_rows = [row_of[seq_id] for seq_id in msg.bitmask_seq_ids]
+    return sampling_batch(batch_rows, bitmask_rows, unpack_step_bitmasks(msg))
+
+
+def unpack_step_bitmasks(msg: StepMessage) -> torch.Tensor:
+    """The step's packed bitmasks as [k, words] int32 (StepMessage.token_bitmasks)."""
+    return torch.frombuffer(bytearray(msg.token_bitmasks), dtype=torch.int32).view(len(msg.bitmask_seq_ids), -1)

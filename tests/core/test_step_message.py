@@ -165,6 +165,8 @@ def test_is_empty_reads_every_field():
         "token_ids": [7],
         "unsampled_seq_ids": [1],
         "first_step_seq_ids": [1],
+        "bitmask_seq_ids": [1],
+        "token_bitmasks": b"\xff\xff\xff\xff",
     }
     assert set(samples) == {f.name for f in fields(StepMessage)}
     for name, value in samples.items():

@@ -101,10 +101,14 @@ def test_logits_close_to_transformers(gguf_file, hf, chat_ids):
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-def test_greedy_chat_answers_equal_transformers(hf, chat_ids):
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("smollm2", device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_gb=0.02, num_cpu_threads=1)
+
+
+def test_greedy_chat_answers_equal_transformers(hf, chat_ids, llm):
     """LLM("smollm2").chat greedy == transformers' generate on the same ids, token for token."""
     model, tokenizer = hf
-    llm = LLM("smollm2", device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_gb=0.02, num_cpu_threads=1)
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     outputs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     for out, ids in zip(outputs, chat_ids):
@@ -115,3 +119,44 @@ def test_greedy_chat_answers_equal_transformers(hf, chat_ids):
             )[0, len(ids) :].tolist()
         assert out.outputs[0].token_ids == ref
     assert outputs[0].outputs[0].text == "The capital of France is Paris."
+
+
+def test_constrained_chat_answers_are_valid(llm):
+    """A trained model under each kind of constraint, greedy: every answer parses and
+    validates, and ends because the constraint is complete."""
+    import json
+    import re
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "country": {"type": "string", "maxLength": 20},
+            "facts": {"type": "array", "items": {"enum": ["old", "big", "coastal"]}, "maxItems": 2},
+            "location": {"type": "object", "properties": {"north": {"type": "boolean"}}, "required": ["north"],
+                         "additionalProperties": False},
+        },
+        "required": ["city", "country", "facts", "location"],
+        "additionalProperties": False,
+    }  # fmt: skip
+    cases = [
+        ({"json": schema}, lambda t: jsonschema.validate(json.loads(t), schema) is None),
+        ({"regex": r"[0-9]{1,2} (apples|pears)"}, lambda t: re.fullmatch(r"[0-9]{1,2} (apples|pears)", t)),
+        ({"choice": ["Paris", "London", "Rome"]}, lambda t: t in ("Paris", "London", "Rome")),
+        ({"grammar": 'start: "Answer: " ("yes" | "no") "."'}, lambda t: t in ("Answer: yes.", "Answer: no.")),
+    ]
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    for constraint, valid in cases:
+        params = SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=constraint)
+        (out,) = llm.chat(question, params, use_tqdm=False)
+        choice = out.outputs[0]
+        assert valid(choice.text) and choice.finish_reason == "stop", (constraint, choice.text)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}}}]  # fmt: skip
+    (out,) = llm.chat([{"role": "user", "content": "Weather in Oslo?"}], SamplingParams(temperature=0.0, max_tokens=32),
+                      use_tqdm=False, tools=tools, tool_choice="required")  # fmt: skip
+    (call,) = out.outputs[0].tool_calls
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)

@@ -4,6 +4,7 @@ errors, and the placement of each replica's actors."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -85,9 +86,13 @@ def _pressure_workload():
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     samples = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=20, ignore_eos=True)
     beams = SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=12)
+    # the engine's token bitmasks reach rank 0 through every transport
+    constrained = SamplingParams(n=2, temperature=0.8, seed=9, max_tokens=20,
+                                 structured_outputs={"regex": "[a-z]{2,4}( [a-z]{2,5})*"})  # fmt: skip
     return [(p, greedy) for p in PROMPTS + ["One more prompt", "And the last one"]] + [
         ("Parallel samples share a prompt", samples),
         ("Beam candidates share blocks", beams),
+        ("Constrained to a regex", constrained),
     ]
 
 
@@ -120,8 +125,11 @@ def test_executors_equal_the_offline_engine_under_preemption(serve_session, over
     async def run():
         return await asyncio.gather(*[handle.generate.remote(p, s) for p, s in workload])
 
-    got = [_tokens(o) for o in asyncio.run(run())]
+    outputs = asyncio.run(run())
+    got = [_tokens(o) for o in outputs]
     assert got == expected
+    assert all(re.fullmatch("[a-z]{2,4}( [a-z]{2,5})*", c.text) or c.finish_reason == "length"
+               for c in outputs[-1].outputs)  # fmt: skip
     tp = overrides.get("tensor_parallel_size", 1)
     assert len(_alive("WorkerActor")) == (0 if tp == 1 else tp)  # TP=1: no worker actor at all
     stats = handle.stats.remote().result()

@@ -1,0 +1,108 @@
+"""Tool-call schemas and parsers (engine/tool_calls.py) and LLM.chat with tools."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from rayserve_paged import LLM, SamplingParams
+from rayserve_paged.engine.tool_calls import ToolChoiceError, forced_calls, forced_schema, parse_tool_calls
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+           "additionalProperties": False}  # fmt: skip
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "ping"}},
+]
+
+
+def test_hermes_reads_calls_and_keeps_the_text_before_them():
+    text = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+            '<tool_call>{"name": "ping", "arguments": {}}</tool_call>')  # fmt: skip
+    content, calls = parse_tool_calls("hermes", text)
+    assert content == "Checking."
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Rome"}'), ("ping", "{}")]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    assert parse_tool_calls("hermes", "no calls here") == ("no calls here", [])
+    broken = "<tool_call>{not json}</tool_call>"
+    assert parse_tool_calls("hermes", broken) == (broken, [])  # not a call: the text stays content
+
+
+def test_llama3_json_reads_one_or_several_calls():
+    content, calls = parse_tool_calls("llama3_json", '<|python_tag|>{"name": "ping", "parameters": {"x": 1}}')
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("ping", '{"x": 1}')]
+    _, calls = parse_tool_calls("llama3_json", '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}')
+    assert [c.name for c in calls] == ["a", "b"]
+    assert parse_tool_calls("llama3_json", "Hello {") == ("Hello {", [])
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        parse_tool_calls("mistral", "x")
+
+
+def test_forced_schemas():
+    required = forced_schema(TOOLS, "required")
+    good = [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "ping", "parameters": {}}]
+    jsonschema.validate(good, required)
+    for bad in ([], [{"name": "get_weather", "parameters": {"city": "Oslo"}}], [{"name": "other", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, required)
+    assert forced_schema(TOOLS, "required", parallel_tool_calls=False)["maxItems"] == 1
+    assert forced_schema(TOOLS, {"type": "function", "function": {"name": "get_weather"}}) == WEATHER
+    assert forced_schema(TOOLS, "auto") is None and forced_schema(TOOLS, "none") is None
+    for tools, choice, field in (
+        (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+        ([], "required", "tool_choice"),
+        ([{"type": "function", "function": {"name": "a"}}] * 2, "required", "tools[1].function.name"),
+        ([{"type": "function", "function": {"name": "a", "parameters": []}}], "required", "tools[0].function.parameters"),
+    ):
+        with pytest.raises(ToolChoiceError, match="^" + re.escape(field) + ":"):
+            forced_schema(tools, choice)
+    assert forced_calls('[{"name": "ping", "parameters": {}}]', "required")[0].arguments == "{}"
+    assert forced_calls('[{"name": "pi', "required") == []  # cut short: no call
+
+
+def test_llm_chat_with_required_and_named_tools(tiny_paths):
+    llm = LLM(model=tiny_paths["opt"], max_model_len=256, num_gpu_blocks_override=32, swap_space_gb=0.01)
+    messages = [{"role": "user", "content": "Weather in Rome?"}]
+    params = SamplingParams(max_tokens=80, temperature=1.0, seed=3, n=2)
+    for out in llm.chat(messages, params, use_tqdm=False, tools=TOOLS, tool_choice="required"):
+        for choice in out.outputs:
+            assert choice.tool_calls, choice.text
+            for call in choice.tool_calls:
+                assert call.name in ("get_weather", "ping")
+                if call.name == "get_weather":
+                    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    (out,) = llm.chat(messages, SamplingParams(max_tokens=40, temperature=0.0), use_tqdm=False, tools=TOOLS,
+                      tool_choice=named)  # fmt: skip
+    (call,) = out.outputs[0].tool_calls
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    (free,) = llm.chat(messages, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False, tools=TOOLS)
+    assert free.outputs[0].tool_calls is None  # no parser, no forced choice: plain text
+
+
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_a_stream_sends_content_until_a_call_may_begin(pieces):
+    from rayserve_paged.engine.tool_calls import ToolCallStream
+
+    def run(parser, text):
+        stream = ToolCallStream(parser)
+        size = max(1, len(text) // pieces) if pieces > 1 else 1  # one character at a time, or in chunks
+        sent = "".join(stream.feed(text[i : i + size]) for i in range(0, len(text), size))
+        rest, calls = stream.finish()
+        return sent, rest, [(c.name, c.arguments) for c in calls]
+
+    call = '<tool_call>{"name": "ping", "arguments": {"x": 1}}</tool_call>'
+    sent, rest, calls = run("hermes", "Let me see. " + call)
+    assert sent == "Let me see. " and rest == "" and calls == [("ping", '{"x": 1}')]
+    # a "<" that starts no call is held only until it cannot be one
+    assert run("hermes", "a < b <tool no") == ("a < b <tool no", "", [])
+    assert run("hermes", "x <tool") == ("x ", "<tool", [])  # it may have begun: held, then sent at the end
+    sent, rest, calls = run("hermes", "a < b, <tool_call>{broken")
+    assert (sent, rest, calls) == ("a < b, ", "<tool_call>{broken", [])  # not a call: the rest is content
+    sent, rest, calls = run("llama3_json", '<|python_tag|>{"name": "ping", "parameters": {}}')
+    assert (sent, rest, calls) == ("", "", [("ping", "{}")])
+    sent, rest, calls = run("llama3_json", "Hello {there}")
+    assert sent + rest == "Hello {there}" and calls == []
