@@ -1,5 +1,6 @@
 """The embedded SmolLM2-135M-Instruct GGUF through the project against transformers' own GGUF
-loader, both in float32: config, tokenizer, logits, and greedy chat answers.
+loader, both in float32 (`quantization="none"`): config, tokenizer, logits, and greedy chat
+answers; and the quantized path (`quantization="auto"`) against both.
 
 Each model is loaded once for the module (the 135M model costs seconds, not milliseconds).
 """
@@ -91,7 +92,7 @@ def test_tokenizer_and_chat_template_equal_transformers(hf, chat_ids):
 def test_logits_close_to_transformers(gguf_file, hf, chat_ids):
     """Every position of a packed prefill of two chat prompts; proves the q/k unpermute."""
     config = get_model_config(gguf_file)
-    model = load_model(gguf_file, dtype=torch.float32)
+    model = load_model(gguf_file, dtype=torch.float32, quantization="none")
     runner = PagedRunner(model, config.num_layers, config.num_kv_heads, config.head_dim, num_blocks=64, block_size=16)
     prompts = chat_ids[:2]
     ours = runner.step(list(enumerate(prompts)), all_logits=True)  # [sum(len), vocab]
@@ -104,7 +105,10 @@ def test_logits_close_to_transformers(gguf_file, hf, chat_ids):
 def test_greedy_chat_answers_equal_transformers(hf, chat_ids):
     """LLM("smollm2").chat greedy == transformers' generate on the same ids, token for token."""
     model, tokenizer = hf
-    llm = LLM("smollm2", device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_gb=0.02, num_cpu_threads=1)
+    llm = LLM(
+        "smollm2", device="cpu", dtype="float32", quantization="none", max_model_len=256, kv_cache_memory_gb=0.02,
+        num_cpu_threads=1,
+    )
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     outputs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     for out, ids in zip(outputs, chat_ids):
