@@ -20,6 +20,7 @@ BENCHMARKS = {
     "sampler-host": "benchmarks.sampler_host",
     "serving": "benchmarks.serving",
     "smollm2": "benchmarks.smollm2",
+    "quantized": "benchmarks.quantized",
 }
 
 DEMO_QUESTIONS = [

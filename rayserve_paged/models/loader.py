@@ -369,11 +369,11 @@ def process_weights_after_loading(model: nn.Module) -> None:
 def _describe_formats(formats: dict[str, GroupQuantFormat], kept: frozenset[str]) -> str:
     if not formats:
         return "float weights"
-    names = lambda which: ", ".join(sorted({f.name for n, f in formats.items() if which(n)})) or "none"  # noqa: E731
-    num_dequantized = len(formats) - len(kept)
+    kept_names = sorted({fmt.name for name, fmt in formats.items() if name in kept})
+    dequantized_names = sorted({fmt.name for name, fmt in formats.items() if name not in kept})
     return (
-        f"{len(kept)} weights kept quantized ({names(lambda n: n in kept)}), "
-        f"{num_dequantized} quantized weights dequantized ({names(lambda n: n not in kept)})"
+        f"{len(kept)} weights kept quantized ({', '.join(kept_names) or 'none'}), {len(formats) - len(kept)} "
+        f"quantized weights dequantized ({', '.join(dequantized_names) or 'none'})"
     )
 
 

@@ -223,7 +223,8 @@ class GroupQuantLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer) -> None:
         """Repack once: the kernels' form for layers that multiply (`is_matmul`); the codes
-        stay only where rows are looked up (`keeps_codes`: embeddings)."""
+        stay only where rows are looked up (`keeps_codes`: embeddings) and no dense weight in
+        the model dtype holds them (a tied LM head's)."""
         plan = layer.kernel_plan = self._plan_for(layer)
         layer.int4_planes = ()
         layer.dense_weight = None
@@ -232,7 +233,8 @@ class GroupQuantLinearMethod(LinearMethod):
             layer.dense_weight = weight.to(plan.activation_dtype if plan.is_packed else layer.model_dtype)
             if plan.is_packed:
                 layer.int4_planes = _planes(layer.weight_codes, layer.weight_scales, layer.weight_offsets, self.bits, plan)
-        if not layer.keeps_codes:
+        if not layer.keeps_codes or layer.dense_weight is not None and not plan.is_packed:
+            # rows are looked up in the dense weight when there is one in the model dtype
             layer.weight_codes.data = torch.empty(0, dtype=torch.uint8, device=layer.weight_codes.device)
 
     def apply(self, layer, x):
@@ -250,6 +252,8 @@ class GroupQuantLinearMethod(LinearMethod):
         return y.to(x.dtype)
 
     def embed(self, layer, ids):
+        if not layer.weight_codes.numel():
+            return F.embedding(ids, layer.dense_weight)  # [T, in]
         rows = dequantize_groups(layer.weight_codes[ids], layer.weight_scales[ids], layer.weight_offsets[ids])
         return rows.to(layer.model_dtype)  # [T, in]
 

@@ -16,6 +16,7 @@ from rayserve_paged.models import quant
 from rayserve_paged.models.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
+    ParallelLMHead,
     ParallelState,
     QKVParallelLinear,
     RowParallelLinear,
@@ -159,3 +160,21 @@ def test_cpu_kernel_plan_is_one_choice_per_process():
     flags = quant._cpu_flags()
     assert plan.is_packed == bool(flags & {"avx512_bf16", "amx_bf16"})
     assert plan.activation_dtype == (torch.bfloat16 if plan.is_packed else torch.float32)
+
+
+def test_tied_lm_head_multiplies_in_float32_and_the_embedding_looks_up_the_same_weight():
+    """A tied quantized embedding keeps one float32 copy (its codes go): rows for lookups,
+    logits from it in float32 (packed bfloat16 logits change greedy answers)."""
+    q = make(50, 64, 8, 32)
+    embedding = VocabParallelEmbedding(50, 64)
+    head = ParallelLMHead(50, 64, tied_to=embedding)
+    load_quantized(embedding, q, 8)
+    weight = q.dequantize()
+    assert embedding.weight_codes.numel() == 0 and embedding.int4_planes == ()
+    assert embedding.dense_weight.dtype == torch.float32
+    assert torch.equal(embedding(torch.tensor([3, 49])), weight[[3, 49]])
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(head.compute_logits(x), x @ weight.t(), atol=1e-5, rtol=0)
+    assert torch.equal(embedding.method.dequantize(embedding), weight)
+    with pytest.raises(ValueError, match="a tied LM head takes the embedding's weight format"):
+        head.set_method(quant.UNQUANTIZED)
