@@ -16,7 +16,8 @@ engine     each quantization in a fresh subprocess, (none, auto) `--rounds` time
            (ignore_eos), output tokens/s after an untimed warm-up; the process's peak RSS.
 agreement  the greedy tokens of the num_requests chats (the last round), quantized against
            float32: sequences identical, and the tokens before the first difference.
-http       one replica of configs/smollm2.yaml (no autoscaling), then llama-server when given
+http       one replica of configs/smollm2.yaml (no autoscaling) with quantization none, then
+           auto (the config's), then llama-server when given
            (-np num_requests, one slot per request, the same threads): the same chats sent one
            alone, then all at once, to /v1/chat/completions; completion tokens/s.
 """
@@ -186,7 +187,7 @@ def _tree_rss_mib(pid: int) -> float:
     return total / 1024
 
 
-def run_serve(convs: list[list[dict]], max_tokens: int, threads: int, log_dir: Path) -> dict:
+def run_serve(convs: list[list[dict]], max_tokens: int, threads: int, quantization: str, log_dir: Path) -> dict:
     import yaml
 
     from benchmarks.serving import LaunchedServer
@@ -194,7 +195,8 @@ def run_serve(convs: list[list[dict]], max_tokens: int, threads: int, log_dir: P
     config = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "smollm2.yaml").read_text())
     args = config["applications"][0]["args"]
     args.pop("autoscaling_config")
-    args |= {"num_replicas": 1, "num_cpu_threads": threads, "max_model_len": ENGINE_OPTIONS["max_model_len"]}
+    args |= {"num_replicas": 1, "num_cpu_threads": threads, "max_model_len": ENGINE_OPTIONS["max_model_len"],
+             "quantization": quantization}
     with LaunchedServer(config, log_dir) as server:
         start = time.perf_counter()
         server.start(timeout_s=1200, log=lambda message: None)
@@ -259,8 +261,10 @@ def run(args, log) -> dict:
     convs = conversations(args.num_requests)
     out = Path(args.out)
     if not args.no_http:
-        log("http: serve run configs/smollm2.yaml")
-        result["serve"] = run_serve(convs, args.max_tokens, args.threads, out / "serve-logs")
+        for quantization in QUANTIZATIONS:
+            log(f"http: serve run configs/smollm2.yaml, quantization {quantization}")
+            result[f"serve_{quantization}"] = run_serve(convs, args.max_tokens, args.threads, quantization,
+                                                        out / f"serve-logs-{quantization}")  # fmt: skip
     if args.llama_server:
         if Path(args.llama_server).is_file():
             log("http: llama-server")
@@ -294,7 +298,7 @@ def format_report(r: dict) -> str:
         f"greedy agreement: {a['num_identical']}/{a['num_sequences']} sequences identical, "
         f"{a['tokens_before_first_difference_share']:.1%} of tokens before the first difference"
     )
-    for name in ("serve", "llama_server"):
+    for name in ("serve_none", "serve_auto", "llama_server"):
         if name in r:
             h = r[name]
             if "skipped" in h:

@@ -32,14 +32,17 @@ every plane runs twice, with the bfloat16 head and rest of its float32 scales an
 The LM head (`is_logits`) multiplies by its dequantized weight in the model dtype: the packed
 kernels return bfloat16, whose rounding of logits (1/8 at a logit of 20) flips greedy answers
 (SmolLM2: "The capital of France is Paris." became "L'Étoile, la Marseillaise, ..."). On
-other CPUs, where the packed kernels are slower than float32 GEMM, and on GPUs, the weight is
-dequantized once into the model dtype and F.linear runs on it: the codes still load (and
-shard) the same way.
+other CPUs, where the packed kernels are slower than float32 GEMM, the weight is dequantized
+once into the model dtype and F.linear runs on it: the codes still load (and shard) the same
+way. On CUDA devices the codes stay packed (two per byte for 4 bits) and the Triton kernel of
+ops/quant_gemm.py dequantizes them tile by tile inside the GEMM (compiled ahead of time with
+the attention kernels; tested under the interpreter, not yet timed on a GPU).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import platform
 from dataclasses import dataclass
@@ -99,6 +102,7 @@ class CpuKernelPlan:
     activation_dtype: torch.dtype  # what the packed kernels and the dense copy run in
     max_packed_rows: int  # batches with more rows use the dense copy (0: never packed)
     reason: str
+    is_triton: bool = False  # CUDA: the Triton group-quantized GEMM (ops/quant_gemm.py) instead
 
 
 # Rows up to which the packed int4 kernel beats a dense bfloat16 GEMM on SmolLM2's shapes
@@ -217,9 +221,13 @@ class GroupQuantLinearMethod(LinearMethod):
         device = layer.weight_codes.device
         if layer.is_logits:
             return CpuKernelPlan(False, layer.model_dtype, 0, "logits in the model dtype")
+        if self.plan is not None:
+            return self.plan
+        if device.type == "cuda" and self.group_size % 32 == 0 and importlib.util.find_spec("triton") is not None:
+            return CpuKernelPlan(False, layer.model_dtype, 0, "Triton group-quantized GEMM", is_triton=True)
         if device.type != "cpu" or self.group_size not in CPU_INT4_GROUP_SIZES:
             return CpuKernelPlan(False, layer.model_dtype, 0, f"no packed kernel for {device.type}, g={self.group_size}")
-        return self.plan or cpu_kernel_plan()
+        return cpu_kernel_plan()
 
     def process_weights_after_loading(self, layer) -> None:
         """Repack once: the kernels' form for layers that multiply (`is_matmul`); the codes
@@ -228,7 +236,12 @@ class GroupQuantLinearMethod(LinearMethod):
         plan = layer.kernel_plan = self._plan_for(layer)
         layer.int4_planes = ()
         layer.dense_weight = None
-        if layer.is_matmul:
+        layer.packed_codes = None
+        if layer.is_matmul and plan.is_triton:
+            from rayserve_paged.ops.quant_gemm import pack_codes
+
+            layer.packed_codes = pack_codes(layer.weight_codes.data, self.bits)  # [out, in * bits / 8]
+        elif layer.is_matmul:
             weight = dequantize_groups(layer.weight_codes, layer.weight_scales, layer.weight_offsets)  # [out, in]
             layer.dense_weight = weight.to(plan.activation_dtype if plan.is_packed else layer.model_dtype)
             if plan.is_packed:
@@ -239,6 +252,11 @@ class GroupQuantLinearMethod(LinearMethod):
 
     def apply(self, layer, x):
         plan = layer.kernel_plan
+        if plan.is_triton:
+            from rayserve_paged.ops.quant_gemm import group_quant_matmul
+
+            scales, offsets = layer.weight_scales, layer.weight_offsets
+            return group_quant_matmul(x, layer.packed_codes, scales, offsets, self.bits, self.group_size)
         if not plan.is_packed:
             return F.linear(x, layer.dense_weight)
         xa = x.to(plan.activation_dtype)
@@ -265,6 +283,9 @@ class GroupQuantLinearMethod(LinearMethod):
         if layer.int4_planes:
             planes = [unpack_int4(packed, out_features, num_groups * self.group_size) for packed, _ in layer.int4_planes]
             codes = (planes[0] if self.bits == 4 else planes[0] * 16 + planes[1]).to(torch.uint8)  # high nibble first
+        elif layer.packed_codes is not None:
+            packed = layer.packed_codes
+            codes = packed if self.bits == 8 else torch.stack([packed & 15, packed >> 4], dim=-1).flatten(1)
         elif layer.weight_codes.numel():
             codes = layer.weight_codes
         else:

@@ -1,0 +1,37 @@
+"""The quantized-weights benchmark's pieces that need no model: registration, agreement."""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks import quantized
+from rayserve_paged import cli
+
+
+def test_registered_as_a_bench_command():
+    assert cli.BENCHMARKS["quantized"] == "benchmarks.quantized"
+
+
+def test_agreement_counts_identical_sequences_and_tokens_before_the_first_difference():
+    want = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]
+    got = [[1, 2, 3, 4], [5, 6, 0, 8], [0, 9]]
+    result = quantized.agreement(got, want)
+    assert result["num_identical"] == 1 and result["num_sequences"] == 3
+    assert result["agreeing_prefix_tokens"] == [4, 2, 0]
+    assert result["mean_agreeing_prefix"] == 2.0
+    assert result["tokens_before_first_difference_share"] == 6 / 10
+
+
+def test_llama_server_is_skipped_when_its_path_is_absent(tmp_path, monkeypatch):
+    monkeypatch.setattr(quantized, "_engine_in_subprocess", lambda q, *a, **k: {
+        "quantization": q, "load_model_s": 1.0, "llm_construct_s": 1.0, "peak_rss_gib": 1.0,
+        "single": {"tokens_per_s": 1.0}, "concurrent": {"tokens_per_s": 2.0}, "token_ids": [[1, 2]],
+    })  # fmt: skip
+    args = argparse.Namespace(
+        threads=1, num_requests=1, max_tokens=2, rounds=1, no_kernels=True, no_http=True,
+        llama_server=str(tmp_path / "missing"), out=str(tmp_path),
+    )  # fmt: skip
+    result = quantized.run(args, log=lambda message: None)
+    assert result["llama_server"] == {"skipped": f"{tmp_path / 'missing'} does not exist"}
+    assert result["agreement"]["num_identical"] == 1
+    assert "llama_server: skipped" in quantized.format_report(result)
