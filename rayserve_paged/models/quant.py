@@ -95,8 +95,8 @@ def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.
 
 
 @dataclass(frozen=True, slots=True)
-class CpuKernelPlan:
-    """How group-quantized layers compute on this machine's CPU."""
+class KernelPlan:
+    """How group-quantized layers compute: on this CPU (`cpu_kernel_plan`), or on CUDA."""
 
     is_packed: bool  # torch's packed int4 kernels; else dequantized float weights
     activation_dtype: torch.dtype  # what the packed kernels and the dense copy run in
@@ -123,16 +123,16 @@ def _cpu_flags() -> set[str]:
 
 
 @functools.cache
-def cpu_kernel_plan() -> CpuKernelPlan:
+def cpu_kernel_plan() -> KernelPlan:
     """The per-machine choice, made and logged once per process."""
     flags = _cpu_flags()
     has_kernels = hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
     bf16 = sorted(flags & {"avx512_bf16", "amx_bf16"})
     if has_kernels and bf16:
-        plan = CpuKernelPlan(True, torch.bfloat16, PACKED_MAX_ROWS, f"CPU has {' '.join(bf16)}")
+        plan = KernelPlan(True, torch.bfloat16, PACKED_MAX_ROWS, f"CPU has {' '.join(bf16)}")
     else:
         why = "torch lacks the packed int4 CPU kernels" if not has_kernels else "CPU has neither avx512_bf16 nor amx_bf16"
-        plan = CpuKernelPlan(False, torch.float32, 0, f"{why} ({platform.machine()})")
+        plan = KernelPlan(False, torch.float32, 0, f"{why} ({platform.machine()})")
     if plan.is_packed:
         logger.info(
             "quantized linear layers: packed int4 kernels in %s for batches of up to %d rows, a dense %s copy "
@@ -197,7 +197,7 @@ class GroupQuantLinearMethod(LinearMethod):
 
     param_names = QUANT_PARAM_NAMES
 
-    def __init__(self, fmt: GroupQuantFormat, plan: CpuKernelPlan | None = None) -> None:
+    def __init__(self, fmt: GroupQuantFormat, plan: KernelPlan | None = None) -> None:
         if fmt.bits not in (4, 8):
             raise ValueError(f"{fmt.name}: {fmt.bits}-bit weights are not supported (4 and 8 are)")
         self.format = fmt
@@ -217,16 +217,16 @@ class GroupQuantLinearMethod(LinearMethod):
         layer.weight_offsets = _new_param(output_size, num_groups, dtype=torch.float32)  # [out, in / g]
         layer.model_dtype = dtype or torch.get_default_dtype()
 
-    def _plan_for(self, layer: nn.Module) -> CpuKernelPlan:
+    def _plan_for(self, layer: nn.Module) -> KernelPlan:
         device = layer.weight_codes.device
         if layer.is_logits:
-            return CpuKernelPlan(False, layer.model_dtype, 0, "logits in the model dtype")
+            return KernelPlan(False, layer.model_dtype, 0, "logits in the model dtype")
         if self.plan is not None:
             return self.plan
         if device.type == "cuda" and self.group_size % 32 == 0 and importlib.util.find_spec("triton") is not None:
-            return CpuKernelPlan(False, layer.model_dtype, 0, "Triton group-quantized GEMM", is_triton=True)
+            return KernelPlan(False, layer.model_dtype, 0, "Triton group-quantized GEMM", is_triton=True)
         if device.type != "cpu" or self.group_size not in CPU_INT4_GROUP_SIZES:
-            return CpuKernelPlan(False, layer.model_dtype, 0, f"no packed kernel for {device.type}, g={self.group_size}")
+            return KernelPlan(False, layer.model_dtype, 0, f"no packed kernel for {device.type}, g={self.group_size}")
         return cpu_kernel_plan()
 
     def process_weights_after_loading(self, layer) -> None:
@@ -312,7 +312,7 @@ def _split_scales_and_zeros(
 
 
 def _planes(
-    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int, plan: CpuKernelPlan
+    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int, plan: KernelPlan
 ) -> tuple[tuple[torch.Tensor, tuple[torch.Tensor, ...]], ...]:
     """(packed int4 weight, its (scale, zero) pairs) per plane; the products sum to x W^T.
 

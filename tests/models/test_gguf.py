@@ -143,7 +143,7 @@ def test_kept_quantized_types_repack_exactly(type_name, llama_dir, tmp_path, mon
     this CPU is): every layer's repacked weight dequantizes to the GGUF's dequantized values bit
     for bit (q/k unpermuted, q/k/v and gate/up fused), and the logits stay within 2% of the
     largest float32 logit (bfloat16 activations in the linear layers, logits in float32)."""
-    monkeypatch.setattr(quant, "cpu_kernel_plan", lambda: quant.CpuKernelPlan(True, torch.bfloat16, 8, "test"))
+    monkeypatch.setattr(quant, "cpu_kernel_plan", lambda: quant.KernelPlan(True, torch.bfloat16, 8, "test"))
     path = tmp_path / f"tiny.{type_name}.gguf"
     write_gguf(path, llama_dir, type_name)
     ours = load_model(path, dtype=torch.float32)

@@ -34,7 +34,7 @@ SIZES = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
 @pytest.fixture(autouse=True)
 def packed_plan(monkeypatch):
     """The packed-kernel plan whatever this CPU is (the fallback plan has its own test)."""
-    monkeypatch.setattr(quant, "cpu_kernel_plan", lambda: quant.CpuKernelPlan(True, torch.bfloat16, 4, "test"))
+    monkeypatch.setattr(quant, "cpu_kernel_plan", lambda: quant.KernelPlan(True, torch.bfloat16, 4, "test"))
 
 
 @pytest.fixture(scope="module")

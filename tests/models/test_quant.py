@@ -22,10 +22,10 @@ from rayserve_paged.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from rayserve_paged.models.quant import CpuKernelPlan, GroupQuantFormat, GroupQuantLinearMethod, QuantizedTensor
+from rayserve_paged.models.quant import KernelPlan, GroupQuantFormat, GroupQuantLinearMethod, QuantizedTensor
 
-PACKED = CpuKernelPlan(True, torch.bfloat16, 8, "test: packed")
-DEQUANTIZED = CpuKernelPlan(False, torch.float32, 0, "test: dequantized")
+PACKED = KernelPlan(True, torch.bfloat16, 8, "test: packed")
+DEQUANTIZED = KernelPlan(False, torch.float32, 0, "test: dequantized")
 
 # Per element, |quantized - float32| <= BOUND * (|x| @ |W|^T): the packed kernels and the dense
 # copy round activations, weights (scales, zeros) and outputs to bfloat16, 2^-9 relative each;
@@ -42,7 +42,7 @@ def make(out_features: int, in_features: int, bits: int, group_size: int, seed: 
     return QuantizedTensor(codes, scales, offsets)
 
 
-def load_quantized(layer, q: QuantizedTensor, bits: int, shard_id=None, plan: CpuKernelPlan = PACKED, process=True):
+def load_quantized(layer, q: QuantizedTensor, bits: int, shard_id=None, plan: KernelPlan = PACKED, process=True):
     """Give `layer` the group-quantized method and load the full tensor `q` (a piece of it
     when shard_id is given) through the layer's own load_weight, as the loader does."""
     if not isinstance(layer.method, GroupQuantLinearMethod):

@@ -60,10 +60,10 @@ def test_linear_layer_on_the_triton_plan(bits, group_size, tp_rank):
     """models/quant.py's CUDA plan (run here on CPU tensors through the interpreter): a
     row-parallel shard keeps its codes packed, dequantizes exactly, and multiplies right."""
     from rayserve_paged.models.layers import ParallelState, RowParallelLinear
-    from rayserve_paged.models.quant import QUANT_PARAM_NAMES, CpuKernelPlan, GroupQuantFormat, GroupQuantLinearMethod
+    from rayserve_paged.models.quant import QUANT_PARAM_NAMES, KernelPlan, GroupQuantFormat, GroupQuantLinearMethod
 
     codes, scales, offsets, weight = quantized(64, 256, bits, group_size, 3)
-    plan = CpuKernelPlan(False, torch.float32, 0, "test: triton", is_triton=True)
+    plan = KernelPlan(False, torch.float32, 0, "test: triton", is_triton=True)
     layer = RowParallelLinear(256, 64, bias=False, parallel=ParallelState(tp_rank, 2))
     layer.set_method(GroupQuantLinearMethod(GroupQuantFormat("test", bits, group_size), plan))
     with torch.no_grad():
