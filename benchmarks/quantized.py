@@ -268,8 +268,11 @@ def run(args, log) -> dict:
     if args.llama_server:
         if Path(args.llama_server).is_file():
             log("http: llama-server")
-            result["llama_server"] = run_llama_server(args.llama_server, convs, args.max_tokens, args.threads,
-                                                      out / "llama-server-logs")  # fmt: skip
+            try:
+                result["llama_server"] = run_llama_server(args.llama_server, convs, args.max_tokens, args.threads,
+                                                          out / "llama-server-logs")  # fmt: skip
+            except (RuntimeError, OSError) as exc:  # the sitting's other figures stay
+                result["llama_server"] = {"failed": str(exc)}
         else:
             result["llama_server"] = {"skipped": f"{args.llama_server} does not exist"}
     result["loadavg_end"] = os.getloadavg()
@@ -301,8 +304,8 @@ def format_report(r: dict) -> str:
     for name in ("serve_none", "serve_auto", "llama_server"):
         if name in r:
             h = r[name]
-            if "skipped" in h:
-                lines.append(f"{name}: skipped ({h['skipped']})")
+            if "skipped" in h or "failed" in h:
+                lines.append(f"{name}: {'skipped' if 'skipped' in h else 'failed'} ({h.get('skipped') or h['failed']})")
                 continue
             rss = f", RSS {h['rss_mib']:.0f} MiB" if "rss_mib" in h else ""
             lines.append(f"{name}: single {h['single']['tokens_per_s']:.1f} tok/s, concurrent "
