@@ -44,7 +44,9 @@ SUBJECTS = [
 NUM_REQUESTS = 32
 MAX_TOKENS = 64
 DEFAULT_THREADS = 1  # robust on a shared CPU: a descheduled second thread stalls every op
-ENGINE_OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 512, "kv_cache_memory_gb": 0.25}
+# the float32 path, as transformers runs it (`bench quantized` measures the quantized one)
+ENGINE_OPTIONS = {"device": "cpu", "dtype": "float32", "quantization": "none", "max_model_len": 512,
+                  "kv_cache_memory_gb": 0.25}  # fmt: skip
 
 
 def questions(num: int) -> list[str]:
@@ -72,7 +74,7 @@ def measure_load(which: str) -> dict:
 
         path = resolve_model("smollm2")
         get_model_config(path)
-        load_model(path, dtype=torch.float32)
+        load_model(path, dtype=torch.float32, quantization="none")
         load_tokenizer(path)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -151,7 +153,8 @@ def run_http(convs: list[list[dict]], max_tokens: int, threads: int, log_dir: Pa
     config = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "smollm2.yaml").read_text())
     args = config["applications"][0]["args"]
     args.pop("autoscaling_config")
-    args |= {"num_replicas": 1, "num_cpu_threads": threads, "max_model_len": ENGINE_OPTIONS["max_model_len"]}
+    args |= {"num_replicas": 1, "num_cpu_threads": threads, "max_model_len": ENGINE_OPTIONS["max_model_len"],
+             "quantization": ENGINE_OPTIONS["quantization"]}
     with LaunchedServer(config, log_dir) as server:
         start = time.perf_counter()
         server.start(timeout_s=1200, log=lambda message: None)

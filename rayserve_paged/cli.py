@@ -24,6 +24,7 @@ BENCHMARKS = {
     "serving": "benchmarks.serving",
     "smollm2": "benchmarks.smollm2",
     "structured-outputs": "benchmarks.structured_outputs",
+    "quantized": "benchmarks.quantized",
 }
 
 DEMO_QUESTIONS = [

@@ -4,7 +4,10 @@
        │            │
        │            ├──> HF-style config dict (`llama.*` keys) ──> the same model classes
        │            └──> tensor names  blk.N.attn_q ──> model.layers.N.self_attn.q_proj ...
-       └──> tensor data (mmap) ──> gguf.quants.dequantize ──> float32 ──> load_weights
+       └──> tensor data (mmap) ──> Q4_0 / Q4_1 / Q8_0: codes + group scales and offsets
+                                   (quant.QuantizedTensor, exact) ──> kept quantized
+                                 ──> other types, or quantization "none": gguf.quants.dequantize
+                                   ──> float32 ──> load_weights
 
 The header is parsed here with `struct` over an mmap: the `gguf` package's GGUFReader builds
 a numpy view per element of every metadata array, which for a 49k-token vocabulary costs
@@ -34,6 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .quant import GroupQuantFormat, QuantizedTensor
+
 logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
@@ -41,6 +46,10 @@ DEFAULT_ALIGNMENT = 32
 
 # ggml type names this loader dequantizes (the `gguf` package's GGMLQuantizationType names)
 SUPPORTED_GGML_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
+# ggml types kept quantized (quant.GroupQuantLinearMethod): name -> bits; the others dequantize
+KEPT_QUANTIZED_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+GGML_BLOCK_SIZE = 32  # elements per block of Q4_0 / Q4_1 / Q8_0: one scale (and min) each
 
 # general.architecture -> HF architecture the project runs
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
@@ -329,17 +338,73 @@ def dequantize_tensor(buf: np.ndarray, tensor: GGUFTensor) -> np.ndarray:
     return values.reshape(tensor.shape).astype(np.float32, copy=False)
 
 
-def iter_gguf_weights(path: str | Path, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF tensor name, float32 tensor on CPU) for every tensor of a GGUF file."""
+def weight_formats(header: GGUFHeader) -> dict[str, GroupQuantFormat]:
+    """HF weight name -> format, for every 2-D tensor of a type kept quantized."""
+    formats = {}
+    for tensor in header.tensors.values():
+        type_name = _ggml_type_name(tensor.ggml_type)
+        if type_name in KEPT_QUANTIZED_TYPES and len(tensor.shape) == 2:
+            formats[hf_tensor_name(tensor.name)] = GroupQuantFormat(
+                type_name, KEPT_QUANTIZED_TYPES[type_name], GGML_BLOCK_SIZE
+            )
+    return formats
+
+
+def quantized_tensor(buf: np.ndarray, tensor: GGUFTensor) -> QuantizedTensor:
+    """Codes, scales and offsets of a Q4_0 / Q4_1 / Q8_0 tensor; `.dequantize()` equals
+    `dequantize_tensor` bit for bit (the same float32 products and sums as ggml's).
+
+        Q4_0  block: d f16, 16 bytes of nibbles     w = d * (q - 8)   -> code q,       offset -8d
+        Q4_1  block: d f16, m f16, 16 bytes         w = d * q + m     -> code q,       offset m
+        Q8_0  block: d f16, 32 int8                 w = d * q         -> code q + 128, offset -128d
+    A block's low nibbles are its elements 0..15, the high nibbles 16..31.
+    """
+    type_name = _ggml_type_name(tensor.ggml_type)
+    rows, cols = tensor.shape
+    raw = buf[tensor.offset : tensor.offset + tensor.num_bytes]
+    blocks = raw.reshape(rows * cols // GGML_BLOCK_SIZE, -1)  # [blocks, bytes per block]
+    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+    if type_name == "Q8_0":
+        codes = (blocks[:, 2:].copy().view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        offset = -128 * scale
+    else:
+        nibbles = blocks[:, -16:]
+        codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1)  # [blocks, 32]
+        if type_name == "Q4_1":
+            offset = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        else:
+            offset = -8 * scale
+    groups = cols // GGML_BLOCK_SIZE
+    return QuantizedTensor(
+        torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, cols)),
+        torch.from_numpy(np.ascontiguousarray(scale).reshape(rows, groups)),
+        torch.from_numpy(np.ascontiguousarray(offset).reshape(rows, groups)),
+    )
+
+
+def iter_gguf_weights(
+    path: str | Path, hf_config: dict, quantized: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF tensor name, tensor on CPU) for every tensor of a GGUF file: float32, or for the
+    HF weight names in `quantized` the three tensors `<module>.weight_codes / _scales /
+    _offsets` of quant.GroupQuantLinearMethod."""
     header = read_gguf_header(path)
     heads = {"q_proj": hf_config["num_attention_heads"], "k_proj": hf_config["num_key_value_heads"]}
     buf = np.memmap(header.path, dtype=np.uint8, mode="r")
     for tensor in header.tensors.values():
         name = hf_tensor_name(tensor.name)
-        values = dequantize_tensor(buf, tensor)
         proj = name.rsplit(".", 2)[-2]
-        if proj in heads and ".self_attn." in name:
-            values = _unpermute(values, heads[proj])
+        num_heads = heads[proj] if proj in heads and ".self_attn." in name else None
+        if name in quantized:
+            q = quantized_tensor(buf, tensor)
+            prefix = name.removesuffix(".weight")
+            for suffix, part in zip(("codes", "scales", "offsets"), (q.codes, q.scales, q.offsets)):
+                part = part if num_heads is None else torch.from_numpy(_unpermute(part.numpy(), num_heads).copy())
+                yield f"{prefix}.weight_{suffix}", part
+            continue
+        values = dequantize_tensor(buf, tensor)
+        if num_heads is not None:
+            values = _unpermute(values, num_heads)
         yield name, torch.from_numpy(np.require(values, requirements=["C", "W"]))  # F32 views are read-only
 
 

@@ -11,6 +11,11 @@ from one rank to several only needs `ParallelState(tp_rank, tp_size)`:
 
 A column-parallel layer followed by a row-parallel one (QKV -> out, up/gate -> down) needs a
 single all-reduce per block. With tp_size 1 every collective is the identity.
+
+How a layer holds its weight and multiplies by it is its LinearMethod (models/quant.py):
+float weights by default; `set_method` swaps in a quantized format before loading. Every
+weight parameter a method creates has the output features first and the input features
+last, so the narrows below shard float weights, codes and group scales alike.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayserve_paged.ops.attention import AttentionMetadata
+
+from .quant import UNQUANTIZED, LinearMethod
 
 
 @dataclass(frozen=True)
@@ -82,13 +89,42 @@ def _new_param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
 # --------------------------------------------------------------------------- linear layers
 
 
-class ColumnParallelLinear(nn.Module):
+class LinearBase(nn.Module):
+    """A layer whose weight [out per rank, in per rank] is held by a LinearMethod."""
+
+    shard_ids: tuple | None = None  # pieces the full weight arrives in (None: one tensor)
+    keeps_codes = False  # a quantized embedding looks rows up in its codes
+    is_matmul = True  # multiplies by its weight (an embedding only when a tied LM head uses it)
+    is_logits = False  # its products are logits (the LM head): kept in the model dtype
+
+    def _init_weight(self, output_size: int, input_size: int, dtype: torch.dtype | None) -> None:
+        self.weight_shape = (output_size, input_size)
+        self.params_dtype = dtype
+        self.method: LinearMethod = UNQUANTIZED
+        UNQUANTIZED.create_weights(self, output_size, input_size, dtype)
+
+    def set_method(self, method: LinearMethod) -> None:
+        """Replace the weight format (before loading): the old parameters go, the new come."""
+        for name in self.method.param_names:
+            delattr(self, name)
+        self.method = method
+        method.create_weights(self, *self.weight_shape, self.params_dtype)
+
+    def is_weight(self, param: nn.Parameter) -> bool:
+        return any(param is getattr(self, name) for name in self.method.param_names)
+
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)  # [T, out per rank]
+
+
+class ColumnParallelLinear(LinearBase):
     """y = x W^T + b, W [output_size, input_size] split by rows over the ranks.
 
     Rank r holds rows [r * out/tp, (r+1) * out/tp); its output is that slice of y's features.
     """
-
-    shard_ids: tuple | None = None  # pieces the full weight arrives in (None: one tensor)
 
     def __init__(
         self,
@@ -106,7 +142,7 @@ class ColumnParallelLinear(nn.Module):
         self.output_size = output_size
         self.output_size_per_rank = divide(output_size, parallel.tp_size, "output size")
         self.gather_output = gather_output
-        self.weight = _new_param(self.output_size_per_rank, input_size, dtype=dtype)  # [out/tp, in]
+        self._init_weight(self.output_size_per_rank, input_size, dtype)  # [out/tp, in]
         self.bias = _new_param(self.output_size_per_rank, dtype=dtype) if bias else None  # [out/tp]
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -116,7 +152,9 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, self.parallel.tp_rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [T, out/tp]
+        y = self.matmul(x)  # [T, out/tp]
+        if self.bias is not None:
+            y = y + self.bias
         return self.parallel.all_gather(y) if self.gather_output else y
 
 
@@ -204,14 +242,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """y = x W^T + b, W [output_size, input_size] split by columns over the ranks.
 
     The input arrives already split by features (the output of a column-parallel layer); each
     rank computes a partial y, summed by one all-reduce. The bias is added once, after it.
     """
-
-    shard_ids: tuple | None = None
 
     def __init__(
         self,
@@ -227,34 +263,39 @@ class RowParallelLinear(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.input_size_per_rank = divide(input_size, parallel.tp_size, "input size")
-        self.weight = _new_param(output_size, self.input_size_per_rank, dtype=dtype)  # [out, in/tp]
+        self._init_weight(output_size, self.input_size_per_rank, dtype)  # [out, in/tp]
         self.bias = _new_param(output_size, dtype=dtype) if bias else None  # [out], replicated
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        """`loaded` is the full HF weight [out, in] (keep this rank's columns) or bias [out]."""
+        """`loaded` is the full HF weight [out, in] (keep this rank's columns) or bias [out].
+
+        A weight parameter's last dim is this rank's share of the input features (or of their
+        groups, for group scales): rank r keeps columns [r * cols, (r+1) * cols)."""
         if param is self.bias:
             copy_weight(param, loaded)
             return
-        check_shape(loaded, (self.output_size, self.input_size))
-        cols = self.input_size_per_rank
+        cols = param.shape[1]
+        check_shape(loaded, (self.output_size, cols * self.parallel.tp_size))
         param.data.copy_(loaded.narrow(1, self.parallel.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.parallel.all_reduce(F.linear(x, self.weight))  # [T, out]
+        y = self.parallel.all_reduce(self.matmul(x))  # [T, out]
         return y + self.bias if self.bias is not None else y
 
 
 # --------------------------------------------------------------------------- vocabulary
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(LinearBase):
     """Token embedding E [vocab, dim] split by rows; rank r holds ids [start, end).
 
     The vocabulary is padded up to a multiple of tp_size; padded rows are zero and never
     looked up. Each rank embeds the ids it owns, zeros the others, and an all-reduce sums.
     """
 
-    shard_ids: tuple | None = None
+    keeps_codes = True
+    is_matmul = False
+    is_logits = True  # the weight of a tied LM head
 
     def __init__(
         self,
@@ -271,30 +312,35 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_rank = math.ceil(num_embeddings / parallel.tp_size)
         self.vocab_start = parallel.tp_rank * self.num_embeddings_per_rank
         self.vocab_end = min(self.vocab_start + self.num_embeddings_per_rank, num_embeddings)
-        self.weight = _new_param(self.num_embeddings_per_rank, embedding_dim, dtype=dtype)  # [V/tp, dim]
+        self._init_weight(self.num_embeddings_per_rank, embedding_dim, dtype)  # [V/tp, dim]
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        """`loaded` is the full HF embedding [vocab, dim]; keep this rank's rows, zero padding."""
-        check_shape(loaded, (self.num_embeddings, self.embedding_dim))
+        """`loaded` is the full HF embedding [vocab, dim] (or its codes / group scales); keep
+        this rank's rows, zero padding."""
+        check_shape(loaded, (self.num_embeddings, *param.shape[1:]))
         num_rows = self.vocab_end - self.vocab_start
         param.data.zero_()
         param.data[:num_rows].copy_(loaded[self.vocab_start : self.vocab_end])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:
-            return F.embedding(input_ids, self.weight)  # [T, dim]
+            return self.method.embed(self, input_ids)  # [T, dim]
         is_local = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)  # [T]
         local_ids = torch.where(is_local, input_ids - self.vocab_start, 0)
-        embeds = F.embedding(local_ids, self.weight) * is_local.unsqueeze(-1)  # [T, dim]
+        embeds = self.method.embed(self, local_ids) * is_local.unsqueeze(-1)  # [T, dim]
         return self.parallel.all_reduce(embeds)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection [vocab, dim] split by rows, like the embedding it may share.
 
-    With `tied_to=embedding` (tied word embeddings) both modules hold the same Parameter:
-    each rank keeps one copy of its vocabulary shard, used both ways.
+    With `tied_to=embedding` (tied word embeddings) the head has no weight of its own: it
+    multiplies by the embedding's (each rank keeps one copy of its vocabulary shard, used
+    both ways, in whatever format the embedding's method holds it).
     """
+
+    keeps_codes = False
+    is_matmul = True
 
     def __init__(
         self,
@@ -306,12 +352,21 @@ class ParallelLMHead(VocabParallelEmbedding):
         tied_to: VocabParallelEmbedding | None = None,
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, parallel=parallel, dtype=dtype)
+        self.tied_to = (tied_to,) if tied_to is not None else ()  # a tuple: not a submodule
         if tied_to is not None:
-            assert tied_to.weight.shape == self.weight.shape, "tied embedding of another shape"
-            self.weight = tied_to.weight
+            assert tied_to.weight_shape == self.weight_shape, "tied embedding of another shape"
+            tied_to.is_matmul = True
+            for name in self.method.param_names:
+                delattr(self, name)
+
+    def set_method(self, method: LinearMethod) -> None:
+        if self.tied_to:
+            raise ValueError("a tied LM head takes the embedding's weight format; set the embedding's")
+        super().set_method(method)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden_states, self.weight)  # [n, V/tp]
+        owner = self.tied_to[0] if self.tied_to else self
+        local = owner.matmul(hidden_states)  # [n, V/tp]
         logits = self.parallel.all_gather(local)  # [n, V padded to a multiple of tp]
         return logits[:, : self.num_embeddings].float()  # [n, vocab] float32
 

@@ -2,12 +2,20 @@
 weight shards.
 
     config.json | GGUF metadata ──> model class (by `architectures`, else `model_type`) ──> empty model
-    *.safetensors | *.bin | GGUF tensors (dequantized, see gguf.py) ──> (hf name, full tensor) ──>
-        model.map_weight_name ──> (our parameter, shard id) ──>
+       └──> weight formats (GGUF tensor types, HF `quantization_config`) ──> layer.set_method
+    *.safetensors | *.bin | GGUF tensors (kept quantized or dequantized, see gguf.py / hf_quant.py)
+        ──> (hf name, full tensor) ──> model.map_weight_name ──> (our parameter, shard id) ──>
         owning layer's load_weight(param, full tensor[, shard])
+    ──> every layer's process_weights_after_loading (quantized weights are repacked here, once)
 
 Every parameter (and every shard of a fused one) must be loaded exactly from the checkpoint;
 anything missing or of the wrong shape is an error that names the tensor.
+
+`quantization`: "auto" keeps what the checkpoint quantized in a format with a kernel (GGUF
+Q4_0 / Q4_1 / Q8_0, AWQ / GPTQ int4); "none" dequantizes every weight into the model dtype at
+load (the float path, kept for parity tests); "gguf" / "awq" / "gptq" are "auto" that also
+checks the checkpoint is of that kind. A fused layer (q|k|v, gate|up) is kept quantized only
+when all its pieces share one format; otherwise its pieces are dequantized.
 """
 
 from __future__ import annotations
@@ -25,8 +33,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .gguf import find_gguf_file, gguf_hf_config, iter_gguf_weights, load_gguf_tokenizer
-from .layers import ParallelState, copy_weight
+from .gguf import find_gguf_file, gguf_hf_config, iter_gguf_weights, load_gguf_tokenizer, read_gguf_header
+from .gguf import weight_formats as gguf_weight_formats
+from .hf_quant import hf_weight_formats, iter_hf_quantized, quantization_method, with_quantize_config
+from .layers import LinearBase, ParallelLMHead, ParallelState, copy_weight
+from .quant import GroupQuantFormat, GroupQuantLinearMethod
 from .llama import LlamaConfig, LlamaForCausalLM
 from .opt import OPTConfig, OPTForCausalLM
 
@@ -38,6 +49,8 @@ MODEL_REGISTRY: dict[str, tuple[type[nn.Module], Any]] = {
     "LlamaForCausalLM": (LlamaForCausalLM, LlamaConfig),
 }
 _MODEL_TYPES = {"opt": "OPTForCausalLM", "llama": "LlamaForCausalLM"}
+
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "awq", "gptq")
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -197,6 +210,18 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             yield from _load_bin(file).items()
 
 
+def iter_checkpoint_names(path: Path) -> Iterator[str]:
+    """The tensor names of a checkpoint, without reading the tensors (safetensors headers)."""
+    from safetensors import safe_open
+
+    for file in checkpoint_files(path):
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), framework="pt", device="cpu") as tensors:
+                yield from tensors.keys()
+        else:
+            yield from _load_bin(file).keys()
+
+
 def _load_bin(file: Path) -> dict[str, torch.Tensor]:
     try:  # zip-format files (torch >= 1.6) map lazily instead of being read whole
         return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
@@ -264,6 +289,7 @@ def load_model(
     tp_size: int = 1,
     group: Any = None,
     parallel: ParallelState | None = None,
+    quantization: str = "auto",
 ) -> nn.Module:
     """The model for a local HF checkpoint dir or GGUF file, with this rank's shards, in eval mode.
 
@@ -271,16 +297,22 @@ def load_model(
     object or a name for `ops.backends.get_attention_backend`. With tp_size > 1,
     torch.distributed must be initialized; `group` defaults to the default process group.
     `parallel`, when given, replaces (tp_rank, tp_size, group) with a ready ParallelState.
+    quantization: one of QUANTIZATION_CHOICES (module docstring).
     """
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"unsupported quantization {quantization!r}; supported: {', '.join(QUANTIZATION_CHOICES)}")
     start = time.perf_counter()
     gguf_file = find_gguf_file(model_path)
     if gguf_file is not None:
         hf, source = gguf_hf_config(gguf_file), gguf_file
-        weights = iter_gguf_weights(gguf_file, hf)
+        kind, formats = "gguf", gguf_weight_formats(read_gguf_header(gguf_file))
     else:
         source = require_model_dir(model_path)
-        hf = read_hf_config(source)
-        weights = iter_checkpoint(source)
+        hf = with_quantize_config(read_hf_config(source), source)
+        kind = quantization_method(hf)
+        formats = hf_weight_formats(hf, iter_checkpoint_names(source)) if kind else {}
+    if quantization not in ("auto", "none") and quantization != kind:
+        raise ValueError(f"quantization {quantization!r} was asked for, but {source} is {kind or 'not quantized'}")
     model_class = MODEL_REGISTRY[architecture_of(hf)][0]
     dtype = resolve_dtype(dtype, hf)
     device = torch.device(device)
@@ -291,10 +323,58 @@ def load_model(
     parallel = parallel or ParallelState(tp_rank, tp_size, group)
     with torch.device(device):
         model = model_class(hf, attn_backend, parallel, dtype)
+    kept = apply_weight_formats(model, formats if quantization != "none" else {})
+    if gguf_file is not None:
+        weights = iter_gguf_weights(gguf_file, hf, kept)
+    else:
+        weights = iter_checkpoint(source)
+        if kind:
+            weights = iter_hf_quantized(weights, hf, kept)
     with torch.no_grad():
         load_weights(model, weights, source=str(source))
-    _log_load(source, dtype, device, time.perf_counter() - start)
+        process_weights_after_loading(model)
+    _log_load(source, dtype, device, time.perf_counter() - start, _describe_formats(formats, kept))
     return model.eval()
+
+
+def apply_weight_formats(model: nn.Module, formats: dict[str, GroupQuantFormat]) -> frozenset[str]:
+    """Give every layer whose checkpoint weights (all pieces of a fused one) share one format
+    that format's method; returns the HF weight names now loaded quantized."""
+    by_module: dict[str, dict[Any, tuple[str, GroupQuantFormat | None]]] = {}
+    for hf_name, fmt in formats.items():
+        target = model.map_weight_name(hf_name)
+        if target is not None:
+            module_name = target[0].rpartition(".")[0]
+            by_module.setdefault(module_name, {})[target[1]] = (hf_name, fmt)
+    kept = set()
+    for module_name, pieces in by_module.items():
+        module = model.get_submodule(module_name)
+        if not isinstance(module, LinearBase) or (isinstance(module, ParallelLMHead) and module.tied_to):
+            continue
+        shards = module.shard_ids or (None,)
+        fmts = {fmt for _, fmt in pieces.values()}
+        if set(pieces) != set(shards) or len(fmts) != 1:
+            continue  # some pieces float or of different formats: dequantize them all
+        module.set_method(GroupQuantLinearMethod(fmts.pop()))
+        kept.update(hf_name for hf_name, _ in pieces.values())
+    return frozenset(kept)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.process_weights_after_loading()
+
+
+def _describe_formats(formats: dict[str, GroupQuantFormat], kept: frozenset[str]) -> str:
+    if not formats:
+        return "float weights"
+    kept_names = sorted({fmt.name for name, fmt in formats.items() if name in kept})
+    dequantized_names = sorted({fmt.name for name, fmt in formats.items() if name not in kept})
+    return (
+        f"{len(kept)} weights kept quantized ({', '.join(kept_names) or 'none'}), {len(formats) - len(kept)} "
+        f"quantized weights dequantized ({', '.join(dequantized_names) or 'none'})"
+    )
 
 
 def peak_rss_bytes() -> int:
@@ -303,11 +383,11 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def _log_load(source: Path, dtype: torch.dtype, device: torch.device, seconds: float) -> None:
+def _log_load(source: Path, dtype: torch.dtype, device: torch.device, seconds: float, formats: str) -> None:
     peak = f"peak RSS {peak_rss_bytes() / 2**30:.2f} GiB"
     if device.type == "cuda":
         peak += f", peak CUDA allocated {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
-    logger.info("loaded %s as %s on %s in %.1f s (%s)", source, dtype, device, seconds, peak)
+    logger.info("loaded %s as %s on %s in %.1f s (%s; %s)", source, dtype, device, seconds, formats, peak)
 
 
 def load_tokenizer(model: str | Path, trust_remote_code: bool = False):

@@ -17,7 +17,8 @@ only change index arithmetic and masks. So per target every kernel is compiled f
 partition sizes rotate over those pairs, so each value is compiled at least once per kernel
 and target. The runtime integer arguments are specialised the way the launcher does it
 (divisible by 16 or not; `do_not_specialize` arguments not at all), with the strides of a
-model's packed QKV projection.
+model's packed QKV projection. The group-quantized GEMM (ops/quant_gemm.py) is compiled for
+every (dtype, bits) pair with its quantization group sizes and its two row tiles rotating.
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ TARGETS = (
     Target("sm_89", 89, 99 * KB, "L40S"),
     Target("sm_90", 90, 227 * KB, "H100/H200"),
 )
-KERNELS = ("decode", "decode_partition", "decode_reduce", "prefill", "reshape_and_cache")
+KERNELS = ("decode", "decode_partition", "decode_reduce", "prefill", "reshape_and_cache", "group_quant_gemm")
+QUANT_BITS = (4, 8)
+QUANT_GROUP_SIZES = (32, 128)
+QUANT_ROWS = (1, 64)  # a decode step's rows (BLOCK_M 16) and a prefill's (BLOCK_M 64)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (64, 72, 80, 96, 128, 256)  # the common model head sizes; 72 is not a multiple of 16
 GROUP_SIZES = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -68,6 +72,8 @@ class KernelConfig:
     block_size: int = 16
     num_kv_heads: int = 8
     partition_size: int = 0  # decode_partition / decode_reduce only
+    bits: int = 0  # group_quant_gemm only (group_size is then the quantization group)
+    num_rows: int = 0  # group_quant_gemm only
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -95,6 +101,16 @@ def ci_configs(target: Target | None = None) -> list[KernelConfig]:
     configs = []
     for kernel in KERNELS:
         index = 0
+        if kernel == "group_quant_gemm":  # every dtype x bits; group sizes and row tiles rotate
+            for dtype in DTYPES:
+                for bits in QUANT_BITS:
+                    configs.append(KernelConfig(
+                        kernel, str(dtype).removeprefix("torch."), 0, bits=bits,
+                        group_size=QUANT_GROUP_SIZES[index % len(QUANT_GROUP_SIZES)],
+                        num_rows=QUANT_ROWS[index // len(QUANT_GROUP_SIZES) % len(QUANT_ROWS)],
+                    ))  # fmt: skip
+                    index += 1
+            continue
         for dtype in DTYPES:
             name = str(dtype).removeprefix("torch.")
             if kernel in ("decode", "decode_partition", "prefill"):
@@ -123,6 +139,7 @@ def ci_configs(target: Target | None = None) -> list[KernelConfig]:
 _POINTER_TYPES = {
     "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "context_lens_ptr": "*i32",
     "slot_mapping_ptr": "*i64", "partial_out_ptr": "*fp32", "max_logits_ptr": "*fp32", "exp_sums_ptr": "*fp32",
+    "packed_ptr": "*u8", "scales_ptr": "*fp32", "offsets_ptr": "*fp32",
 }
 _TRITON_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
@@ -150,6 +167,13 @@ def launch_spec(config: KernelConfig):
         constants = backend.prefill_constants(
             dtype, head_dim, kv_heads, config.group_size, config.block_size, interpreted=False
         )
+    elif config.kernel == "group_quant_gemm":
+        from . import quant_gemm
+
+        fn = quant_gemm.group_quant_gemm_kernel
+        constants = quant_gemm.gemm_constants(
+            dtype, config.bits, config.group_size, config.num_rows, interpreted=False
+        )
     elif config.kernel == "reshape_and_cache":
         fn, constants = kernels.reshape_and_cache_kernel, backend.cache_write_constants(
             head_dim, kv_heads, config.block_size
@@ -164,6 +188,9 @@ def launch_spec(config: KernelConfig):
         "stride_out_head": head_dim, "stride_key_token": qkv_stride, "stride_key_head": head_dim,
         "stride_value_token": qkv_stride, "stride_value_head": head_dim, "num_heads": num_heads,
         "stride_table_seq": 0, "max_partitions": 0,  # do_not_specialize: the values never matter
+        # group_quant_gemm: a 4096 x 4096 projection (Llama-3-8B's q / o)
+        "num_rows": config.num_rows, "out_features": 4096, "in_features": 4096, "stride_x_row": 4096,
+        "stride_out_row": 4096,
     }
     not_specialized = not_specialized_arguments(fn)
     signature, attrs = {}, {}

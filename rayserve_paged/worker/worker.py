@@ -114,7 +114,9 @@ class Worker:
             self._warm_up_collective(group)
         backend = self.backend = get_attention_backend(self.config.attention_backend, self.device)
         parallel = ParallelState(self.rank, self.world_size, group)
-        model = load_model(self.model_path, self.dtype, self.device, backend, parallel=parallel)
+        model = load_model(
+            self.model_path, self.dtype, self.device, backend, parallel=parallel, quantization=self.config.quantization
+        )
         eos = tuple(self.model_config.eos_token_ids)
         sampler = Sampler(len(eos), eos) if self.rank == 0 else None
         static = None if self.config.enforce_eager else StaticDecode(

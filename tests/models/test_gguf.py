@@ -16,7 +16,12 @@ from rayserve_paged.config import EngineConfig
 from rayserve_paged.engine.llm_engine import LLMEngine
 from rayserve_paged.models.gguf import SUPPORTED_GGML_TYPES, GGUFError, find_gguf_file, read_gguf_header
 from rayserve_paged.models.loader import get_model_config, load_model
+from rayserve_paged.models import quant
+from rayserve_paged.models.layers import LinearBase
+from rayserve_paged.models.quant import UNQUANTIZED, GroupQuantLinearMethod
 from rayserve_paged.models.tiny import make_tiny_model
+
+from .paged import PagedRunner
 
 GGUF_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -112,19 +117,64 @@ def test_every_supported_type_loads_the_weights_it_holds(type_name, llama_dir, t
     parameter (q/k unpermuted, q/k/v and gate/up fused the same way)."""
     path = tmp_path / f"tiny.{type_name}.gguf"
     write_gguf(path, llama_dir, type_name)
+    expected_dir = _expected_checkpoint(llama_dir, tmp_path, type_name)
+    ours = load_model(path, dtype=torch.float32, quantization="none").state_dict()
+    ref = load_model(expected_dir, dtype=torch.float32).state_dict()
+    assert ours.keys() == ref.keys()
+    for name in ref:
+        assert torch.equal(ours[name], ref[name]), name
+
+
+def _expected_checkpoint(llama_dir, tmp_path, type_name):
+    """The HF checkpoint whose float32 tensors are what a GGUF file of `type_name` holds."""
     expected_dir = tmp_path / "expected"
     expected_dir.mkdir()
     for name in ("config.json", "generation_config.json"):
         (expected_dir / name).write_text((llama_dir / name).read_text())
     weights = load_file(str(llama_dir / "model.safetensors"))
-    expected = {name: torch.from_numpy(roundtrip(t.numpy(), type_name)) for name, t in weights.items()}
-    save_file(expected, str(expected_dir / "model.safetensors"))
+    save_file({n: torch.from_numpy(roundtrip(t.numpy(), type_name)) for n, t in weights.items()},
+              str(expected_dir / "model.safetensors"))  # fmt: skip
+    return expected_dir
 
-    ours = load_model(path, dtype=torch.float32).state_dict()
-    ref = load_model(expected_dir, dtype=torch.float32).state_dict()
-    assert ours.keys() == ref.keys()
-    for name in ref:
-        assert torch.equal(ours[name], ref[name]), name
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_kept_quantized_types_repack_exactly(type_name, llama_dir, tmp_path, monkeypatch):
+    """quantization auto keeps Q4_0 / Q4_1 / Q8_0 packed (under the packed-kernel plan, whatever
+    this CPU is): every layer's repacked weight dequantizes to the GGUF's dequantized values bit
+    for bit (q/k unpermuted, q/k/v and gate/up fused), and the logits stay within 2% of the
+    largest float32 logit (bfloat16 activations in the linear layers, logits in float32)."""
+    monkeypatch.setattr(quant, "cpu_kernel_plan", lambda: quant.KernelPlan(True, torch.bfloat16, 8, "test"))
+    path = tmp_path / f"tiny.{type_name}.gguf"
+    write_gguf(path, llama_dir, type_name)
+    ours = load_model(path, dtype=torch.float32)
+    ref = load_model(_expected_checkpoint(llama_dir, tmp_path, type_name), dtype=torch.float32)
+    ref_modules = dict(ref.named_modules())
+    num_quantized = 0
+    for name, module in ours.named_modules():
+        if isinstance(module, LinearBase) and not getattr(module, "tied_to", ()):
+            assert isinstance(module.method, GroupQuantLinearMethod), name
+            assert torch.equal(module.method.dequantize(module), ref_modules[name].weight), name
+            num_quantized += 1
+    assert num_quantized == 2 * 4 + 2  # per layer qkv, o, gate_up, down; the embedding and the LM head
+    assert len(ours.model.layers[0].mlp.down_proj.int4_planes) == (2 if type_name == "Q8_0" else 1)
+    config = get_model_config(path)
+    prompts = {0: [1, 40, 41, 42, 43, 44], 1: [1, 9, 8]}
+    logits = []
+    for model in (ours, ref):
+        runner = PagedRunner(model, config.num_layers, config.num_kv_heads, config.head_dim)
+        logits.append(runner.step(list(prompts.items()), all_logits=True))  # 9 rows: the dense copy
+        logits.append(runner.step([], [(0, 5), (1, 6)]))  # 2 rows: the packed kernel
+    for got, want in ((logits[0], logits[2]), (logits[1], logits[3])):
+        torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0)
+
+
+def test_other_quantized_types_are_dequantized(llama_dir, tmp_path):
+    path = tmp_path / "tiny.Q5_1.gguf"
+    write_gguf(path, llama_dir, "Q5_1")
+    model = load_model(path, dtype=torch.float32)
+    assert all(
+        module.method is UNQUANTIZED for module in model.modules() if isinstance(module, LinearBase)
+    )
 
 
 def test_f32_gguf_is_the_hf_checkpoint(llama_dir, f32_gguf):

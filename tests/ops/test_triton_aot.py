@@ -65,6 +65,13 @@ def test_the_compiled_set_covers_every_launchable_parameter():
         for kernel in triton_aot.KERNELS:
             mine = [c for c in configs if c.kernel == kernel]
             assert {c.dtype for c in mine} == {"float16", "bfloat16", "float32"}
+            if kernel == "group_quant_gemm":  # no KV blocks: its own parameters
+                assert {(c.dtype, c.bits) for c in mine} == {
+                    (d, b) for d in ("float16", "bfloat16", "float32") for b in triton_aot.QUANT_BITS
+                }
+                assert {c.group_size for c in mine} == set(triton_aot.QUANT_GROUP_SIZES)
+                assert {c.num_rows for c in mine} == set(triton_aot.QUANT_ROWS)
+                continue
             assert {c.block_size for c in mine} == set(triton_aot.BLOCK_SIZES)
             if kernel in ("decode", "decode_partition", "prefill"):
                 assert {c.group_size for c in mine} == set(triton_aot.GROUP_SIZES), kernel

@@ -1,0 +1,53 @@
+"""The quantized-weights benchmark's pieces that need no model: registration, agreement."""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks import quantized
+from rayserve_paged import cli
+
+
+def test_registered_as_a_bench_command():
+    assert cli.BENCHMARKS["quantized"] == "benchmarks.quantized"
+
+
+def test_agreement_counts_identical_sequences_and_tokens_before_the_first_difference():
+    want = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]
+    got = [[1, 2, 3, 4], [5, 6, 0, 8], [0, 9]]
+    result = quantized.agreement(got, want)
+    assert result["num_identical"] == 1 and result["num_sequences"] == 3
+    assert result["agreeing_prefix_tokens"] == [4, 2, 0]
+    assert result["mean_agreeing_prefix"] == 2.0
+    assert result["tokens_before_first_difference_share"] == 6 / 10
+
+
+def _fake_engine(quantization, *args, **kwargs):
+    return {"quantization": quantization, "load_model_s": 1.0, "llm_construct_s": 1.0, "peak_rss_gib": 1.0,
+            "single": {"tokens_per_s": 1.0}, "concurrent": {"tokens_per_s": 2.0}, "token_ids": [[1, 2]]}  # fmt: skip
+
+
+def _args(tmp_path, llama_server: str) -> argparse.Namespace:
+    return argparse.Namespace(threads=1, num_requests=1, max_tokens=2, rounds=1, no_kernels=True, no_http=True,
+                              llama_server=llama_server, out=str(tmp_path))  # fmt: skip
+
+
+def test_llama_server_is_skipped_when_its_path_is_absent(tmp_path, monkeypatch):
+    monkeypatch.setattr(quantized, "_engine_in_subprocess", _fake_engine)
+    result = quantized.run(_args(tmp_path, str(tmp_path / "missing")), log=lambda message: None)
+    assert result["llama_server"] == {"skipped": f"{tmp_path / 'missing'} does not exist"}
+    assert result["agreement"]["num_identical"] == 1
+    assert "llama_server: skipped" in quantized.format_report(result)
+
+
+def test_a_llama_server_that_dies_is_recorded_not_raised(tmp_path, monkeypatch):
+    def dies(*args, **kwargs):
+        raise RuntimeError("llama-server exited with -4")
+
+    monkeypatch.setattr(quantized, "_engine_in_subprocess", _fake_engine)
+    monkeypatch.setattr(quantized, "run_llama_server", dies)
+    binary = tmp_path / "llama-server"
+    binary.write_text("")
+    result = quantized.run(_args(tmp_path, str(binary)), log=lambda message: None)
+    assert result["llama_server"] == {"failed": "llama-server exited with -4"}
+    assert "llama_server: failed (llama-server exited with -4)" in quantized.format_report(result)
