@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from .quant import GroupQuantFormat, QuantizedTensor
+from .registry import BY_GGUF_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,8 @@ SUPPORTED_GGML_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q
 KEPT_QUANTIZED_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 GGML_BLOCK_SIZE = 32  # elements per block of Q4_0 / Q4_1 / Q8_0: one scale (and min) each
 
-# general.architecture -> HF architecture the project runs
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+# general.architecture -> HF architecture the project runs (registry.py)
+GGUF_ARCHITECTURES = {name: a.hf_name for name, a in BY_GGUF_NAME.items()}
 
 # metadata value types: id -> struct format (8 = string, 9 = array)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}

@@ -374,11 +374,32 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.compute_logits(hidden_states)
 
 
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [blocks, block_size, Hkv, D]
+
+# HF `hidden_act` / `activation_function` names -> the function
+ACTIVATIONS = {
+    "silu": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str, what: str = "hidden_act"):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported {what} {name!r}; supported: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
 # --------------------------------------------------------------------------- norms
 
 
 class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps), computed in float32 as Llama does.
+
+    With `weight_offset` 1.0 (Gemma) the checkpoint stores w - 1 and y = (1 + w) * x / rms,
+    multiplied in float32 before the cast back, as Gemma's modeling does.
 
     `forward(x, residual)` fuses the residual add that precedes every norm in a pre-norm
     block: it returns (norm(x + residual), x + residual).
@@ -386,9 +407,12 @@ class RMSNorm(nn.Module):
 
     shard_ids: tuple | None = None
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, *, dtype: torch.dtype | None = None, weight_offset: float = 0.0
+    ) -> None:
         super().__init__()
         self.eps = eps
+        self.weight_offset = weight_offset
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -397,6 +421,8 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_offset:
+            return (x32 * (self.weight_offset + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
     def forward(
@@ -516,16 +542,29 @@ class Attention(nn.Module):
     """Paged attention over this rank's heads; the kernel comes from the attention backend.
 
     The backend writes the step's new K/V into the cache (slot_mapping) and attends over the
-    cached context plus the new tokens; the layer only reshapes around it.
+    cached context plus the new tokens (the last `sliding_window` positions of it, when set);
+    the layer only reshapes around it.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: Any) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        backend: Any,
+        *,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads  # per rank
         self.num_kv_heads = num_kv_heads  # per rank
         self.head_dim = head_dim
         self.scale = scale
         self.backend = backend
+        self.sliding_window = sliding_window  # keys older than this many positions are masked
+        self.soft_cap = soft_cap  # attention logits s -> soft_cap * tanh(s / soft_cap)
 
     def forward(
         self,
@@ -540,5 +579,7 @@ class Attention(nn.Module):
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         key_cache, value_cache = kv_cache  # each [num_blocks, block_size, Hkv, D]
-        out = self.backend.forward(query, key, value, key_cache, value_cache, attn_metadata, self.scale)
+        out = self.backend.forward(
+            query, key, value, key_cache, value_cache, attn_metadata, self.scale, self.sliding_window, self.soft_cap
+        )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H * D]

@@ -38,17 +38,15 @@ from .gguf import weight_formats as gguf_weight_formats
 from .hf_quant import hf_weight_formats, iter_hf_quantized, quantization_method, with_quantize_config
 from .layers import LinearBase, ParallelLMHead, ParallelState, copy_weight
 from .quant import GroupQuantFormat, GroupQuantLinearMethod
-from .llama import LlamaConfig, LlamaForCausalLM
-from .opt import OPTConfig, OPTForCausalLM
+from .registry import ARCHITECTURES
 
 logger = logging.getLogger(__name__)
 
-# architectures[0] in config.json -> (our model class, its config parser)
+# architectures[0] in config.json -> (our model class, its config parser); from registry.py
 MODEL_REGISTRY: dict[str, tuple[type[nn.Module], Any]] = {
-    "OPTForCausalLM": (OPTForCausalLM, OPTConfig),
-    "LlamaForCausalLM": (LlamaForCausalLM, LlamaConfig),
+    a.hf_name: (a.model_class, a.model_class.config_from_hf) for a in ARCHITECTURES
 }
-_MODEL_TYPES = {"opt": "OPTForCausalLM", "llama": "LlamaForCausalLM"}
+_MODEL_TYPES = {a.model_type: a.hf_name for a in ARCHITECTURES}
 
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "awq", "gptq")
 
@@ -159,7 +157,7 @@ def get_model_config(model_path: str | Path) -> ModelConfig:
         hf = read_hf_config(path)
         eos_token_ids = _eos_token_ids(path, hf)
     architecture = architecture_of(hf)
-    cfg = MODEL_REGISTRY[architecture][1].from_hf(hf)
+    cfg = MODEL_REGISTRY[architecture][1](hf)
     return ModelConfig(
         architecture=architecture,
         num_layers=cfg.num_layers,

@@ -1,0 +1,39 @@
+"""Every architecture the project runs: one entry each, read by the loader (config.json's
+`architectures`, else its `model_type`) and the GGUF reader (`general.architecture`).
+
+Adding a family is a file with its DecoderForCausalLM subclass and a line here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .gemma2 import Gemma2ForCausalLM
+from .llama import LlamaForCausalLM
+from .mistral import MistralForCausalLM
+from .opt import OPTForCausalLM
+from .qwen2 import Qwen2ForCausalLM
+from .qwen3 import Qwen3ForCausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    hf_name: str  # config.json `architectures[0]`
+    model_type: str  # config.json `model_type`
+    gguf_name: str | None  # GGUF `general.architecture` this loader reads, if any
+    model_class: type[nn.Module]  # has config_from_hf(hf_config) and map_weight_name(name)
+
+
+ARCHITECTURES = (
+    Architecture("OPTForCausalLM", "opt", None, OPTForCausalLM),
+    Architecture("LlamaForCausalLM", "llama", "llama", LlamaForCausalLM),
+    Architecture("MistralForCausalLM", "mistral", None, MistralForCausalLM),
+    Architecture("Qwen2ForCausalLM", "qwen2", None, Qwen2ForCausalLM),
+    Architecture("Qwen3ForCausalLM", "qwen3", None, Qwen3ForCausalLM),
+    Architecture("Gemma2ForCausalLM", "gemma2", None, Gemma2ForCausalLM),
+)
+BY_HF_NAME = {a.hf_name: a for a in ARCHITECTURES}
+BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES}
+BY_GGUF_NAME = {a.gguf_name: a for a in ARCHITECTURES if a.gguf_name}
