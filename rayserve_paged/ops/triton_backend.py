@@ -44,7 +44,7 @@ from .cache_ops import (
     swap_blocks,
     swap_kv_blocks,
 )
-from .paged_attention import AttentionBackend, StepPlan, check_layer_inputs
+from .paged_attention import AttentionBackend, StepPlan, TorchReferenceBackend, check_layer_inputs
 
 __all__ = [
     "PARTITION_SIZES",
@@ -99,8 +99,19 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True  # launches depend on shapes and max_decode_seq_len only
 
-    def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale, out=None):
-        """`out` (optional, [num_tokens, num_heads, head_dim]) receives the result in place."""
+    def forward(
+        self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale,
+        sliding_window=None, soft_cap=None, out=None,
+    ):  # fmt: skip
+        """`out` (optional, [num_tokens, num_heads, head_dim]) receives the result in place.
+
+        Layers with a sliding window or a logit soft-cap run the torch reference (correct on
+        CUDA, not capturable: the backend stops offering CUDA graphs once it has seen one;
+        the start-up profile step runs every layer before any capture)."""
+        if sliding_window is not None or soft_cap is not None:
+            return self._reference_forward(
+                query, key, value, key_cache, value_cache, metadata, scale, sliding_window, soft_cap, out
+            )
         plan = self._layer_plan(query, key, value, key_cache, value_cache, metadata)
         plan.cache_write(key, value, key_cache, value_cache, metadata.slot_mapping)
         if out is None:
@@ -122,6 +133,18 @@ class TritonBackend(AttentionBackend):
                 metadata.decode_seq_lens, scale, out=plan.decode_rows(out),
             )
         return out
+
+    def _reference_forward(self, query, key, value, key_cache, value_cache, metadata, scale, window, soft_cap, out):
+        if self._reference is None:
+            self._reference = TorchReferenceBackend(use_cpu_kernel=False)
+            self.supports_cuda_graphs = False
+        result = self._reference.forward(query, key, value, key_cache, value_cache, metadata, scale, window, soft_cap)
+        if out is None:
+            return result
+        _check_out(out, query)
+        return out.copy_(result)
+
+    _reference: TorchReferenceBackend | None = None
 
     def _check_layer(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
         """The torch backend's checks plus every launch wrapper's, on the step's parts."""
