@@ -565,6 +565,8 @@ class Attention(nn.Module):
         self.backend = backend
         self.sliding_window = sliding_window  # keys older than this many positions are masked
         self.soft_cap = soft_cap  # attention logits s -> soft_cap * tanh(s / soft_cap)
+        if hasattr(backend, "add_layer"):
+            backend.add_layer(sliding_window, soft_cap)
 
     def forward(
         self,

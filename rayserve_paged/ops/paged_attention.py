@@ -91,6 +91,13 @@ class AttentionBackend:
         """Compile whatever the backend compiles lazily, before serving; returns what was run."""
         return []
 
+    def add_layer(self, sliding_window: int | None, soft_cap: float | None) -> None:
+        """Each attention layer says, once when built, whether it has a window and a soft-cap:
+        the (has window, has cap) variants the model runs, which warm_up compiles."""
+        self.layer_maskings = self.layer_maskings | {(sliding_window is not None, soft_cap is not None)}
+
+    layer_maskings: frozenset[tuple[bool, bool]] = frozenset()
+
     def decode_workspace_bytes(
         self, max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_seq_len: int, device
     ) -> int:

@@ -38,9 +38,9 @@ def dense_windowed_attention(inputs, batch, scale, window, soft_cap) -> torch.Te
     output = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float64)
     start = 0
     for i, (context_len, query_len) in enumerate(zip(batch.context_lens, batch.query_lens)):
-        query = inputs.query[start : start + query_len].double()  # [q, heads, d]
-        keys = inputs.key_history[i].double().repeat_interleave(group_size, dim=1)  # [seq, heads, d]
-        values = inputs.value_history[i].double().repeat_interleave(group_size, dim=1)
+        query = inputs.query[start : start + query_len].double().cpu()  # [q, heads, d]
+        keys = inputs.key_history[i].double().cpu().repeat_interleave(group_size, dim=1)  # [seq, heads, d]
+        values = inputs.value_history[i].double().cpu().repeat_interleave(group_size, dim=1)
         scores = torch.einsum("qhd,khd->hqk", query, keys) * scale  # [heads, q, seq]
         if soft_cap is not None:
             scores = soft_cap * torch.tanh(scores / soft_cap)
