@@ -77,6 +77,9 @@ class ModelConfig:
     bos_token_id: int | None
     pad_token_id: int | None
     dtype: str  # checkpoint dtype: "float32" | "float16" | "bfloat16"
+    # every layer's sliding window when all layers have the same one, else None: the block
+    # manager then returns blocks wholly before the window to the pool
+    sliding_window: int | None = None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -171,7 +174,12 @@ def get_model_config(model_path: str | Path) -> ModelConfig:
         bos_token_id=hf.get("bos_token_id"),
         pad_token_id=hf.get("pad_token_id"),
         dtype=str(resolve_dtype(None, hf)).removeprefix("torch."),
+        sliding_window=_uniform_window(getattr(cfg, "layer_windows", ())),
     )
+
+
+def _uniform_window(windows: tuple[int | None, ...]) -> int | None:
+    return windows[0] if windows and None not in windows and len(set(windows)) == 1 else None
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -118,3 +118,38 @@ def test_engine_greedy_equals_hf_with_prefix_cache_chunks_and_preemption(family,
         assert output.outputs[0].token_ids == _hf_greedy(hf, output.prompt_token_ids, 28)
     usage = llm.engine.block_manager.usage()
     assert usage.gpu_used == 0 and usage.cpu_used == 0
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_all_windowed_model_frees_blocks_outside_the_window_and_equals_hf(mode, family_checkpoint, hf_model):
+    """Mistral's layers are all windowed (12 tokens here): with blocks of 8, a long generation
+    holds at most ceil(12 / 8) + 1 = 3 blocks per sequence after each decode slot, exactly,
+    under preemption and with prefix caching, and its tokens still equal HF's."""
+    window = 12
+    path = family_checkpoint("mistral", sliding_window=window)
+    assert get_model_config(path).sliding_window == window
+    assert get_model_config(family_checkpoint("gemma2")).sliding_window is None  # mixed: nothing freed
+    llm = LLM(
+        model=path, block_size=8, num_gpu_blocks_override=12, max_model_len=96, preemption_mode=mode,
+        swap_space_gb=0.01, kv_cache_memory_gb=0.05, enable_prefix_caching=True, max_num_seqs=4,
+    )  # fmt: skip
+    bm = llm.engine.block_manager
+    assert bm.sliding_window == window
+    held: list[int] = []
+    append_slots = bm.append_slots
+
+    def recording_append_slots(seq, copies):
+        table = append_slots(seq, copies)
+        held.append(bm.num_held_blocks(seq))
+        return table
+
+    bm.append_slots = recording_append_slots
+    params = SamplingParams(temperature=0.0, max_tokens=4 * window, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert max(held) == -(-window // 8) + 1 == 3
+    counters = llm.engine.scheduler.counters
+    assert (counters.preemptions_swap if mode == "swap" else counters.preemptions_recompute) > 0
+    hf = hf_model(path)
+    for output in outputs:
+        assert output.outputs[0].token_ids == _hf_greedy(hf, output.prompt_token_ids, 4 * window)
+    assert bm.usage().gpu_used == 0 and bm.usage().cpu_used == 0

@@ -133,7 +133,9 @@ extern "C" int rayserve_paged_decode_f32(float* out, const float* query, const f
       bad[0] = s;
       return 1;
     }
-    for (int64_t b = 0; b < used; ++b) {
+    // blocks before the window are never read (their entries may be stale or released)
+    const int64_t first = window > 0 ? std::max<int64_t>(0, seq_lens[s] - window) / block_size : 0;
+    for (int64_t b = first; b < used; ++b) {
       const int32_t id = block_tables[s * max_blocks + b];
       if (id < 0 || id >= num_blocks) {
         bad[0] = s;
