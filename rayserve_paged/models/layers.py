@@ -450,6 +450,9 @@ class RopeScaling:
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position_embeddings: int = 8192  # llama3 only
+    # per-dimension divisors of the inverse frequencies, as GGUF files store llama3 scaling
+    # (the `rope_freqs` tensor); applied on top of rope_type
+    freq_factors: tuple[float, ...] | None = None
 
 
 def rope_scaling_from_hf(config: dict) -> RopeScaling:
@@ -474,6 +477,7 @@ def rope_scaling_from_hf(config: dict) -> RopeScaling:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", fallback_max)),
+        freq_factors=tuple(float(f) for f in params["freq_factors"]) if params.get("freq_factors") else None,
     )
 
 
@@ -481,6 +485,10 @@ def rope_inv_freq(head_dim: int, rope: RopeScaling) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] float32, as transformers computes them."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # [D/2]
     inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.freq_factors is not None:
+        if len(rope.freq_factors) != head_dim // 2:
+            raise ValueError(f"{len(rope.freq_factors)} RoPE frequency factors for head_dim {head_dim}")
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":

@@ -30,9 +30,9 @@ ARCHITECTURES = (
     Architecture("OPTForCausalLM", "opt", None, OPTForCausalLM),
     Architecture("LlamaForCausalLM", "llama", "llama", LlamaForCausalLM),
     Architecture("MistralForCausalLM", "mistral", None, MistralForCausalLM),
-    Architecture("Qwen2ForCausalLM", "qwen2", None, Qwen2ForCausalLM),
-    Architecture("Qwen3ForCausalLM", "qwen3", None, Qwen3ForCausalLM),
-    Architecture("Gemma2ForCausalLM", "gemma2", None, Gemma2ForCausalLM),
+    Architecture("Qwen2ForCausalLM", "qwen2", "qwen2", Qwen2ForCausalLM),
+    Architecture("Qwen3ForCausalLM", "qwen3", "qwen3", Qwen3ForCausalLM),
+    Architecture("Gemma2ForCausalLM", "gemma2", "gemma2", Gemma2ForCausalLM),
 )
 BY_HF_NAME = {a.hf_name: a for a in ARCHITECTURES}
 BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES}

@@ -25,6 +25,7 @@ COMMON = dict(
 
 # family -> (transformers config class, model class, config fields)
 FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     # layer 0 global, layer 1 sliding (max_window_layers=1); biases on q/k/v only
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
     # both layers sliding, q/k norms
