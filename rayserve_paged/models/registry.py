@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .gemma2 import Gemma2ForCausalLM
+from .gemma3 import Gemma3ForCausalLM
 from .llama import LlamaForCausalLM
 from .mistral import MistralForCausalLM
 from .opt import OPTForCausalLM
@@ -33,6 +34,7 @@ ARCHITECTURES = (
     Architecture("Qwen2ForCausalLM", "qwen2", "qwen2", Qwen2ForCausalLM),
     Architecture("Qwen3ForCausalLM", "qwen3", "qwen3", Qwen3ForCausalLM),
     Architecture("Gemma2ForCausalLM", "gemma2", "gemma2", Gemma2ForCausalLM),
+    Architecture("Gemma3ForCausalLM", "gemma3_text", None, Gemma3ForCausalLM),
 )
 BY_HF_NAME = {a.hf_name: a for a in ARCHITECTURES}
 BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES}

@@ -36,6 +36,13 @@ FAMILIES = {
         sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
         final_logit_softcapping=5.0,
     )),  # fmt: skip
+    # layer 0 sliding, layer 1 global (pattern 2); q/k norms; the global layers' RoPE linearly
+    # scaled on another base
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        sliding_window=WINDOW, sliding_window_pattern=2, query_pre_attn_scalar=24,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+    )),  # fmt: skip
 }
 
 
