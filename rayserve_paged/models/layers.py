@@ -173,6 +173,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.sizes_per_rank = [divide(size, tp_size, "output size") for size in output_sizes]
         self.shard_ids = tuple(range(len(output_sizes)))
 
+    def split_fused(self, loaded: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A checkpoint tensor holding every piece (Phi-3's gate_up_proj): the pieces, in order."""
+        return loaded.split(self.output_sizes, dim=0)
+
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         """`loaded` is piece `shard_id`'s full HF weight [size_i, in] or bias [size_i]."""
         check_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
@@ -222,6 +226,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads_per_rank * head_dim
         self.kv_size = self.num_kv_heads_per_rank * head_dim
         self.shard_ids = ("q", "k", "v")
+
+    def split_fused(self, loaded: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A checkpoint tensor holding q, k and v (Phi-3's qkv_proj): the three, in order."""
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return loaded.split([q_rows, kv_rows, kv_rows], dim=0)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         """`loaded` is the full HF q_proj / k_proj / v_proj weight [heads * D, hidden] or bias."""

@@ -259,19 +259,30 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
             unexpected.append(hf_name)
             continue
         load, _ = _loader_of(model, name)
+        # a tuple of shard ids: one checkpoint tensor holds several shards (Phi-3's qkv_proj)
+        pieces = [(shard_id, tensor)] if not isinstance(shard_id, tuple) else _fused_pieces(model, name, tensor, shard_id)
         try:
-            if shard_id is None:
-                load(params[name], tensor)
-            else:
-                load(params[name], tensor, shard_id)
+            for piece_id, piece in pieces:
+                if piece_id is None:
+                    load(params[name], piece)
+                else:
+                    load(params[name], piece, piece_id)
         except ValueError as exc:
             raise WeightLoadError(
                 f"{source}: tensor {hf_name!r} of shape {list(tensor.shape)} does not fit parameter {name!r}: {exc}"
             ) from exc
-        loaded.add((name, shard_id))
+        loaded.update((name, piece_id) for piece_id, _ in pieces)
     if unexpected:
         logger.warning("%s: ignored %d unexpected tensors, e.g. %s", source, len(unexpected), unexpected[:5])
     _check_all_loaded(model, params, loaded, source)
+
+
+def _fused_pieces(model: nn.Module, name: str, tensor: torch.Tensor, shard_ids: tuple) -> list:
+    module = model.get_submodule(name.rpartition(".")[0])
+    parts = module.split_fused(tensor)
+    if len(parts) != len(shard_ids) or sum(p.shape[0] for p in parts) != tensor.shape[0]:
+        raise WeightLoadError(f"fused tensor for {name!r} of shape {list(tensor.shape)} does not split into {shard_ids}")
+    return list(zip(shard_ids, parts))
 
 
 def _check_all_loaded(model: nn.Module, params: dict, loaded: set[tuple[str, Any]], source: str) -> None:

@@ -15,6 +15,7 @@ from .gemma3 import Gemma3ForCausalLM
 from .llama import LlamaForCausalLM
 from .mistral import MistralForCausalLM
 from .opt import OPTForCausalLM
+from .phi3 import Phi3ForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
 
@@ -35,6 +36,7 @@ ARCHITECTURES = (
     Architecture("Qwen3ForCausalLM", "qwen3", "qwen3", Qwen3ForCausalLM),
     Architecture("Gemma2ForCausalLM", "gemma2", "gemma2", Gemma2ForCausalLM),
     Architecture("Gemma3ForCausalLM", "gemma3_text", None, Gemma3ForCausalLM),
+    Architecture("Phi3ForCausalLM", "phi3", None, Phi3ForCausalLM),
 )
 BY_HF_NAME = {a.hf_name: a for a in ARCHITECTURES}
 BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES}

@@ -43,6 +43,8 @@ FAMILIES = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
     )),  # fmt: skip
+    # fused qkv_proj / gate_up_proj in the checkpoint; every layer sliding
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=WINDOW)),
 }
 
 

@@ -1,7 +1,8 @@
-"""The decoder families against transformers, float32: Qwen2 (q/k/v biases, mixed global and
-sliding layers), Qwen3 (q/k norms, all layers sliding), Mistral (sliding window), Gemma 2
-(alternating sliding / global, attention and final soft-caps, query_pre_attn_scalar,
-GeLU-tanh, sandwich (1 + w) norms, scaled embeddings).
+"""The decoder families against transformers, float32: Llama, Qwen2 (q/k/v biases, mixed
+global and sliding layers), Qwen3 (q/k norms, all layers sliding), Mistral (sliding window),
+Gemma 2 (alternating sliding / global, attention and final soft-caps, query_pre_attn_scalar,
+GeLU-tanh, sandwich (1 + w) norms, scaled embeddings), Gemma 3 text (q/k norms, RoPE per
+layer type), Phi-3 (fused qkv_proj / gate_up_proj, all layers sliding).
 
 Windows are 8 tokens; prompts and generations run shorter and longer than the window, on
 blocks smaller (4) and larger (16) than it, through the paged runner (chunked prefill, cached
@@ -84,13 +85,28 @@ def test_tied_gemma2_equals_hf(family_checkpoint, hf_model):
     )
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "phi3"])  # phi3: fused q/k/v and gate/up split per rank
 def test_two_ranks_together_equal_one_rank(family, family_checkpoint):
     path = family_checkpoint(family)
     expected = _generate(path)
     for rank_logits in run_on_ranks(lambda parallel: _generate(path, parallel), 2):
         for got, want in zip(rank_logits, expected, strict=True):
             torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_unsupported_rope_types_fail_at_load_naming_them(family_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "phi3-longrope"
+    shutil.copytree(family_checkpoint("phi3"), path)
+    config = json.loads((path / "config.json").read_text())
+    head_half = config["head_dim"] // 2
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * head_half,
+                                 "long_factor": [2.0] * head_half, "original_max_position_embeddings": 64}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported RoPE type 'longrope'; supported: default, linear, llama3"):
+        get_model_config(path)
 
 
 SHARED = "You are a helpful assistant. Answer briefly and precisely, "
