@@ -446,7 +446,7 @@ class RMSNorm(nn.Module):
 # --------------------------------------------------------------------------- rotary
 
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True, slots=True)
@@ -462,6 +462,13 @@ class RopeScaling:
     # per-dimension divisors of the inverse frequencies, as GGUF files store llama3 scaling
     # (the `rope_freqs` tensor); applied on top of rope_type
     freq_factors: tuple[float, ...] | None = None
+    # yarn only (None: transformers' defaults)
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 def rope_scaling_from_hf(config: dict) -> RopeScaling:
@@ -487,7 +494,9 @@ def rope_scaling_from_hf(config: dict) -> RopeScaling:
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", fallback_max)),
         freq_factors=tuple(float(f) for f in params["freq_factors"]) if params.get("freq_factors") else None,
-    )
+        **{key: params[key] for key in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                                        "truncate") if params.get(key) is not None},
+    )  # fmt: skip
 
 
 def rope_inv_freq(head_dim: int, rope: RopeScaling) -> torch.Tensor:
@@ -502,7 +511,44 @@ def rope_inv_freq(head_dim: int, rope: RopeScaling) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, rope)
     return inv_freq
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_scaling(rope: RopeScaling) -> float:
+    """The factor on cos / sin (YaRN's attention factor; 1 for the other types)."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return _yarn_mscale(rope.factor)
+
+
+def _yarn_inv_freq(head_dim: int, rope: RopeScaling) -> torch.Tensor:
+    """YaRN (Peng et al. 2023): interpolated frequencies below the correction range, the
+    original ones above it, a linear ramp between, as transformers computes them."""
+    base, dim, old_len = rope.theta, head_dim, rope.original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(old_len / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast or 32), correction_dim(rope.beta_slow or 1)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)  # [D/2]
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation_factor) + (1.0 / pos_freqs) * extrapolation_factor
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeScaling) -> torch.Tensor:
@@ -532,6 +578,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rope = rope
         self.inv_freq = rope_inv_freq(head_dim, rope)  # [D/2] float32
+        self.attention_scaling = rope_attention_scaling(rope)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -541,8 +588,11 @@ class RotaryEmbedding(nn.Module):
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        cos = angles.cos()[:, None, :].to(query.dtype)  # [T, 1, D]
-        sin = angles.sin()[:, None, :].to(query.dtype)  # [T, 1, D]
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        cos = cos[:, None, :].to(query.dtype)  # [T, 1, D]
+        sin = sin[:, None, :].to(query.dtype)  # [T, 1, D]
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 

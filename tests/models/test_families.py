@@ -32,7 +32,7 @@ def family_checkpoint(tmp_path_factory):
     made = {}
 
     def make(family, **overrides):
-        key = (family, tuple(sorted(overrides.items())))
+        key = (family, repr(sorted(overrides.items())))
         if key not in made:
             made[key] = str(write_family_checkpoint(family, tmp_path_factory.mktemp(family), **overrides))
         return made[key]
@@ -76,6 +76,16 @@ def test_logits_at_every_position_equal_hf(family, family_checkpoint, hf_model):
     torch.testing.assert_close(ours, want, atol=ATOL, rtol=0)
 
 
+def test_yarn_scaled_qwen2_equals_hf(family_checkpoint, hf_model):
+    """YaRN RoPE (Qwen2.5's long-context setting) past its original 16 positions."""
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+    path = family_checkpoint("qwen2", rope_parameters=rope)
+    assert make_runner(path).model.model.layers[0].self_attn.rotary_emb.attention_scaling > 1
+    torch.testing.assert_close(
+        make_runner(path).step([(0, LONG)], all_logits=True), hf_logits(hf_model(path), LONG), atol=ATOL, rtol=0
+    )
+
+
 def test_tied_gemma2_equals_hf(family_checkpoint, hf_model):
     path = family_checkpoint("gemma2", tie_word_embeddings=True)
     runner = make_runner(path)
@@ -105,7 +115,7 @@ def test_unsupported_rope_types_fail_at_load_naming_them(family_checkpoint, tmp_
     config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * head_half,
                                  "long_factor": [2.0] * head_half, "original_max_position_embeddings": 64}  # fmt: skip
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="unsupported RoPE type 'longrope'; supported: default, linear, llama3"):
+    with pytest.raises(ValueError, match="unsupported RoPE type .longrope.; supported: default, linear, llama3, yarn"):
         get_model_config(path)
 
 
