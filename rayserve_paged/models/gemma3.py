@@ -20,7 +20,8 @@ def gemma3_ropes(c: dict) -> tuple[RopeScaling, RopeScaling]:
         local = rope_scaling_from_hf({**c, "rope_parameters": params.get(SLIDING) or {"rope_theta": 1e4}})
         return full, local
     full = rope_scaling_from_hf({"rope_theta": 1e6, **c})
-    return full, RopeScaling(theta=float(c.get("rope_local_base_freq", 1e4)))
+    local = {"rope_type": "default", "rope_theta": float(c.get("rope_local_base_freq", 1e4))}
+    return full, rope_scaling_from_hf({**c, "rope_parameters": local})
 
 
 class Gemma3ForCausalLM(DecoderForCausalLM):

@@ -232,6 +232,8 @@ def check_supported(header: GGUFHeader) -> str:
                 f"{header.path}: tensor {tensor.name!r} uses GGUF quantization type {type_name}, which is not "
                 f"supported; supported: {', '.join(SUPPORTED_GGML_TYPES)}"
             )
+    if "rope_factors_long.weight" in header.tensors:
+        raise GGUFError(f"{header.path}: LongRoPE (rope_factors_long / rope_factors_short) is not supported")
     return GGUF_ARCHITECTURES[arch]
 
 
@@ -312,12 +314,31 @@ def _gemma2_fields(header: GGUFHeader) -> dict:
     }
 
 
+def _gemma3_fields(header: GGUFHeader) -> dict:
+    """Gemma 3 in llama.cpp's terms: the window and the global layers' RoPE (base, linear
+    factor) in the metadata; the sliding layers' base (10000), the 5:1 pattern and the query
+    scale fixed by llama.cpp (1 / sqrt(hidden / heads) for the 62-layer 27B)."""
+    meta = header.metadata
+    hidden, heads = meta["gemma3.embedding_length"], meta["gemma3.attention.head_count"]
+    head_dim = meta.get("gemma3.attention.key_length", hidden // heads)
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": meta.get("gemma3.attention.sliding_window"),
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": hidden // heads if meta["gemma3.block_count"] == 62 else head_dim,
+        "tie_word_embeddings": "output.weight" not in header.tensors,
+    }
+
+
 # general.architecture -> config fields beyond the common ones
-_ARCH_FIELDS = {"gemma2": _gemma2_fields}
+_ARCH_FIELDS = {"gemma2": _gemma2_fields, "gemma3": _gemma3_fields, "phi3": lambda header: {
+    "sliding_window": header.metadata.get("phi3.attention.sliding_window"),
+}}  # fmt: skip
 # architectures whose q / k rows llama.cpp's converter permutes (the others use NeoX RoPE as is)
 _PERMUTED_ARCHITECTURES = ("llama",)
 # llama.cpp stores Gemma's RMSNorm weights as 1 + w: the offset comes off at load
-_NORM_OFFSET_ARCHITECTURES = ("gemma2",)
+_NORM_OFFSET_ARCHITECTURES = ("gemma2", "gemma3")
 
 
 # --------------------------------------------------------------------------- weights
@@ -351,11 +372,16 @@ _GEMMA2_LAYER_NAMES = {
 }
 
 
+# Phi-3's fused projections: q|k|v in attn_qkv, gate|up in ffn_up
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_ARCH_LAYER_NAMES = {"gemma2": _GEMMA2_LAYER_NAMES, "gemma3": _GEMMA2_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
+
+
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; unknown names unchanged."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = _GEMMA2_LAYER_NAMES if arch == "gemma2" else _LAYER_NAMES
+    names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
@@ -451,7 +477,7 @@ def iter_gguf_weights(
         values = dequantize_tensor(buf, tensor)
         if num_heads is not None:
             values = _unpermute(values, num_heads)
-        if arch in _NORM_OFFSET_ARCHITECTURES and name.endswith("norm.weight"):
+        if arch in _NORM_OFFSET_ARCHITECTURES and name.endswith("norm.weight"):  # q/k norms too
             values = values - 1.0
         yield name, torch.from_numpy(np.require(values, requirements=["C", "W"]))  # F32 views are read-only
 

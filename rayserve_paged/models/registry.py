@@ -35,8 +35,8 @@ ARCHITECTURES = (
     Architecture("Qwen2ForCausalLM", "qwen2", "qwen2", Qwen2ForCausalLM),
     Architecture("Qwen3ForCausalLM", "qwen3", "qwen3", Qwen3ForCausalLM),
     Architecture("Gemma2ForCausalLM", "gemma2", "gemma2", Gemma2ForCausalLM),
-    Architecture("Gemma3ForCausalLM", "gemma3_text", None, Gemma3ForCausalLM),
-    Architecture("Phi3ForCausalLM", "phi3", None, Phi3ForCausalLM),
+    Architecture("Gemma3ForCausalLM", "gemma3_text", "gemma3", Gemma3ForCausalLM),
+    Architecture("Phi3ForCausalLM", "phi3", "phi3", Phi3ForCausalLM),
 )
 BY_HF_NAME = {a.hf_name: a for a in ARCHITECTURES}
 BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES}

@@ -27,6 +27,7 @@ LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused ones
 }  # fmt: skip
 GEMMA2_LAYER_NAMES = {
     **LAYER_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
@@ -40,7 +41,7 @@ def gguf_tensor_name(hf_name: str, arch: str) -> str:
     if hf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[hf_name]
     _, _, layer, *module, suffix = hf_name.split(".")
-    names = GEMMA2_LAYER_NAMES if arch == "gemma2" else LAYER_NAMES
+    names = GEMMA2_LAYER_NAMES if arch in ("gemma2", "gemma3") else LAYER_NAMES
     return f"blk.{layer}.{names['.'.join(module)]}.{suffix}"
 
 
@@ -65,14 +66,21 @@ def llama3_rope_freqs(c: dict) -> np.ndarray:
 
 def write_gguf(path, hf_dir, arch: str, type_name: str = "F32") -> None:
     c = json.loads((hf_dir / "config.json").read_text())
+    rope = c["rope_parameters"].get("full_attention")  # Gemma 3: the global layers' RoPE
+    if rope is not None:
+        c["rope_parameters"] = rope
     writer = GGUFWriter(str(path), arch)
     add_shape_metadata(writer, c)
+    if rope is not None and rope["rope_type"] == "linear":
+        writer.add_string(f"{arch}.rope.scaling.type", "linear")
+        writer.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
     writer.add_bos_token_id(c["bos_token_id"])
     writer.add_eos_token_id(c["eos_token_id"])
     if arch == "gemma2":
         writer.add_float32("gemma2.attn_logit_softcapping", c["attn_logit_softcapping"])
         writer.add_float32("gemma2.final_logit_softcapping", c["final_logit_softcapping"])
-        writer.add_uint32("gemma2.attention.sliding_window", c["sliding_window"])
+    if c.get("sliding_window"):
+        writer.add_uint32(f"{arch}.attention.sliding_window", c["sliding_window"])
     if c["rope_parameters"].get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(c))
     heads = {"q_proj": c["num_attention_heads"], "k_proj": c["num_key_value_heads"]}
@@ -80,7 +88,7 @@ def write_gguf(path, hf_dir, arch: str, type_name: str = "F32") -> None:
         w = tensor.numpy()
         if arch == "llama" and hf_name.split(".")[-2] in heads:
             w = llama_cpp_permute(w, heads[hf_name.split(".")[-2]])
-        if arch == "gemma2" and hf_name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             w = w + 1.0  # llama.cpp multiplies by the stored weight: it stores 1 + w
         if w.ndim == 1 or type_name == "F32":
             writer.add_tensor(gguf_tensor_name(hf_name, arch), w)
@@ -112,12 +120,14 @@ def family_gguf(tmp_path_factory):
 PROMPTS = [(0, [1, *range(300, 320)]), (1, [1, 77, 78])]
 
 
-# llama.cpp keeps no query_pre_attn_scalar: Gemma 2 2B / 9B have it equal to head_dim
+# llama.cpp keeps no query_pre_attn_scalar (Gemma 2 2B / 9B, Gemma 3 but 27B: head_dim) and
+# fixes Gemma 3's sliding pattern (5:1) and local RoPE base (10000)
 GGUF_OVERRIDES = {"qwen2": {"use_sliding_window": False}, "qwen3": {"use_sliding_window": False},
-                  "gemma2": {"query_pre_attn_scalar": 16}, "llama": {}}  # fmt: skip
+                  "gemma2": {"query_pre_attn_scalar": 16}, "gemma3": {"query_pre_attn_scalar": 16,
+                  "sliding_window_pattern": 6}, "phi3": {}, "llama": {}}  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
 def test_f32_gguf_is_the_hf_checkpoint(family, family_gguf):
     overrides = GGUF_OVERRIDES[family]
     hf_dir, path = family_gguf(family, **overrides)
@@ -168,7 +178,7 @@ def _logits(path, parallel=None, quantization="auto") -> torch.Tensor:
     return PagedRunner(model, config.num_layers, config.num_kv_heads_per_rank(tp_size), config.head_dim).step(PROMPTS)
 
 
-@pytest.mark.parametrize("family, type_name", [("qwen2", "Q8_0"), ("llama", "Q8_0"), ("gemma2", "F32")])
+@pytest.mark.parametrize("family, type_name", [("qwen2", "Q8_0"), ("llama", "Q8_0"), ("gemma2", "F32"), ("phi3", "Q8_0")])
 def test_gguf_at_two_ranks_equals_one_rank(family, type_name, family_gguf):
     """Dequantized, the shards of two ranks give one rank's logits exactly; kept quantized
     (Q8_0 codes, bfloat16 activations in the packed kernels) within that path's rounding,
