@@ -19,7 +19,7 @@ from rayserve_paged.models.loader import get_model_config
 
 from .conftest import hf_logits, make_runner
 from .families import FAMILIES, WINDOW, write_family_checkpoint
-from .test_tensor_parallel import _generate, run_on_ranks
+from .test_tensor_parallel import _generate, _gloo_rank, run_on_ranks
 
 ATOL = 1e-4
 SHORT = [1, 77, 78, 79, 80]  # < WINDOW
@@ -102,6 +102,17 @@ def test_two_ranks_together_equal_one_rank(family, family_checkpoint):
     for rank_logits in run_on_ranks(lambda parallel: _generate(path, parallel), 2):
         for got, want in zip(rank_logits, expected, strict=True):
             torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+def test_torch_distributed_gloo_two_ranks(family, family_checkpoint, tmp_path):
+    """TP=2 over the real collectives (gloo, two processes): one rank's logits."""
+    import torch.multiprocessing as mp
+
+    path = family_checkpoint(family)
+    out_file = tmp_path / "logits.pt"
+    mp.spawn(_gloo_rank, args=(2, path, str(tmp_path / "init"), str(out_file)), nprocs=2, join=True)
+    torch.testing.assert_close(torch.load(out_file), _generate(path)[0], atol=ATOL, rtol=0)
 
 
 def test_unsupported_rope_types_fail_at_load_naming_them(family_checkpoint, tmp_path):
