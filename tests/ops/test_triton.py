@@ -825,10 +825,16 @@ def test_begin_step_rejects_bad_metadata(generator):
 # ---------------------------------------------------------------------------- sliding window, soft-cap
 
 
+# (heads, block size, window, soft-cap): GQA 1 / 2 / 4 / 8, blocks 8 / 16 / 32, windows smaller
+# (5) and larger (20) than a block or none, each at least twice (the interpreter is slow)
+MASKING_CASES = [
+    ((4, 4), 8, 5, None), ((4, 2), 16, 20, 1.5), ((8, 1), 32, None, 1.5),
+    ((8, 2), 16, 5, 1.5), ((8, 1), 8, 20, None), ((4, 4), 32, 5, 1.5),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize("variant", ["single", "partitioned"])
-@pytest.mark.parametrize("window, soft_cap", [(5, None), (20, 1.5), (None, 1.5)], ids=["w5", "w20_cap", "cap"])
-@pytest.mark.parametrize("block_size", [8, 32])
-@pytest.mark.parametrize("heads", [(4, 2), (8, 1)], ids=["gqa2", "gqa8"])
+@pytest.mark.parametrize("heads, block_size, window, soft_cap", MASKING_CASES)
 def test_windowed_soft_capped_attention_matches_dense(heads, block_size, window, soft_cap, variant, generator):
     """Prefill (fresh and over cached context) and decode with a window smaller / larger than
     a block, blocks before every window poisoned with NaN, against float64."""
