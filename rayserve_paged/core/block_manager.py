@@ -12,7 +12,22 @@ Invariants (checked by tests after every operation):
   - a block's reference count == the number of block tables that hold it;
   - used + cached + free == total on each device (cached: ref 0 but still holding a
     reusable full block of a prefix; free: ref 0 and empty);
-  - block tables change only by appending or by replacing the last entry (copy-on-write).
+  - block tables change only by appending, by replacing the last entry (copy-on-write), or
+    (with a sliding window) by turning a leading entry into NULL_BLOCK.
+
+Sliding window (every layer of the model windowed, `sliding_window=W`): when a decode step
+makes room for position n - 1, the blocks wholly before that query's window (positions
+< n - W) go back to the pool and their table entries become NULL_BLOCK, so a sequence holds
+at most ceil(W / block_size) + 1 blocks however long it runs:
+
+    positions [0 .. 3][4 .. 7][8 .. 11][12 13 .  .]    W = 8, n = 14, block_size 4
+    table     [ NULL ][ NULL ][   5   ][    2     ]    keys 6.. are visible: block 1 goes too
+
+Workers keep the ids they were sent (the kernels never read a block before the window); a
+released block keeps its prefix-cache identity in the free queue like any freed block.
+Prefill chunks release nothing (the first decode does); a sequence's blocks after a NULL
+entry get no prefix-cache identity (their chain has a gap). Swapping moves the live blocks
+only; recompute starts from a whole table again.
 
 A request's `cache_salt` keys its first block's hash (the parent key of block 0 is derived
 from the salt instead of "no parent"), so its whole chain is found only by requests with
@@ -35,6 +50,8 @@ from rayserve_paged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 BlockMapping = list[tuple[int, int]]
+
+NULL_BLOCK = -1  # a table entry whose block was released (wholly before the sliding window)
 
 
 def default_block_hash(parent_key: int | None, token_ids: tuple[int, ...]) -> int:
@@ -195,6 +212,7 @@ class BlockManager:
         watermark: float = 0.01,
         enable_prefix_caching: bool = True,
         hash_fn: HashFn = default_block_hash,
+        sliding_window: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 (got {block_size})")
@@ -204,7 +222,10 @@ class BlockManager:
             raise ValueError(f"num_cpu_blocks must be >= 0 (got {num_cpu_blocks})")
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark must be in [0, 1) (got {watermark})")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 (got {sliding_window})")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.hash_fn = hash_fn
@@ -216,6 +237,8 @@ class BlockManager:
         self._num_registered: dict[int, int] = {}
         # The first block's parent key of each salted sequence (salt_key); absent: unsalted.
         self._salt_keys: dict[int, int] = {}
+        # Leading entries of each sequence's table released to the pool (NULL_BLOCK).
+        self._num_released: dict[int, int] = {}
         self.counters = BlockCounters()
 
     # ------------------------------------------------------------------ queries
@@ -266,6 +289,8 @@ class BlockManager:
             table = list(table)
             num_tokens = min(len(seq.token_ids), len(table) * bs)
             for i, bid in enumerate(table):
+                if bid == NULL_BLOCK:
+                    continue
                 n = min(bs, max(0, num_tokens - i * bs))
                 if n > filled.get(bid, -1):
                     filled[bid] = n
@@ -318,6 +343,9 @@ class BlockManager:
         start = self._num_registered.get(seq.seq_id, 0)
         end = num_tokens // self.block_size
         if start >= end:
+            return
+        if start <= self._num_released.get(seq.seq_id, 0) and table[0] == NULL_BLOCK:
+            self._num_registered[seq.seq_id] = end  # a gap in the chain: nothing after it is findable
             return
         bs = self.block_size
         blocks = self.gpu.blocks
@@ -400,6 +428,7 @@ class BlockManager:
     def _start_table(self, seq: Sequence, table: list[int], num_computed: int) -> None:
         self.gpu_tables[seq.seq_id] = table
         self._num_registered[seq.seq_id] = 0
+        self._num_released.pop(seq.seq_id, None)
         seq.num_computed_tokens = num_computed
         self._register_full_blocks(seq, table, num_computed)
 
@@ -455,17 +484,40 @@ class BlockManager:
                 self.counters.copy_on_write_blocks += 1
         if num_tokens % bs == 0:
             self._register_full_blocks(seq, table, num_tokens)
+        if self.sliding_window is not None and num_tokens > self.sliding_window:
+            self._release_outside_window(seq.seq_id, table, num_tokens)
         return table
+
+    def _release_outside_window(self, seq_id: int, table: list[int], num_tokens: int) -> None:
+        """The query at position num_tokens - 1 sees positions >= num_tokens - window: the
+        blocks wholly before that go back to the pool (O(1) per step, amortised)."""
+        start = self._num_released.get(seq_id, 0)
+        end = (num_tokens - self.sliding_window) // self.block_size  # blocks [0, end) are unseen
+        if end <= start:
+            return
+        blocks = self.gpu.blocks
+        for i in range(end - 1, start - 1, -1):  # the later ones first, as free() does
+            self.gpu.decref(blocks[table[i]])
+            table[i] = NULL_BLOCK
+        self._num_released[seq_id] = end
+
+    def num_held_blocks(self, seq: Sequence) -> int:
+        """GPU blocks the sequence's table holds (its released entries not counted)."""
+        table = self.gpu_tables[seq.seq_id]
+        return len(table) - self._num_released.get(seq.seq_id, 0)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (reference counts go up)."""
         table = self.gpu_tables[parent.seq_id]
         for bid in table:
-            self.gpu.incref(self.gpu.blocks[bid])
+            if bid != NULL_BLOCK:
+                self.gpu.incref(self.gpu.blocks[bid])
         self.gpu_tables[child.seq_id] = list(table)
         self._num_registered[child.seq_id] = self._num_registered.get(parent.seq_id, 0)
         if parent.seq_id in self._salt_keys:
             self._salt_keys[child.seq_id] = self._salt_keys[parent.seq_id]
+        if parent.seq_id in self._num_released:
+            self._num_released[child.seq_id] = self._num_released[parent.seq_id]
 
     # ------------------------------------------------------------------ free
 
@@ -475,18 +527,21 @@ class BlockManager:
         table = self.gpu_tables.pop(seq.seq_id, None)
         if table is not None:
             for bid in reversed(table):
-                self.gpu.decref(self.gpu.blocks[bid])
+                if bid != NULL_BLOCK:
+                    self.gpu.decref(self.gpu.blocks[bid])
         table = self.cpu_tables.pop(seq.seq_id, None)
         if table is not None:
             for bid in reversed(table):
-                self.cpu.decref(self.cpu.blocks[bid])
+                if bid != NULL_BLOCK:
+                    self.cpu.decref(self.cpu.blocks[bid])
         self._num_registered.pop(seq.seq_id, None)
         self._salt_keys.pop(seq.seq_id, None)
+        self._num_released.pop(seq.seq_id, None)
 
     # ------------------------------------------------------------------ swapping
 
     def _distinct_blocks(self, tables: list[list[int]]) -> list[int]:
-        return list(dict.fromkeys(bid for table in tables for bid in table))
+        return list(dict.fromkeys(bid for table in tables for bid in table if bid != NULL_BLOCK))
 
     def can_swap_out(self, group: SequenceGroup) -> bool:
         tables = [self.gpu_tables[s.seq_id] for s in group.get_seqs(SequenceStatus.RUNNING)]
@@ -503,7 +558,8 @@ class BlockManager:
         for seq in seqs:
             hits = self._match_prefix(seq.token_ids)[: seq.num_computed_tokens // self.block_size]
             for cpu_bid, block in zip(self.cpu_tables[seq.seq_id], hits):
-                resident.setdefault(cpu_bid, block)
+                if cpu_bid != NULL_BLOCK:
+                    resident.setdefault(cpu_bid, block)
         return resident
 
     def can_swap_in(self, group: SequenceGroup, use_watermark: bool = True) -> bool:
@@ -533,6 +589,9 @@ class BlockManager:
         for seq in seqs:
             table = []
             for bid in self.cpu_tables.pop(seq.seq_id):
+                if bid == NULL_BLOCK:
+                    table.append(NULL_BLOCK)
+                    continue
                 gpu_bid = mapping.get(bid)
                 if gpu_bid is None:
                     gpu_bid = mapping[bid] = self.gpu.allocate().block_id
@@ -556,6 +615,9 @@ class BlockManager:
         for seq in group.get_seqs(status):
             new_table = []
             for bid in src_tables.pop(seq.seq_id):
+                if bid == NULL_BLOCK:
+                    new_table.append(NULL_BLOCK)
+                    continue
                 if bid in mapping:
                     dst.incref(dst.blocks[mapping[bid]])
                 else:

@@ -80,6 +80,7 @@ class LLMEngine:
             sizes.num_cpu_blocks,
             watermark=config.watermark,
             enable_prefix_caching=config.enable_prefix_caching,
+            sliding_window=self.model_config.sliding_window,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(

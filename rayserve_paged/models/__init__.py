@@ -1,5 +1,6 @@
-"""Models: TP-ready layers, OPT and Llama for paged attention, the HF checkpoint and GGUF
-loader, the embedded SmolLM2 (`resolve_model("smollm2")`) and deterministic tiny checkpoints
+"""Models: TP-ready layers, OPT and the decoder families of registry.py (Llama, Mistral,
+Qwen2/3, Gemma 2/3, Phi-3) for paged attention, the HF checkpoint and GGUF loader, the
+embedded SmolLM2 (`resolve_model("smollm2")`) and deterministic tiny checkpoints
 (`make_tiny_model`, `resolve_model("tiny-opt")`)."""
 
 from .gguf import GGUFError

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from .quant import GroupQuantFormat, QuantizedTensor
+from .registry import BY_GGUF_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,8 @@ SUPPORTED_GGML_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q
 KEPT_QUANTIZED_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 GGML_BLOCK_SIZE = 32  # elements per block of Q4_0 / Q4_1 / Q8_0: one scale (and min) each
 
-# general.architecture -> HF architecture the project runs
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+# general.architecture -> HF architecture the project runs (registry.py)
+GGUF_ARCHITECTURES = {name: a.hf_name for name, a in BY_GGUF_NAME.items()}
 
 # metadata value types: id -> struct format (8 = string, 9 = array)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -231,8 +232,8 @@ def check_supported(header: GGUFHeader) -> str:
                 f"{header.path}: tensor {tensor.name!r} uses GGUF quantization type {type_name}, which is not "
                 f"supported; supported: {', '.join(SUPPORTED_GGML_TYPES)}"
             )
-    if "rope_freqs.weight" in header.tensors:
-        raise GGUFError(f"{header.path}: per-dimension RoPE frequency factors (rope_freqs.weight) are not supported")
+    if "rope_factors_long.weight" in header.tensors:
+        raise GGUFError(f"{header.path}: LongRoPE (rope_factors_long / rope_factors_short) is not supported")
     return GGUF_ARCHITECTURES[arch]
 
 
@@ -244,6 +245,10 @@ def _rope_parameters(header: GGUFHeader, arch: str) -> dict:
         params |= {"rope_type": "linear", "factor": float(_require(header, f"{arch}.rope.scaling.factor"))}
     elif scaling != "none":
         raise GGUFError(f"{header.path}: unsupported GGUF RoPE scaling {scaling!r}; supported: none, linear")
+    factors = header.tensors.get("rope_freqs.weight")  # Llama 3.1+: llama3 scaling, per dimension
+    if factors is not None:
+        buf = np.memmap(header.path, dtype=np.uint8, mode="r")
+        params["freq_factors"] = dequantize_tensor(buf, factors).reshape(-1).tolist()
     return params
 
 
@@ -288,7 +293,52 @@ def gguf_hf_config(path: str | Path) -> dict:
         "eos_token_id": list(dict.fromkeys(eos)) or None,
         "pad_token_id": _token_id(meta, "padding_token_id"),
         "dtype": "float32",  # weights are dequantized to float32 before the engine's dtype
+        **_ARCH_FIELDS.get(arch, lambda header: {})(header),
     }
+
+
+def _gemma2_fields(header: GGUFHeader) -> dict:
+    """What llama.cpp keeps of Gemma 2's config: soft-caps and window in the metadata, the
+    query scale implied by the size (as llama.cpp does: 1 / sqrt(hidden / heads) for the
+    46-layer 27B, 1 / sqrt(head_dim) otherwise)."""
+    meta = header.metadata
+    hidden, heads = meta["gemma2.embedding_length"], meta["gemma2.attention.head_count"]
+    head_dim = meta.get("gemma2.attention.key_length", hidden // heads)
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": meta.get("gemma2.attn_logit_softcapping"),
+        "final_logit_softcapping": meta.get("gemma2.final_logit_softcapping"),
+        "sliding_window": meta.get("gemma2.attention.sliding_window"),
+        "query_pre_attn_scalar": hidden // heads if meta["gemma2.block_count"] == 46 else head_dim,
+        "tie_word_embeddings": "output.weight" not in header.tensors,
+    }
+
+
+def _gemma3_fields(header: GGUFHeader) -> dict:
+    """Gemma 3 in llama.cpp's terms: the window and the global layers' RoPE (base, linear
+    factor) in the metadata; the sliding layers' base (10000), the 5:1 pattern and the query
+    scale fixed by llama.cpp (1 / sqrt(hidden / heads) for the 62-layer 27B)."""
+    meta = header.metadata
+    hidden, heads = meta["gemma3.embedding_length"], meta["gemma3.attention.head_count"]
+    head_dim = meta.get("gemma3.attention.key_length", hidden // heads)
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": meta.get("gemma3.attention.sliding_window"),
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": hidden // heads if meta["gemma3.block_count"] == 62 else head_dim,
+        "tie_word_embeddings": "output.weight" not in header.tensors,
+    }
+
+
+# general.architecture -> config fields beyond the common ones
+_ARCH_FIELDS = {"gemma2": _gemma2_fields, "gemma3": _gemma3_fields, "phi3": lambda header: {
+    "sliding_window": header.metadata.get("phi3.attention.sliding_window"),
+}}  # fmt: skip
+# architectures whose q / k rows llama.cpp's converter permutes (the others use NeoX RoPE as is)
+_PERMUTED_ARCHITECTURES = ("llama",)
+# llama.cpp stores Gemma's RMSNorm weights as 1 + w: the offset comes off at load
+_NORM_OFFSET_ARCHITECTURES = ("gemma2", "gemma3")
 
 
 # --------------------------------------------------------------------------- weights
@@ -301,6 +351,8 @@ _GLOBAL_NAMES = {
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -311,13 +363,28 @@ _LAYER_NAMES = {
 }
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+# Gemma 2's four norms per layer (llama.cpp's names differ from the Llama ones they reuse)
+_GEMMA2_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+# Phi-3's fused projections: q|k|v in attn_qkv, gate|up in ffn_up
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_ARCH_LAYER_NAMES = {"gemma2": _GEMMA2_LAYER_NAMES, "gemma3": _GEMMA2_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
+
+
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; unknown names unchanged."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     return gguf_name
 
 
@@ -344,7 +411,7 @@ def weight_formats(header: GGUFHeader) -> dict[str, GroupQuantFormat]:
     for tensor in header.tensors.values():
         type_name = _ggml_type_name(tensor.ggml_type)
         if type_name in KEPT_QUANTIZED_TYPES and len(tensor.shape) == 2:
-            formats[hf_tensor_name(tensor.name)] = GroupQuantFormat(
+            formats[hf_tensor_name(tensor.name, header.metadata.get("general.architecture", "llama"))] = GroupQuantFormat(
                 type_name, KEPT_QUANTIZED_TYPES[type_name], GGML_BLOCK_SIZE
             )
     return formats
@@ -389,10 +456,15 @@ def iter_gguf_weights(
     HF weight names in `quantized` the three tensors `<module>.weight_codes / _scales /
     _offsets` of quant.GroupQuantLinearMethod."""
     header = read_gguf_header(path)
+    arch = hf_config["model_type"]
     heads = {"q_proj": hf_config["num_attention_heads"], "k_proj": hf_config["num_key_value_heads"]}
+    if arch not in _PERMUTED_ARCHITECTURES:
+        heads = {}
     buf = np.memmap(header.path, dtype=np.uint8, mode="r")
     for tensor in header.tensors.values():
-        name = hf_tensor_name(tensor.name)
+        if tensor.name == "rope_freqs.weight":
+            continue  # in the config (rope_parameters.freq_factors)
+        name = hf_tensor_name(tensor.name, arch)
         proj = name.rsplit(".", 2)[-2]
         num_heads = heads[proj] if proj in heads and ".self_attn." in name else None
         if name in quantized:
@@ -405,6 +477,8 @@ def iter_gguf_weights(
         values = dequantize_tensor(buf, tensor)
         if num_heads is not None:
             values = _unpermute(values, num_heads)
+        if arch in _NORM_OFFSET_ARCHITECTURES and name.endswith("norm.weight"):  # q/k norms too
+            values = values - 1.0
         yield name, torch.from_numpy(np.require(values, requirements=["C", "W"]))  # F32 views are read-only
 
 

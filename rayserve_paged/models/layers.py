@@ -173,6 +173,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.sizes_per_rank = [divide(size, tp_size, "output size") for size in output_sizes]
         self.shard_ids = tuple(range(len(output_sizes)))
 
+    def split_fused(self, loaded: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A checkpoint tensor holding every piece (Phi-3's gate_up_proj): the pieces, in order."""
+        return loaded.split(self.output_sizes, dim=0)
+
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         """`loaded` is piece `shard_id`'s full HF weight [size_i, in] or bias [size_i]."""
         check_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
@@ -222,6 +226,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads_per_rank * head_dim
         self.kv_size = self.num_kv_heads_per_rank * head_dim
         self.shard_ids = ("q", "k", "v")
+
+    def split_fused(self, loaded: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A checkpoint tensor holding q, k and v (Phi-3's qkv_proj): the three, in order."""
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return loaded.split([q_rows, kv_rows, kv_rows], dim=0)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         """`loaded` is the full HF q_proj / k_proj / v_proj weight [heads * D, hidden] or bias."""
@@ -374,11 +383,32 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.compute_logits(hidden_states)
 
 
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [blocks, block_size, Hkv, D]
+
+# HF `hidden_act` / `activation_function` names -> the function
+ACTIVATIONS = {
+    "silu": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str, what: str = "hidden_act"):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported {what} {name!r}; supported: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
 # --------------------------------------------------------------------------- norms
 
 
 class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps), computed in float32 as Llama does.
+
+    With `weight_offset` 1.0 (Gemma) the checkpoint stores w - 1 and y = (1 + w) * x / rms,
+    multiplied in float32 before the cast back, as Gemma's modeling does.
 
     `forward(x, residual)` fuses the residual add that precedes every norm in a pre-norm
     block: it returns (norm(x + residual), x + residual).
@@ -386,9 +416,12 @@ class RMSNorm(nn.Module):
 
     shard_ids: tuple | None = None
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, *, dtype: torch.dtype | None = None, weight_offset: float = 0.0
+    ) -> None:
         super().__init__()
         self.eps = eps
+        self.weight_offset = weight_offset
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -397,6 +430,8 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_offset:
+            return (x32 * (self.weight_offset + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
     def forward(
@@ -411,7 +446,7 @@ class RMSNorm(nn.Module):
 # --------------------------------------------------------------------------- rotary
 
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True, slots=True)
@@ -424,6 +459,16 @@ class RopeScaling:
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position_embeddings: int = 8192  # llama3 only
+    # per-dimension divisors of the inverse frequencies, as GGUF files store llama3 scaling
+    # (the `rope_freqs` tensor); applied on top of rope_type
+    freq_factors: tuple[float, ...] | None = None
+    # yarn only (None: transformers' defaults)
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 def rope_scaling_from_hf(config: dict) -> RopeScaling:
@@ -448,18 +493,62 @@ def rope_scaling_from_hf(config: dict) -> RopeScaling:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", fallback_max)),
-    )
+        freq_factors=tuple(float(f) for f in params["freq_factors"]) if params.get("freq_factors") else None,
+        **{key: params[key] for key in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                                        "truncate") if params.get(key) is not None},
+    )  # fmt: skip
 
 
 def rope_inv_freq(head_dim: int, rope: RopeScaling) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] float32, as transformers computes them."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # [D/2]
     inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.freq_factors is not None:
+        if len(rope.freq_factors) != head_dim // 2:
+            raise ValueError(f"{len(rope.freq_factors)} RoPE frequency factors for head_dim {head_dim}")
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, rope)
     return inv_freq
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_scaling(rope: RopeScaling) -> float:
+    """The factor on cos / sin (YaRN's attention factor; 1 for the other types)."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return _yarn_mscale(rope.factor)
+
+
+def _yarn_inv_freq(head_dim: int, rope: RopeScaling) -> torch.Tensor:
+    """YaRN (Peng et al. 2023): interpolated frequencies below the correction range, the
+    original ones above it, a linear ramp between, as transformers computes them."""
+    base, dim, old_len = rope.theta, head_dim, rope.original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(old_len / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast or 32), correction_dim(rope.beta_slow or 1)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)  # [D/2]
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation_factor) + (1.0 / pos_freqs) * extrapolation_factor
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeScaling) -> torch.Tensor:
@@ -489,6 +578,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rope = rope
         self.inv_freq = rope_inv_freq(head_dim, rope)  # [D/2] float32
+        self.attention_scaling = rope_attention_scaling(rope)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -498,8 +588,11 @@ class RotaryEmbedding(nn.Module):
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        cos = angles.cos()[:, None, :].to(query.dtype)  # [T, 1, D]
-        sin = angles.sin()[:, None, :].to(query.dtype)  # [T, 1, D]
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        cos = cos[:, None, :].to(query.dtype)  # [T, 1, D]
+        sin = sin[:, None, :].to(query.dtype)  # [T, 1, D]
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
@@ -516,16 +609,31 @@ class Attention(nn.Module):
     """Paged attention over this rank's heads; the kernel comes from the attention backend.
 
     The backend writes the step's new K/V into the cache (slot_mapping) and attends over the
-    cached context plus the new tokens; the layer only reshapes around it.
+    cached context plus the new tokens (the last `sliding_window` positions of it, when set);
+    the layer only reshapes around it.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: Any) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        backend: Any,
+        *,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads  # per rank
         self.num_kv_heads = num_kv_heads  # per rank
         self.head_dim = head_dim
         self.scale = scale
         self.backend = backend
+        self.sliding_window = sliding_window  # keys older than this many positions are masked
+        self.soft_cap = soft_cap  # attention logits s -> soft_cap * tanh(s / soft_cap)
+        if hasattr(backend, "add_layer"):
+            backend.add_layer(sliding_window, soft_cap)
 
     def forward(
         self,
@@ -540,5 +648,7 @@ class Attention(nn.Module):
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         key_cache, value_cache = kv_cache  # each [num_blocks, block_size, Hkv, D]
-        out = self.backend.forward(query, key, value, key_cache, value_cache, attn_metadata, self.scale)
+        out = self.backend.forward(
+            query, key, value, key_cache, value_cache, attn_metadata, self.scale, self.sliding_window, self.soft_cap
+        )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H * D]

@@ -38,17 +38,15 @@ from .gguf import weight_formats as gguf_weight_formats
 from .hf_quant import hf_weight_formats, iter_hf_quantized, quantization_method, with_quantize_config
 from .layers import LinearBase, ParallelLMHead, ParallelState, copy_weight
 from .quant import GroupQuantFormat, GroupQuantLinearMethod
-from .llama import LlamaConfig, LlamaForCausalLM
-from .opt import OPTConfig, OPTForCausalLM
+from .registry import ARCHITECTURES
 
 logger = logging.getLogger(__name__)
 
-# architectures[0] in config.json -> (our model class, its config parser)
+# architectures[0] in config.json -> (our model class, its config parser); from registry.py
 MODEL_REGISTRY: dict[str, tuple[type[nn.Module], Any]] = {
-    "OPTForCausalLM": (OPTForCausalLM, OPTConfig),
-    "LlamaForCausalLM": (LlamaForCausalLM, LlamaConfig),
+    a.hf_name: (a.model_class, a.model_class.config_from_hf) for a in ARCHITECTURES
 }
-_MODEL_TYPES = {"opt": "OPTForCausalLM", "llama": "LlamaForCausalLM"}
+_MODEL_TYPES = {a.model_type: a.hf_name for a in ARCHITECTURES}
 
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "awq", "gptq")
 
@@ -79,6 +77,9 @@ class ModelConfig:
     bos_token_id: int | None
     pad_token_id: int | None
     dtype: str  # checkpoint dtype: "float32" | "float16" | "bfloat16"
+    # every layer's sliding window when all layers have the same one, else None: the block
+    # manager then returns blocks wholly before the window to the pool
+    sliding_window: int | None = None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -159,7 +160,7 @@ def get_model_config(model_path: str | Path) -> ModelConfig:
         hf = read_hf_config(path)
         eos_token_ids = _eos_token_ids(path, hf)
     architecture = architecture_of(hf)
-    cfg = MODEL_REGISTRY[architecture][1].from_hf(hf)
+    cfg = MODEL_REGISTRY[architecture][1](hf)
     return ModelConfig(
         architecture=architecture,
         num_layers=cfg.num_layers,
@@ -173,7 +174,12 @@ def get_model_config(model_path: str | Path) -> ModelConfig:
         bos_token_id=hf.get("bos_token_id"),
         pad_token_id=hf.get("pad_token_id"),
         dtype=str(resolve_dtype(None, hf)).removeprefix("torch."),
+        sliding_window=_uniform_window(getattr(cfg, "layer_windows", ())),
     )
+
+
+def _uniform_window(windows: tuple[int | None, ...]) -> int | None:
+    return windows[0] if windows and None not in windows and len(set(windows)) == 1 else None
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -253,19 +259,30 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
             unexpected.append(hf_name)
             continue
         load, _ = _loader_of(model, name)
+        # a tuple of shard ids: one checkpoint tensor holds several shards (Phi-3's qkv_proj)
+        pieces = [(shard_id, tensor)] if not isinstance(shard_id, tuple) else _fused_pieces(model, name, tensor, shard_id)
         try:
-            if shard_id is None:
-                load(params[name], tensor)
-            else:
-                load(params[name], tensor, shard_id)
+            for piece_id, piece in pieces:
+                if piece_id is None:
+                    load(params[name], piece)
+                else:
+                    load(params[name], piece, piece_id)
         except ValueError as exc:
             raise WeightLoadError(
                 f"{source}: tensor {hf_name!r} of shape {list(tensor.shape)} does not fit parameter {name!r}: {exc}"
             ) from exc
-        loaded.add((name, shard_id))
+        loaded.update((name, piece_id) for piece_id, _ in pieces)
     if unexpected:
         logger.warning("%s: ignored %d unexpected tensors, e.g. %s", source, len(unexpected), unexpected[:5])
     _check_all_loaded(model, params, loaded, source)
+
+
+def _fused_pieces(model: nn.Module, name: str, tensor: torch.Tensor, shard_ids: tuple) -> list:
+    module = model.get_submodule(name.rpartition(".")[0])
+    parts = module.split_fused(tensor)
+    if len(parts) != len(shard_ids) or sum(p.shape[0] for p in parts) != tensor.shape[0]:
+        raise WeightLoadError(f"fused tensor for {name!r} of shape {list(tensor.shape)} does not split into {shard_ids}")
+    return list(zip(shard_ids, parts))
 
 
 def _check_all_loaded(model: nn.Module, params: dict, loaded: set[tuple[str, Any]], source: str) -> None:

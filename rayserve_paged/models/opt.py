@@ -15,15 +15,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rayserve_paged.ops.attention import AttentionMetadata
 
+from .decoder import map_packed_name
 from .layers import (
+    ACTIVATIONS,
     SINGLE_RANK,
     Attention,
     ColumnParallelLinear,
+    KVCache,
     ParallelLMHead,
     ParallelState,
     QKVParallelLinear,
@@ -31,11 +33,11 @@ from .layers import (
     VocabParallelEmbedding,
 )
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [blocks, block_size, Hkv, D]
-
 POSITION_OFFSET = 2  # OPT's learned positions start at row 2
 
-_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+_ACTIVATIONS = ("relu", "gelu", "gelu_new")
+# checkpoint module -> (our fused module, shard id)
+PACKED_MODULES = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +119,7 @@ class OPTDecoderLayer(nn.Module):
         self.fc1 = ColumnParallelLinear(hidden, cfg.ffn_dim, bias=cfg.enable_bias, parallel=parallel, dtype=dtype)
         self.fc2 = RowParallelLinear(cfg.ffn_dim, hidden, bias=cfg.enable_bias, parallel=parallel, dtype=dtype)
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine, dtype=dtype)
-        self.activation = _ACTIVATIONS[cfg.activation]
+        self.activation = ACTIVATIONS[cfg.activation]
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         # x [T, hidden]
@@ -175,6 +177,10 @@ class OPTModel(nn.Module):
 class OPTForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, proj_dim]."""
 
+    @classmethod
+    def config_from_hf(cls, hf_config: dict) -> OPTConfig:
+        return OPTConfig.from_hf(hf_config)
+
     def __init__(
         self,
         hf_config: dict,
@@ -207,10 +213,4 @@ class OPTForCausalLM(nn.Module):
         """HF checkpoint name -> (our parameter name, shard id), or None to skip it."""
         if hf_name.startswith("decoder."):  # facebook/opt-* .bin files were saved from OPTModel
             hf_name = "model." + hf_name
-        if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
-            return None  # the embedding, again
-        for proj in ("q", "k", "v"):
-            marker = f".self_attn.{proj}_proj."
-            if marker in hf_name:
-                return hf_name.replace(marker, ".self_attn.qkv_proj."), proj
-        return hf_name, None
+        return map_packed_name(hf_name, PACKED_MODULES, self.config.tie_word_embeddings)

@@ -49,7 +49,7 @@ class PagedDecodeKernel:
         self._fn = getattr(library, SYMBOL)
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                             ctypes.c_int, p]  # fmt: skip
+                             i64, ctypes.c_float, ctypes.c_int, p]  # fmt: skip
         self._fn.restype = ctypes.c_int
         self._bad = (ctypes.c_int64 * 2)()
 
@@ -62,15 +62,20 @@ class PagedDecodeKernel:
         block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32, contiguous
         seq_lens: torch.Tensor,  # [num_seqs] int32
         scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> None:
-        """Block ids and lengths are range-checked inside, before any cache read."""
+        """Block ids and lengths are range-checked inside, before any cache read. With a
+        sliding window only each sequence's last `sliding_window` positions are read; a
+        soft-cap turns every score s into soft_cap * tanh(s / soft_cap)."""
         _check_tensors(out, query, key_cache, value_cache, block_tables, seq_lens)
         num_seqs, num_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, _ = key_cache.shape
         status = self._fn(
             out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             block_tables.data_ptr(), seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
-            num_blocks, block_size, block_tables.shape[1], scale, torch.get_num_threads(), self._bad,
+            num_blocks, block_size, block_tables.shape[1], scale, sliding_window or 0, soft_cap or 0.0,
+            torch.get_num_threads(), self._bad,
         )  # fmt: skip
         if status == 1:
             seq = self._bad[0]

@@ -3,7 +3,12 @@
 
 Every backend keeps the invariant of `attention.py`: in each layer it writes the step's new
 K/V into the cache first, then attends, so prefill and decode read keys and values only
-through block tables. Grouped-query attention: query head h reads kv head h // group_size,
+through block tables.
+
+A layer may ask for a sliding window W (the query at position p sees keys at p - W < k <= p,
+as transformers masks them) and an attention logit soft-cap c (score s -> c * tanh(s / c),
+after the scale, before the mask and softmax: Gemma 2). With a window no backend reads a
+block that lies wholly before the window: the scheduler may have returned it to the pool. Grouped-query attention: query head h reads kv head h // group_size,
 group_size = num_heads // num_kv_heads.
 """
 
@@ -77,12 +82,21 @@ class AttentionBackend:
         value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # a query sees only the last sliding_window positions
+        soft_cap: float | None = None,  # scores s -> soft_cap * tanh(s / soft_cap) before the softmax
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding tokens' rows are zeros
         raise NotImplementedError
 
     def warm_up(self, key_cache, value_cache, num_heads: int, query_token_stride: int | None = None) -> list[str]:
         """Compile whatever the backend compiles lazily, before serving; returns what was run."""
         return []
+
+    def add_layer(self, sliding_window: int | None, soft_cap: float | None) -> None:
+        """Each attention layer says, once when built, whether it has a window and a soft-cap:
+        the (has window, has cap) variants the model runs, which warm_up compiles."""
+        self.layer_maskings = self.layer_maskings | {(sliding_window is not None, soft_cap is not None)}
+
+    layer_maskings: frozenset[tuple[bool, bool]] = frozenset()
 
     def decode_workspace_bytes(
         self, max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_seq_len: int, device
@@ -123,7 +137,7 @@ class TorchReferenceBackend(AttentionBackend):
         self._kernel_checked = False
         self._gather_buffers: dict[tuple, torch.Tensor] = {}  # torch decode path, grown on demand
 
-    def forward(self, query, key, value, key_cache, value_cache, metadata, scale):
+    def forward(self, query, key, value, key_cache, value_cache, metadata, scale, sliding_window=None, soft_cap=None):
         plan = self._layer_plan(query, key, value, key_cache, value_cache, metadata)
         write_slots(key, value, key_cache, value_cache, metadata.slot_mapping)
         output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
@@ -132,7 +146,8 @@ class TorchReferenceBackend(AttentionBackend):
             output[num_real_tokens:] = 0  # padding tokens
         if metadata.num_prefills:
             _prefill_attention(
-                query, key, value, key_cache, value_cache, plan, scale, out=output[:num_prefill_tokens]
+                query, key, value, key_cache, value_cache, plan, scale, sliding_window, soft_cap,
+                out=output[:num_prefill_tokens],
             )
         if metadata.num_decodes:
             decode_query = plan.decode_rows(query)  # [num_decodes, num_heads, d]
@@ -140,9 +155,14 @@ class TorchReferenceBackend(AttentionBackend):
             kernel = self._cpu_kernel(query, key_cache)
             if kernel is not None:
                 tables, seq_lens = plan.kernel_inputs()
-                kernel(decode_out, decode_query.contiguous(), key_cache, value_cache, tables, seq_lens, scale)
+                kernel(
+                    decode_out, decode_query.contiguous(), key_cache, value_cache, tables, seq_lens, scale,
+                    sliding_window, soft_cap,
+                )
             else:
-                self._torch_decode(decode_query, key_cache, value_cache, plan, scale, out=decode_out)
+                self._torch_decode(
+                    decode_query, key_cache, value_cache, plan, scale, sliding_window, soft_cap, out=decode_out
+                )
         return output
 
     def _cpu_kernel(self, query: torch.Tensor, key_cache: torch.Tensor) -> cpu_decode.PagedDecodeKernel | None:
@@ -153,23 +173,23 @@ class TorchReferenceBackend(AttentionBackend):
             self._kernel_checked = True
         return self._kernel if key_cache.is_contiguous() else None
 
-    def _torch_decode(self, query, key_cache, value_cache, plan: StepPlan, scale, out) -> None:
+    def _torch_decode(self, query, key_cache, value_cache, plan: StepPlan, scale, sliding_window, soft_cap, out) -> None:
         """Per length-sorted chunk: gather token rows into reused buffers, one masked SDPA."""
         num_heads, head_dim = query.shape[1:]
         _, _, num_kv_heads, _ = key_cache.shape
         flat_shape = (-1, num_kv_heads, head_dim)
-        for chunk in plan.decode_chunks(query.device):
+        for chunk in plan.decode_chunks(query.device, sliding_window):
             num_seqs, max_len = chunk.slots.shape
             keys, values = self._buffers(num_seqs * max_len, key_cache)  # [n * max_len, kv_heads, d]
             torch.index_select(key_cache.view(flat_shape), 0, chunk.slots.view(-1), out=keys)
             torch.index_select(value_cache.view(flat_shape), 0, chunk.slots.view(-1), out=values)
             chunk_query = query if chunk.index is None else query.index_select(0, chunk.index)
             grouped = chunk_query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-            attended = F.scaled_dot_product_attention(
+            attended = masked_attention(
                 grouped,
                 keys.view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2),
                 values.view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2),
-                attn_mask=chunk.is_valid, scale=scale,
+                chunk.is_valid, scale, soft_cap,
             )  # [num_seqs, num_kv_heads, group_size, head_dim]
             attended = attended.reshape(num_seqs, num_heads, head_dim)
             if chunk.index is None:
@@ -191,8 +211,8 @@ class TorchReferenceBackend(AttentionBackend):
 @dataclass(slots=True)
 class _DecodeChunk:
     index: torch.Tensor | None  # [n] int64: rows of the step's decodes in this chunk; None = all, in order
-    slots: torch.Tensor  # [n, max_len] int64: cache row of each position; padding -> the sequence's slot 0
-    is_valid: torch.Tensor  # [n, 1, 1, max_len] bool: position < seq_len
+    slots: torch.Tensor  # [n, max_len] int64: cache row of each position; masked -> the sequence's last slot
+    is_valid: torch.Tensor  # [n, 1, 1, max_len] bool: seq_len - window <= position < seq_len
 
 
 class StepPlan:
@@ -210,7 +230,7 @@ class StepPlan:
         self.prefill_query_lens, self.prefill_seq_lens = prefill_lengths_host(metadata)
         self._prefill_context_blocks: list[torch.Tensor | None] | None = None
         self._kernel_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._decode_chunks: list[_DecodeChunk] | None = None
+        self._decode_chunks: dict[int | None, list[_DecodeChunk]] = {}  # by sliding window
 
     def decode_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """The decode tokens' rows of a [num_tokens, ...] tensor (itself in a decode-only step
@@ -238,12 +258,13 @@ class StepPlan:
             )
         return self._kernel_inputs
 
-    def decode_chunks(self, device: torch.device) -> list[_DecodeChunk]:
-        if self._decode_chunks is None:
-            self._decode_chunks = self._build_decode_chunks(device)
-        return self._decode_chunks
+    def decode_chunks(self, device: torch.device, sliding_window: int | None = None) -> list[_DecodeChunk]:
+        chunks = self._decode_chunks.get(sliding_window)
+        if chunks is None:
+            chunks = self._decode_chunks[sliding_window] = self._build_decode_chunks(device, sliding_window)
+        return chunks
 
-    def _build_decode_chunks(self, device: torch.device) -> list[_DecodeChunk]:
+    def _build_decode_chunks(self, device: torch.device, sliding_window: int | None) -> list[_DecodeChunk]:
         metadata = self.metadata
         lens = metadata.decode_seq_lens_host
         if lens is None:
@@ -264,29 +285,41 @@ class StepPlan:
             seq_lens = torch.tensor([lens[r] for r in rows], dtype=torch.int64, device=device)  # [n]
             positions = torch.arange(max_len, device=device)  # [max_len]
             is_valid = positions[None, :] < seq_lens[:, None]  # [n, max_len]
-            # padding positions read position 0 (always written): finite, and masked out
-            positions = torch.where(is_valid, positions[None, :], 0)  # [n, max_len]
+            if sliding_window is not None:
+                is_valid &= positions[None, :] >= seq_lens[:, None] - sliding_window
+            # masked positions read the last position (written, and never outside a window): finite
+            positions = torch.where(is_valid, positions[None, :], seq_lens[:, None] - 1)  # [n, max_len]
             blocks = chunk_tables.gather(1, positions // block_size)  # [n, max_len]
             slots = blocks * block_size + positions % block_size
             chunks.append(_DecodeChunk(index, slots, is_valid[:, None, None, :]))
         return chunks
 
 
-def _prefill_attention(query, key, value, key_cache, value_cache, plan: StepPlan, scale, out) -> None:
+def _prefill_attention(
+    query, key, value, key_cache, value_cache, plan: StepPlan, scale, sliding_window, soft_cap, out
+) -> None:
     """Per sequence: new tokens attend causally to cached context + themselves. The new
-    tokens' K/V come from the step's own key/value; only the context is read from the cache."""
+    tokens' K/V come from the step's own key/value; only the context is read from the cache,
+    from the first block the window reaches into."""
     start = 0
     context_blocks = plan.prefill_context_blocks()
+    block_size = plan.metadata.block_size
     for i, (query_len, seq_len) in enumerate(zip(plan.prefill_query_lens, plan.prefill_seq_lens)):
         end = start + query_len
         keys, values = key[start:end], value[start:end]  # [query_len, num_kv_heads, head_dim]
         context_len = seq_len - query_len
-        if context_len == 0:
+        if context_len == 0 and sliding_window is None and soft_cap is None:
             out[start:end] = _self_attention(query[start:end], keys, values, scale)
         else:
-            keys = torch.cat((_gather_sequence(key_cache, context_blocks[i], context_len), keys))
-            values = torch.cat((_gather_sequence(value_cache, context_blocks[i], context_len), values))
-            out[start:end] = _causal_attention(query[start:end], keys, values, context_len, scale)
+            # keys from `first` on: the block holding the first query's oldest visible key
+            first = 0 if sliding_window is None else max(0, context_len + 1 - sliding_window) // block_size * block_size
+            if context_len > first:
+                blocks = context_blocks[i][first // block_size :]
+                keys = torch.cat((_gather_sequence(key_cache, blocks, context_len - first), keys))
+                values = torch.cat((_gather_sequence(value_cache, blocks, context_len - first), values))
+            out[start:end] = _causal_attention(
+                query[start:end], keys, values, context_len - first, scale, sliding_window, soft_cap
+            )
         start = end
 
 
@@ -305,7 +338,9 @@ def _gather_sequence(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int)
     return blocks.reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
 
 
-def _causal_attention(query, keys, values, context_len: int, scale: float) -> torch.Tensor:
+def _causal_attention(
+    query, keys, values, context_len: int, scale: float, sliding_window: int | None = None, soft_cap: float | None = None
+) -> torch.Tensor:
     """query [q, num_heads, d]; keys/values [context_len + q, num_kv_heads, d] -> [q, num_heads, d].
 
     The query heads sharing a kv head are folded into the query-length axis, so SDPA sees
@@ -320,17 +355,30 @@ def _causal_attention(query, keys, values, context_len: int, scale: float) -> to
         .reshape(num_kv_heads, group_size * query_len, head_dim)
     )  # [num_kv_heads, group_size * query_len, head_dim]
     positions = torch.arange(seq_len, device=query.device)  # [seq_len]
-    query_positions = positions[context_len:, None]  # [query_len, 1]: absolute positions
+    query_positions = positions[context_len:, None]  # [query_len, 1]: positions from the first key
     is_visible = positions[None, :] <= query_positions  # [query_len, seq_len]
+    if sliding_window is not None:
+        is_visible &= positions[None, :] > query_positions - sliding_window
     is_visible = is_visible.repeat(group_size, 1)  # [group_size * query_len, seq_len]
-    attended = F.scaled_dot_product_attention(
-        folded, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=is_visible, scale=scale
+    attended = masked_attention(
+        folded, keys.transpose(0, 1), values.transpose(0, 1), is_visible, scale, soft_cap
     )  # [num_kv_heads, group_size * query_len, head_dim]
     return (
         attended.reshape(num_kv_heads, group_size, query_len, head_dim)
         .permute(2, 0, 1, 3)
         .reshape(query_len, num_heads, head_dim)
     )
+
+
+def masked_attention(query, keys, values, is_visible, scale: float, soft_cap: float | None) -> torch.Tensor:
+    """softmax(cap(scale * q k^T), masked) v over the last two dims; SDPA without a soft-cap.
+    query [..., q, d]; keys / values [..., k, d]; is_visible broadcasts to [..., q, k]."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=is_visible, scale=scale)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale  # [..., q, k]
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    probs = scores.masked_fill(~is_visible, float("-inf")).softmax(dim=-1, dtype=torch.float32)
+    return torch.matmul(probs.to(values.dtype), values)  # [..., q, d]
 
 
 DECODE_CHUNK = 32  # torch decode path: sequences per padded batch, sorted by length

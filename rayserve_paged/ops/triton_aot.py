@@ -74,6 +74,8 @@ class KernelConfig:
     partition_size: int = 0  # decode_partition / decode_reduce only
     bits: int = 0  # group_quant_gemm only (group_size is then the quantization group)
     num_rows: int = 0  # group_quant_gemm only
+    sliding: bool = False  # attention kernels and decode_reduce: a sliding window
+    soft_cap: bool = False  # attention kernels: attention logit soft-capping
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -130,6 +132,31 @@ def ci_configs(target: Target | None = None) -> list[KernelConfig]:
                     )
                 )
                 index += 1
+    return configs + masking_configs()
+
+
+# (sliding, soft_cap) variants beside the plain ones, at the shapes of the models that use
+# them: a window alone at bfloat16 / 128 (Qwen2.5-7B: group 7; Qwen3-8B, Mistral: group 4),
+# Gemma 2's both (sliding layers) and soft-cap alone (global layers) at 256 / group 2.
+MASKINGS = ((True, False), (True, True), (False, True))
+MASKING_SHAPES = (
+    ("bfloat16", 128, 7, True, False),
+    ("bfloat16", 128, 4, True, False),
+    ("bfloat16", 256, 2, True, True),
+    ("bfloat16", 256, 2, False, True),
+    ("float16", 256, 2, True, True),
+)
+
+
+def masking_configs() -> list[KernelConfig]:
+    configs = []
+    for kernel in ("decode", "decode_partition", "prefill"):
+        extra = {"partition_size": 512} if kernel == "decode_partition" else {}
+        for dtype, head_dim, group_size, sliding, soft_cap in MASKING_SHAPES:
+            configs.append(KernelConfig(
+                kernel, dtype, head_dim, group_size=group_size, sliding=sliding, soft_cap=soft_cap, **extra
+            ))  # fmt: skip
+    configs.append(KernelConfig("decode_reduce", "bfloat16", 128, partition_size=512, sliding=True))
     return configs
 
 
@@ -181,13 +208,17 @@ def launch_spec(config: KernelConfig):
     else:
         raise ValueError(f"unknown kernel {config.kernel!r}; one of {', '.join(KERNELS)}")
     constants = dict(constants)
+    if config.kernel in ("decode", "decode_partition", "prefill"):
+        constants.update(SLIDING=config.sliding, SOFT_CAP=config.soft_cap)
+    elif config.kernel == "decode_reduce":
+        constants["SLIDING"] = config.sliding
     num_warps = constants.pop("num_warps")
     qkv_stride = (num_heads + 2 * kv_heads) * head_dim  # a slice of the packed QKV projection
     int_values = {
         "stride_q_token": qkv_stride, "stride_q_head": head_dim, "stride_out_token": num_heads * head_dim,
         "stride_out_head": head_dim, "stride_key_token": qkv_stride, "stride_key_head": head_dim,
         "stride_value_token": qkv_stride, "stride_value_head": head_dim, "num_heads": num_heads,
-        "stride_table_seq": 0, "max_partitions": 0,  # do_not_specialize: the values never matter
+        "stride_table_seq": 0, "max_partitions": 0, "window": 0,  # do_not_specialize: the values never matter
         # group_quant_gemm: a 4096 x 4096 projection (Llama-3-8B's q / o)
         "num_rows": config.num_rows, "out_features": 4096, "in_features": 4096, "stride_x_row": 4096,
         "stride_out_row": 4096,
@@ -200,7 +231,7 @@ def launch_spec(config: KernelConfig):
         elif name.endswith("_ptr"):
             signature[name] = _POINTER_TYPES.get(name, "*" + _TRITON_DTYPES[config.dtype])
             attrs[(index,)] = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned
-        elif name == "scale_log2":
+        elif name in ("scale_log2", "cap_log2"):
             signature[name] = "fp32"
         else:
             value = int_values[name]  # KeyError: a new runtime argument needs a representative value

@@ -99,7 +99,10 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True  # launches depend on shapes and max_decode_seq_len only
 
-    def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale, out=None):
+    def forward(
+        self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale,
+        sliding_window=None, soft_cap=None, out=None,
+    ):  # fmt: skip
         """`out` (optional, [num_tokens, num_heads, head_dim]) receives the result in place."""
         plan = self._layer_plan(query, key, value, key_cache, value_cache, metadata)
         plan.cache_write(key, value, key_cache, value_cache, metadata.slot_mapping)
@@ -114,12 +117,13 @@ class TritonBackend(AttentionBackend):
             plan.prefill(
                 query[:num_prefill_tokens], key_cache, value_cache, metadata.prefill_block_tables,
                 metadata.prefill_query_start_loc, metadata.prefill_context_lens, scale,
-                out=out[:num_prefill_tokens],
+                out=out[:num_prefill_tokens], sliding_window=sliding_window, soft_cap=soft_cap,
             )
         if plan.decode is not None:
             plan.decode(
                 plan.decode_rows(query), key_cache, value_cache, metadata.decode_block_tables,
                 metadata.decode_seq_lens, scale, out=plan.decode_rows(out),
+                sliding_window=sliding_window, soft_cap=soft_cap,
             )
         return out
 
@@ -166,7 +170,8 @@ class TritonBackend(AttentionBackend):
         """Compile every kernel variant for this cache now (see warm_up below)."""
         if is_interpreted():
             return []  # the interpreter compiles nothing
-        return warm_up(key_cache, value_cache, num_heads, query_token_stride=query_token_stride)
+        maskings = self.layer_maskings or {(False, False)}
+        return warm_up(key_cache, value_cache, num_heads, query_token_stride=query_token_stride, maskings=maskings)
 
     def decode_workspace_bytes(
         self, max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_seq_len: int, device
@@ -347,9 +352,13 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
     variant: DecodeVariant = "auto",
     partition_size: int | None = None,  # None: choose_decode_partition's (or the smallest when forced)
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Each sequence's query attends to its first seq_lens[i] cached tokens; returns `out`."""
+    """Each sequence's query attends to its first seq_lens[i] cached tokens (the last
+    sliding_window of them, when set; scores soft-capped when soft_cap is); returns `out`."""
     _check_decode_inputs(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len)
+    _check_window_and_cap(sliding_window, soft_cap)
     if variant not in ("auto", "single", "partitioned"):
         raise ValueError(f"variant must be auto, single or partitioned, got {variant!r}")
     if not (partition_size is None or partition_size > 0):
@@ -360,7 +369,10 @@ def paged_decode_attention(
         _check_out(out, query)
     if query.shape[0]:
         launch = _DecodeLaunch(query, key_cache, block_tables, max_seq_len, variant, partition_size)
-        launch(query, key_cache, value_cache, block_tables, seq_lens, scale, out=out)
+        launch(
+            query, key_cache, value_cache, block_tables, seq_lens, scale, out=out,
+            sliding_window=sliding_window, soft_cap=soft_cap,
+        )
     return out
 
 
@@ -391,13 +403,18 @@ class _DecodeLaunch:
         self.max_partitions = triton.cdiv(max_seq_len, partition_size) if partition_size else 0
         self._buffers = None
 
-    def __call__(self, query, key_cache, value_cache, block_tables, seq_lens, scale: float, *, out) -> None:
+    def __call__(
+        self, query, key_cache, value_cache, block_tables, seq_lens, scale: float, *, out,
+        sliding_window: int | None = None, soft_cap: float | None = None,
+    ) -> None:  # fmt: skip
         scale_log2 = float(scale) * kernels.LOG2E
+        window, cap_log2, masking = masking_arguments(sliding_window, soft_cap)
         num_seqs, num_heads = self.num_seqs, self.num_heads
         if not self.partition_size:
             kernels.paged_decode_kernel[(num_seqs, self.num_kv_heads)](
-                out, query, key_cache, value_cache, block_tables, seq_lens, scale_log2,
+                out, query, key_cache, value_cache, block_tables, seq_lens, scale_log2, window, cap_log2,
                 stride_out_token=out.stride(0), stride_out_head=out.stride(1), **self.strides, **self.constants,
+                **masking,
             )
             return
         if self._buffers is None:
@@ -406,14 +423,14 @@ class _DecodeLaunch:
         max_partitions = self.max_partitions
         kernels.paged_decode_partition_kernel[(num_seqs, self.num_kv_heads, max_partitions)](
             partial_out, max_logits, exp_sums, query, key_cache, value_cache, block_tables, seq_lens, scale_log2,
-            num_heads=num_heads, max_partitions=max_partitions, PARTITION_SIZE=self.partition_size,
-            **self.strides, **self.constants,
+            window, cap_log2, num_heads=num_heads, max_partitions=max_partitions,
+            PARTITION_SIZE=self.partition_size, **self.strides, **self.constants, **masking,
         )
         kernels.paged_decode_reduce_kernel[(num_seqs, num_heads)](
-            out, partial_out, max_logits, exp_sums, seq_lens,
+            out, partial_out, max_logits, exp_sums, seq_lens, window,
             stride_out_token=out.stride(0), stride_out_head=out.stride(1),
             num_heads=num_heads, max_partitions=max_partitions,
-            **reduce_constants(self.head_dim, self.partition_size),
+            **reduce_constants(self.head_dim, self.partition_size), SLIDING=masking["SLIDING"],
         )
 
 
@@ -431,17 +448,24 @@ def paged_prefill_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,  # [num_prefill_tokens, num_heads, head_dim]
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """New token i of sequence s (position context_lens[s] + i) attends to positions
-    0..context_lens[s] + i of that sequence, all read through the block table; returns `out`."""
+    """New token i of sequence s (position p = context_lens[s] + i) attends to positions
+    0..p of that sequence (p - sliding_window < k <= p with a window), all read through the
+    block table; returns `out`."""
     _check_prefill_inputs(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, max_query_len)
+    _check_window_and_cap(sliding_window, soft_cap)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, H, D]
     else:
         _check_out(out, query)
     if block_tables.shape[0] and max_query_len:
         launch = _PrefillLaunch(query, key_cache, block_tables, max_query_len)
-        launch(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, out=out)
+        launch(
+            query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, out=out,
+            sliding_window=sliding_window, soft_cap=soft_cap,
+        )
     return out
 
 
@@ -459,12 +483,30 @@ class _PrefillLaunch:
             stride_q_token=query.stride(0), stride_q_head=query.stride(1), stride_table_seq=block_tables.stride(0)
         )
 
-    def __call__(self, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, *, out):
+    def __call__(
+        self, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, *, out,
+        sliding_window: int | None = None, soft_cap: float | None = None,
+    ):  # fmt: skip
+        window, cap_log2, masking = masking_arguments(sliding_window, soft_cap)
         kernels.paged_prefill_kernel[self.grid](
             out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
-            float(scale) * kernels.LOG2E, stride_out_token=out.stride(0), stride_out_head=out.stride(1),
-            **self.strides, **self.constants,
+            float(scale) * kernels.LOG2E, window, cap_log2, stride_out_token=out.stride(0),
+            stride_out_head=out.stride(1), **self.strides, **self.constants, **masking,
         )
+
+
+def masking_arguments(sliding_window: int | None, soft_cap: float | None) -> tuple[int, float, dict]:
+    """(window, cap_log2, {SLIDING, SOFT_CAP}) of the attention kernels: one compiled variant
+    per combination, whatever the window's or cap's value."""
+    masking = dict(SLIDING=sliding_window is not None, SOFT_CAP=soft_cap is not None)
+    return sliding_window or 0, float(soft_cap or 1.0) * kernels.LOG2E, masking
+
+
+def _check_window_and_cap(sliding_window, soft_cap) -> None:
+    if not (sliding_window is None or (isinstance(sliding_window, int) and sliding_window > 0)):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if not (soft_cap is None or soft_cap > 0):
+        raise ValueError(f"soft_cap must be positive or None, got {soft_cap!r}")
 
 
 # ---------------------------------------------------------------------------- cache ops
@@ -502,11 +544,13 @@ class _CacheWriteLaunch:
 
 
 def warm_up(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int, *, query_token_stride: int | None = None
+    key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int, *, query_token_stride: int | None = None,
+    maskings=((False, False),),
 ) -> list[str]:
     """Launch every kernel variant a step can use with this cache once, so that none compiles
     after start-up: reshape_and_cache, prefill, single-pass decode, and the partitioned decode
-    and its reduce for every size in PARTITION_SIZES. Nothing in the cache is written (every
+    and its reduce for every size in PARTITION_SIZES, each attention kernel once per
+    (sliding window, soft-cap) pair in `maskings` (the model's layers'). Nothing in the cache is written (every
     slot is PAD_SLOT) and only block 0 is read. `query_token_stride` is the token stride of
     the model's queries (a slice of one QKV projection: (num_heads + 2 * num_kv_heads) *
     head_dim), so the launches specialise on the same values as the model's. Returns the
@@ -529,19 +573,25 @@ def warm_up(
     launched = ["reshape_and_cache"]
     index = functools.partial(torch.tensor, dtype=torch.int32, device=device)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=dtype, device=device)
-    paged_prefill_attention(
-        query, key_cache, value_cache, index([[0]]), index([0, num_tokens]), index([0]), num_tokens, 1.0, out=out
-    )
-    launched.append("prefill")
     tables, lens = index([[0]]), index([1])
-    paged_decode_attention(query[:1], key_cache, value_cache, tables, lens, 1, 1.0, out=out[:1], variant="single")
-    launched.append("decode single")
-    for size in PARTITION_SIZES:
-        paged_decode_attention(
-            query[:1], key_cache, value_cache, tables, lens, 1, 1.0, out=out[:1], variant="partitioned",
-            partition_size=size,
+    for sliding, capped in sorted(maskings):
+        masking = dict(sliding_window=1 if sliding else None, soft_cap=1.0 if capped else None)
+        suffix = "".join((" windowed" if sliding else "", " soft-capped" if capped else ""))
+        paged_prefill_attention(
+            query, key_cache, value_cache, index([[0]]), index([0, num_tokens]), index([0]), num_tokens, 1.0,
+            out=out, **masking,
         )
-        launched.append(f"decode partitioned {size}")
+        launched.append("prefill" + suffix)
+        paged_decode_attention(
+            query[:1], key_cache, value_cache, tables, lens, 1, 1.0, out=out[:1], variant="single", **masking
+        )
+        launched.append("decode single" + suffix)
+        for size in PARTITION_SIZES:
+            paged_decode_attention(
+                query[:1], key_cache, value_cache, tables, lens, 1, 1.0, out=out[:1], variant="partitioned",
+                partition_size=size, **masking,
+            )
+            launched.append(f"decode partitioned {size}" + suffix)
     return launched
 
 

@@ -22,7 +22,7 @@ the loads (a runtime stride of 72 is not divisible by 16, and the launcher's spe
 would otherwise fall back to 2-byte loads).
 
 Step-varying integers (the block-table width, the number of partitions) are listed in
-`do_not_specialize`: Triton would otherwise compile a new variant whenever such a value
+`do_not_specialize` (and so is a layer's sliding window): Triton would otherwise compile a new variant whenever such a value
 changes between 1, a multiple of 16 and anything else, i.e. while serving.
 
 Grouped-query attention: the GROUP_SIZE query heads that share one kv head are rows of the
@@ -59,20 +59,28 @@ def _attend_key_range(
     v_cache_ptr,
     table_ptr,  # this sequence's row of the block table
     kv_head,
-    key_start,  # first key position to read (a multiple of TILE_N)
+    key_start,  # first key position to read
     key_end,  # one past the last key position to read
     scale_log2,  # softmax scale * log2(e)
+    window,  # SLIDING and CAUSAL: row r sees keys > query_pos[r] - window
+    cap_log2,  # SOFT_CAP: soft-cap * log2(e)
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     CAUSAL: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Fold keys [key_start, key_end) into (acc, m_i, l_i). Positions past key_end are never
-    read (masked loads), so stale or NaN cache contents there cannot leak into the result."""
+    """Fold keys [key_start, key_end) into (acc, m_i, l_i). Positions outside that range are
+    never read (masked loads), so stale or NaN cache contents there (or blocks before a
+    sliding window, which may be back in the pool) cannot leak into the result.
+
+    SOFT_CAP: s -> cap * tanh(s / cap) on the natural-log scores; in the log2 domain that is
+    cap_log2 * tanh(s / cap_log2), with tanh(x) = 2 * sigmoid(2x) - 1."""
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_PAD)
     is_real_lane = offs_d < HEAD_DIM  # [HEAD_PAD]
@@ -88,9 +96,13 @@ def _attend_key_range(
         kv_mask = is_key[:, None] & is_real_lane[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [TILE_N, HEAD_PAD]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+        if SOFT_CAP:
+            s = cap_log2 * (2.0 * tl.sigmoid(2.0 * s / cap_log2) - 1.0)
         is_visible = is_key[None, :]
         if CAUSAL:
             is_visible = is_visible & (key_pos[None, :] <= query_pos[:, None])
+            if SLIDING:
+                is_visible = is_visible & (key_pos[None, :] > query_pos[:, None] - window)
         s = tl.where(is_visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
@@ -121,7 +133,7 @@ def _load_decode_query(
 # ---------------------------------------------------------------------------- decode
 
 
-@triton.jit(do_not_specialize=["stride_table_seq"])
+@triton.jit(do_not_specialize=["stride_table_seq", "window"])
 def paged_decode_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim]
     q_ptr,  # [num_seqs, num_heads, head_dim]
@@ -130,6 +142,8 @@ def paged_decode_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks]
     seq_lens_ptr,  # [num_seqs]
     scale_log2,
+    window,
+    cap_log2,
     stride_q_token, stride_q_head,
     stride_out_token, stride_out_head,
     stride_table_seq,
@@ -140,11 +154,14 @@ def paged_decode_kernel(
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads): one program per (sequence, kv head) walks the whole
-    context and writes the GROUP_SIZE query heads of that kv head."""
+    context (its last `window` positions when SLIDING) and writes the GROUP_SIZE query heads
+    of that kv head."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
@@ -155,10 +172,14 @@ def paged_decode_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     unused_pos = tl.zeros([GROUP_PAD], dtype=tl.int32)
+    key_start = 0
+    if SLIDING:
+        key_start = tl.maximum(seq_len - window, 0)
     acc, m_i, l_i = _attend_key_range(
         q, unused_pos, acc, m_i, l_i, k_cache_ptr, v_cache_ptr,
-        block_tables_ptr + seq.to(tl.int64) * stride_table_seq, kv_head, 0, seq_len, scale_log2,
-        NUM_KV_HEADS, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_DTYPE, DOT_PRECISION,
+        block_tables_ptr + seq.to(tl.int64) * stride_table_seq, kv_head, key_start, seq_len, scale_log2,
+        window, cap_log2, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, False, SLIDING, SOFT_CAP,
+        DOT_DTYPE, DOT_PRECISION,
     )
     rows = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -168,7 +189,7 @@ def paged_decode_kernel(
     tl.store(out_ptr + offsets, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["stride_table_seq", "max_partitions"])
+@triton.jit(do_not_specialize=["stride_table_seq", "max_partitions", "window"])
 def paged_decode_partition_kernel(
     partial_out_ptr,  # [num_seqs, num_heads, max_partitions, HEAD_PAD] float32
     max_logits_ptr,  # [num_seqs, num_heads, max_partitions] float32 (log2 domain)
@@ -179,6 +200,8 @@ def paged_decode_partition_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     scale_log2,
+    window,
+    cap_log2,
     stride_q_token, stride_q_head,
     stride_table_seq,
     num_heads,
@@ -191,20 +214,25 @@ def paged_decode_partition_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, max_partitions): keys [p * PARTITION_SIZE, (p + 1) *
     PARTITION_SIZE) of one sequence; writes the partition's normalised output, row max and
-    row sum. Partitions past a sequence's end write nothing (the reduce skips them)."""
+    row sum. Partitions past a sequence's end, or wholly before its window, write nothing
+    (the reduce skips them)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     partition = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     key_start = partition * PARTITION_SIZE
-    if key_start >= seq_len:
-        return
     key_end = tl.minimum(key_start + PARTITION_SIZE, seq_len)
+    if SLIDING:
+        key_start = tl.maximum(key_start, seq_len - window)
+    if key_start >= key_end:
+        return
     q = _load_decode_query(
         q_ptr, seq, kv_head, stride_q_token, stride_q_head, GROUP_SIZE, GROUP_PAD, HEAD_DIM, HEAD_PAD, DOT_DTYPE
     )
@@ -215,7 +243,8 @@ def paged_decode_partition_kernel(
     acc, m_i, l_i = _attend_key_range(
         q, unused_pos, acc, m_i, l_i, k_cache_ptr, v_cache_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_table_seq, kv_head, key_start, key_end, scale_log2,
-        NUM_KV_HEADS, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_DTYPE, DOT_PRECISION,
+        window, cap_log2, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, False, SLIDING, SOFT_CAP,
+        DOT_DTYPE, DOT_PRECISION,
     )
     rows = tl.arange(0, GROUP_PAD)
     is_row = rows < GROUP_SIZE
@@ -232,13 +261,14 @@ def paged_decode_partition_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["max_partitions"])
+@triton.jit(do_not_specialize=["max_partitions", "window"])
 def paged_decode_reduce_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim]
     partial_out_ptr,
     max_logits_ptr,
     exp_sums_ptr,
     seq_lens_ptr,
+    window,
     stride_out_token, stride_out_head,
     num_heads,
     max_partitions,
@@ -246,6 +276,7 @@ def paged_decode_reduce_kernel(
     HEAD_PAD: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
     PARTITION_CHUNK: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     """Grid (num_seqs, num_heads): combine a sequence's partitions for one query head,
     weighting each partition's normalised output by 2^(m_p - max_p m_p) * l_p.
@@ -257,13 +288,16 @@ def paged_decode_reduce_kernel(
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     num_partitions = tl.cdiv(seq_len, PARTITION_SIZE)
+    first_partition = 0
+    if SLIDING:
+        first_partition = tl.maximum(seq_len - window, 0) // PARTITION_SIZE
     base = (seq.to(tl.int64) * num_heads + head) * max_partitions
     offs_c = tl.arange(0, PARTITION_CHUNK)
     offs_d = tl.arange(0, HEAD_PAD)
     m_run = tl.full([1], float("-inf"), dtype=tl.float32)
     weight_sum = tl.zeros([1], dtype=tl.float32)
     acc = tl.zeros([HEAD_PAD], dtype=tl.float32)
-    for start in range(0, num_partitions, PARTITION_CHUNK):
+    for start in range(first_partition, num_partitions, PARTITION_CHUNK):
         offs_p = start + offs_c
         is_partition = offs_p < num_partitions
         m = tl.load(max_logits_ptr + base + offs_p, mask=is_partition, other=float("-inf"))  # [CHUNK]
@@ -287,7 +321,7 @@ def paged_decode_reduce_kernel(
 # ---------------------------------------------------------------------------- prefill
 
 
-@triton.jit(do_not_specialize=["stride_table_seq"])
+@triton.jit(do_not_specialize=["stride_table_seq", "window"])
 def paged_prefill_kernel(
     out_ptr,  # [num_prefill_tokens, num_heads, head_dim]
     q_ptr,  # [num_prefill_tokens, num_heads, head_dim]
@@ -297,6 +331,8 @@ def paged_prefill_kernel(
     query_start_loc_ptr,  # [num_prefills + 1]
     context_lens_ptr,  # [num_prefills]
     scale_log2,
+    window,
+    cap_log2,
     stride_q_token, stride_q_head,
     stride_out_token, stride_out_head,
     stride_table_seq,
@@ -308,6 +344,8 @@ def paged_prefill_kernel(
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -320,7 +358,8 @@ def paged_prefill_kernel(
 
     and reads keys [0, context_len + last token + 1) through the block table: the cached
     context and the step's new tokens alike (the backend wrote those into the cache first).
-    Token i of the new tokens sits at position context_len + i and sees keys <= that.
+    Token i of the new tokens sits at position context_len + i and sees keys <= that (and,
+    when SLIDING, > that - window: the tile then starts at its first row's oldest visible key).
     """
     q_tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -344,10 +383,14 @@ def paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    key_start = 0
+    if SLIDING:
+        key_start = tl.maximum(context_len + first + 1 - window, 0)
     acc, m_i, l_i = _attend_key_range(
         q, query_pos, acc, m_i, l_i, k_cache_ptr, v_cache_ptr,
-        block_tables_ptr + seq.to(tl.int64) * stride_table_seq, kv_head, 0, key_end, scale_log2,
-        NUM_KV_HEADS, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_DTYPE, DOT_PRECISION,
+        block_tables_ptr + seq.to(tl.int64) * stride_table_seq, kv_head, key_start, key_end, scale_log2,
+        window, cap_log2, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, True, SLIDING, SOFT_CAP,
+        DOT_DTYPE, DOT_PRECISION,
     )
     out_offsets = (query_start + token).to(tl.int64)[:, None] * stride_out_token + heads[:, None] * stride_out_head
     tl.store(

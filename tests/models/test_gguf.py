@@ -63,17 +63,7 @@ def write_gguf(path, hf_dir, type_name: str = "F32", arch: str = "llama", extra=
     """hf_dir's tiny Llama as llama.cpp would convert it, tensors (not norms) as `type_name`."""
     c = json.loads((hf_dir / "config.json").read_text())
     writer = GGUFWriter(str(path), arch)
-    writer.add_block_count(c["num_hidden_layers"])
-    writer.add_context_length(c["max_position_embeddings"])
-    writer.add_embedding_length(c["hidden_size"])
-    writer.add_feed_forward_length(c["intermediate_size"])
-    writer.add_head_count(c["num_attention_heads"])
-    writer.add_head_count_kv(c["num_key_value_heads"])
-    writer.add_key_length(c["head_dim"])
-    writer.add_rope_dimension_count(c["head_dim"])
-    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    writer.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
-    writer.add_vocab_size(c["vocab_size"])
+    add_shape_metadata(writer, c)
     writer.add_token_list([f"tok{i}" for i in range(8)])  # a string array for the header parser
     writer.add_bos_token_id(c["bos_token_id"])
     writer.add_eos_token_id(c["eos_token_id"])
@@ -97,6 +87,21 @@ def write_gguf(path, hf_dir, type_name: str = "F32", arch: str = "llama", extra=
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def add_shape_metadata(writer: GGUFWriter, c: dict) -> None:
+    """The `<arch>.*` keys llama.cpp writes for a config.json's shape."""
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_key_length(c["head_dim"])
+    writer.add_rope_dimension_count(c["head_dim"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
+    writer.add_vocab_size(c["vocab_size"])
 
 
 @pytest.fixture(scope="module")

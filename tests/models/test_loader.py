@@ -149,6 +149,6 @@ def test_unsupported_architecture(llama_copy):
 
 
 def test_unsupported_rope_type(llama_copy):
-    _edit_config(llama_copy, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
-    with pytest.raises(ValueError, match="yarn"):
+    _edit_config(llama_copy, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+    with pytest.raises(ValueError, match="unsupported RoPE type .dynamic.; supported: default, linear, llama3, yarn"):
         load_model(llama_copy)

@@ -71,3 +71,27 @@ def test_inv_freq_matches_transformers(kind):
     expected, _ = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu")
     ours = rope_inv_freq(128, rope_scaling_from_hf({"rope_parameters": params}))
     torch.testing.assert_close(ours, expected, atol=0, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"factor": 4.0, "original_max_position_embeddings": 64},
+        {"factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+        {"factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 0.5},
+        {"factor": 2.0, "original_max_position_embeddings": 64, "attention_factor": 1.25},
+    ],
+)
+def test_yarn_inv_freq_and_attention_factor_match_transformers(params):
+    from transformers import Qwen2Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from rayserve_paged.models.layers import rope_attention_scaling
+
+    rope_parameters = {"rope_type": "yarn", "rope_theta": 1e6, **params}
+    hf_config = Qwen2Config(hidden_size=256, num_attention_heads=2, max_position_embeddings=256,
+                            rope_parameters=dict(rope_parameters))  # fmt: skip
+    expected, expected_scaling = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
+    rope = rope_scaling_from_hf({"rope_parameters": rope_parameters, "max_position_embeddings": 256})
+    torch.testing.assert_close(rope_inv_freq(128, rope), expected, atol=0, rtol=1e-6)
+    assert rope_attention_scaling(rope) == pytest.approx(expected_scaling, rel=1e-12)

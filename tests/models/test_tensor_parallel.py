@@ -45,6 +45,14 @@ class ThreadParallelState(ParallelState):
         return torch.cat(self.collectives.exchange(self.tp_rank, x), dim=dim)
 
 
+def run_on_ranks(fn, tp_size: int) -> list:
+    """fn(parallel) on tp_size thread ranks joined by in-memory collectives; results by rank."""
+    collectives = ThreadCollectives(tp_size)
+    ranks = [ThreadParallelState(rank, tp_size, collectives=collectives) for rank in range(tp_size)]
+    with ThreadPoolExecutor(tp_size) as pool:
+        return list(pool.map(fn, ranks))
+
+
 def _generate(path, parallel=None) -> list[torch.Tensor]:
     """Logits of a packed prefill of two prompts and then three greedy decode steps."""
     config = get_model_config(path)
@@ -71,11 +79,7 @@ def _generate(path, parallel=None) -> list[torch.Tensor]:
 def test_ranks_together_equal_one_rank(arch, tp_size, overrides, tiny_checkpoint):
     path = tiny_checkpoint(arch, **overrides)
     expected = _generate(path)
-    collectives = ThreadCollectives(tp_size)
-    ranks = [ThreadParallelState(rank, tp_size, collectives=collectives) for rank in range(tp_size)]
-    with ThreadPoolExecutor(tp_size) as pool:
-        results = list(pool.map(lambda parallel: _generate(path, parallel), ranks))
-    for rank_logits in results:
+    for rank_logits in run_on_ranks(lambda parallel: _generate(path, parallel), tp_size):
         for got, want in zip(rank_logits, expected, strict=True):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 

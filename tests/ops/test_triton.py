@@ -387,10 +387,10 @@ KERNEL_NAMES = ("paged_decode_kernel", "paged_decode_partition_kernel", "paged_d
                 "paged_prefill_kernel", "reshape_and_cache_kernel")
 # what triton specialises a launch on, besides constants: arguments it never specialises
 NOT_SPECIALIZED = {
-    "paged_decode_kernel": {"stride_table_seq"},
-    "paged_decode_partition_kernel": {"stride_table_seq", "max_partitions"},
-    "paged_decode_reduce_kernel": {"max_partitions"},
-    "paged_prefill_kernel": {"stride_table_seq"},
+    "paged_decode_kernel": {"stride_table_seq", "window"},
+    "paged_decode_partition_kernel": {"stride_table_seq", "max_partitions", "window"},
+    "paged_decode_reduce_kernel": {"max_partitions", "window"},
+    "paged_prefill_kernel": {"stride_table_seq", "window"},
     "reshape_and_cache_kernel": set(),
 }
 
@@ -800,3 +800,87 @@ def test_begin_step_rejects_bad_metadata(generator):
         TritonBackend().begin_step(
             dataclasses.replace(batch.metadata, decode_block_tables=batch.metadata.decode_block_tables.float())
         )
+
+
+# ---------------------------------------------------------------------------- sliding window, soft-cap
+
+
+# (heads, block size, window, soft-cap): GQA 1 / 2 / 4 / 8, blocks 8 / 16 / 32, windows smaller
+# (5) and larger (20) than a block or none, each at least twice (the interpreter is slow)
+MASKING_CASES = [
+    ((4, 4), 8, 5, None), ((4, 2), 16, 20, 1.5), ((8, 1), 32, None, 1.5),
+    ((8, 2), 16, 5, 1.5), ((8, 1), 8, 20, None), ((4, 4), 32, 5, 1.5),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", ["single", "partitioned"])
+@pytest.mark.parametrize("heads, block_size, window, soft_cap", MASKING_CASES)
+def test_windowed_soft_capped_attention_matches_dense(heads, block_size, window, soft_cap, variant, generator):
+    """Prefill (fresh and over cached context) and decode with a window smaller / larger than
+    a block, blocks before every window poisoned with NaN, against float64."""
+    from .test_sliding_window import dense_windowed_attention, poison_blocks_before_windows
+
+    batch = make_metadata(prefills=[(0, 12), (9, 4)], decodes=[3, 30], block_size=block_size, generator=generator,
+                          device=DEVICE)  # fmt: skip
+    inputs = make_attention_inputs(batch, num_heads=heads[0], num_kv_heads=heads[1], head_dim=16, generator=generator)
+    scale = 1.0
+    expected = dense_windowed_attention(inputs, batch, scale, window or 10**6, soft_cap)
+    if window is not None:
+        poison_blocks_before_windows(inputs, batch, window)
+    backend = TritonBackend()
+    out = backend.forward(
+        inputs.query, inputs.key, inputs.value, inputs.key_cache, inputs.value_cache, batch.metadata, scale,
+        sliding_window=window, soft_cap=soft_cap,
+    )  # fmt: skip
+    torch.testing.assert_close(out.cpu(), expected.float(), atol=5e-5, rtol=1e-5)
+    decode_out = paged_decode_attention(
+        inputs.query[16:], inputs.key_cache, inputs.value_cache, batch.metadata.decode_block_tables,
+        batch.metadata.decode_seq_lens, 31, scale, variant=variant, partition_size=16 if variant == "partitioned" else None,
+        sliding_window=window, soft_cap=soft_cap,
+    )  # fmt: skip
+    torch.testing.assert_close(decode_out.cpu(), expected[16:].float(), atol=5e-5, rtol=1e-5)
+
+
+def test_windows_and_caps_must_be_positive(generator):
+    batch = make_metadata(decodes=[3], block_size=8, generator=generator, device=DEVICE)
+    inputs = make_attention_inputs(batch, num_heads=2, num_kv_heads=1, head_dim=16, generator=generator)
+    args = (inputs.query, inputs.key_cache, inputs.value_cache, batch.metadata.decode_block_tables,
+            batch.metadata.decode_seq_lens, 4, 1.0)  # fmt: skip
+    with pytest.raises(ValueError, match="sliding_window must be a positive int"):
+        paged_decode_attention(*args, sliding_window=0)
+    with pytest.raises(ValueError, match="soft_cap must be positive"):
+        paged_decode_attention(*args, soft_cap=-1.0)
+
+
+def test_warm_up_launches_the_masking_variants_the_model_layers_use(monkeypatch, generator):
+    """Layers register their (window, soft-cap) pair with the backend when built; warm_up then
+    launches those variants, and a windowed, soft-capped step launches nothing else."""
+    from rayserve_paged.models.layers import Attention
+
+    backend = TritonBackend()
+    Attention(2, 1, 16, 0.25, backend, sliding_window=8, soft_cap=50.0)  # Gemma 2's sliding layer
+    Attention(2, 1, 16, 0.25, backend, soft_cap=50.0)  # and its global one
+    assert backend.layer_maskings == {(True, True), (False, True)}
+    key_cache, value_cache = randn(generator, 4, 8, 1, 16).to(DEVICE), randn(generator, 4, 8, 1, 16).to(DEVICE)
+    asked = {}
+    with monkeypatch.context() as patch:  # the backend hands its layers' pairs to warm_up
+        patch.setattr(triton_backend, "is_interpreted", lambda: False)
+        patch.setattr(triton_backend, "warm_up", lambda *args, **kwargs: asked.update(kwargs) or [])
+        backend.warm_up(key_cache, value_cache, num_heads=2)
+    assert asked["maskings"] == backend.layer_maskings
+    launches: list = []
+    for name in KERNEL_NAMES:
+        monkeypatch.setattr(triton_kernels, name, ArgumentRecorder(getattr(triton_kernels, name), launches, name))
+    monkeypatch.setattr(triton_backend, "is_interpreted", lambda: DEVICE == "cpu")
+    launched = triton_backend.warm_up(key_cache, value_cache, num_heads=2, maskings=backend.layer_maskings)
+    assert "prefill windowed soft-capped" in launched and "decode single soft-capped" in launched
+    assert "prefill" not in launched  # no plain layer
+    warmed = {(name, specialization_key(named, NOT_SPECIALIZED[name])) for name, named in launches}
+    launches.clear()
+    batch = make_metadata(prefills=[(0, 5)], decodes=[20], block_size=8, generator=generator, device=DEVICE,
+                          num_blocks=4)  # fmt: skip
+    inputs = make_attention_inputs(batch, num_heads=2, num_kv_heads=1, head_dim=16, generator=generator)
+    backend.forward(inputs.query, inputs.key, inputs.value, inputs.key_cache, inputs.value_cache, batch.metadata,
+                    0.25, sliding_window=8, soft_cap=50.0)  # fmt: skip
+    launched_keys = {(name, specialization_key(named, NOT_SPECIALIZED[name])) for name, named in launches}
+    assert launched_keys and launched_keys <= warmed

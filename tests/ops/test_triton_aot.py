@@ -44,7 +44,10 @@ def test_sm89_builds_like_sm80_and_every_sm80_variant_fits_the_l40s(results):
     fit the L40S's 99 KB too."""
     by_key = {}
     for result in results:
-        key = tuple(result[k] for k in ("kernel", "dtype", "head_dim", "group_size", "block_size", "num_kv_heads"))
+        key = tuple(
+            result[k]
+            for k in ("kernel", "dtype", "head_dim", "group_size", "block_size", "num_kv_heads", "sliding", "soft_cap")
+        )
         by_key.setdefault(key, {})[result["target"]] = result
     sampled = [targets for targets in by_key.values() if "sm_89" in targets]
     assert len(sampled) == len(ci_configs(TARGET["sm_89"]))
@@ -81,6 +84,10 @@ def test_the_compiled_set_covers_every_launchable_parameter():
                 assert {c.partition_size for c in mine} == set(PARTITION_SIZES), kernel
             if kernel == "reshape_and_cache":
                 assert {c.num_kv_heads for c in mine} == set(triton_aot.KV_HEADS)
+            if kernel in ("decode", "decode_partition", "prefill"):  # every (sliding, soft_cap) variant
+                assert {(c.sliding, c.soft_cap) for c in mine} == {(False, False), *triton_aot.MASKINGS}, kernel
+            if kernel == "decode_reduce":
+                assert {c.sliding for c in mine} == {False, True}
 
 
 def test_compile_problems_are_reported():

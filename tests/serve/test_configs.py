@@ -20,10 +20,22 @@ def _app_args(path: Path) -> dict:
     return app["args"]
 
 
-def test_all_five_configs_are_here():
+def test_all_configs_are_here():
     assert {p.name for p in CONFIGS} >= {
-        "smollm2.yaml", "tiny.yaml", "opt13b.yaml", "opt13b-tp2.yaml", "llama3-8b.yaml"
+        "smollm2.yaml", "tiny.yaml", "opt13b.yaml", "opt13b-tp2.yaml", "llama3-8b.yaml", "llama3.1-8b-instruct.yaml",
+        "qwen2.5-7b-instruct.yaml", "qwen3-8b.yaml", "gemma-2-9b-it.yaml",
     }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name", ["llama3.1-8b-instruct.yaml", "qwen2.5-7b-instruct.yaml", "qwen3-8b.yaml", "gemma-2-9b-it.yaml"]
+)
+def test_gpu_model_configs_scale_on_kv_pressure_with_a_bounded_context(name):
+    args = AppArgs(**_app_args(next(p for p in CONFIGS if p.name == name)))
+    assert args.autoscaling_policy == "kv" and args.autoscaling_config["max_replicas"] == 4
+    assert args.device == "cuda" and args.dtype == "bfloat16"
+    assert args.max_model_len == (8192 if name.startswith("gemma") else 32768)
+    assert args.enable_chunked_prefill and args.max_num_batched_tokens == 8192
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
