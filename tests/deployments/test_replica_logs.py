@@ -35,7 +35,7 @@ def actor_process_logging(monkeypatch):
 
 
 def _load_line() -> None:
-    _log_load(Path("tiny-opt"), torch.float32, torch.device("cpu"), 1.25)
+    _log_load(Path("tiny-opt"), torch.float32, torch.device("cpu"), 1.25, "float weights")
 
 
 def test_the_load_line_reaches_an_actors_log_once(actor_process_logging, capsys):
@@ -49,7 +49,7 @@ def test_the_load_line_reaches_an_actors_log_once(actor_process_logging, capsys)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1, lines  # once, however often it is set up
     assert lines[0].startswith("INFO ")
-    assert "rayserve_paged.models.loader -- loaded tiny-opt as torch.float32 on cpu in 1.2 s (peak RSS" in lines[0]
+    assert "rayserve_paged.models.loader -- loaded tiny-opt as torch.float32 on cpu in 1.2 s (float weights; peak RSS" in lines[0]
     assert lines[0].endswith("GiB)")
 
 
