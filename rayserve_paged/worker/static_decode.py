@@ -2,7 +2,8 @@
 
 A decode-only step of n sequences runs as a batch of `bucket(n)` rows, the smallest of
 `decode_buckets(max_num_seqs)` that holds n. Its inputs live in persistent buffers
-(token ids, positions, slot mapping, sequence lengths, block tables) sized for the largest
+(token ids, positions, slot mapping, sequence lengths, block tables, and for a model whose
+RoPE depends on a length (dynamic NTK, LongRoPE) each row's RoPE length) sized for the largest
 bucket, so every step of one bucket has the same shapes and the same addresses, and one
 CUDA graph per bucket, captured at start-up, replays the whole model forward.
 
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rayserve_paged.core.outputs import StepMessage
+from rayserve_paged.models.layers import ROPE_LEN_PER_SEQUENCE
 from rayserve_paged.ops.attention import PAD_SLOT, AttentionMetadata
 
 if TYPE_CHECKING:
@@ -72,15 +74,28 @@ class DecodeRows:
     block_tables: list[list[int]]  # block ids covering positions [0, seq_len)
     slot_mapping: list[int]  # cache slot of the new token
     sampled: list[int]  # rows whose logits the step samples, in sampling order
+    rope_lens: list[int] | None = None  # per row, when the model's RoPE needs them (rope_lens_of)
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
 
-def decode_rows(msg: StepMessage, rows: list[SeqState], block_size: int) -> DecodeRows | None:
+def rope_lens_of(seq: SeqState, start: int, count: int, rule: str) -> list[int]:
+    """RoPE lengths of a row's tokens [start, start + count). The sequence's length at the
+    step is the prompt's while prefilling it, else one past the furthest token this worker
+    has computed for it (the last sampled token: a decode, or a recompute's whole sequence)."""
+    num_prompt_tokens = seq.request.num_prompt_tokens
+    if rule == ROPE_LEN_PER_SEQUENCE:
+        return [max(num_prompt_tokens, seq.num_computed_max + 1)] * count
+    return [max(num_prompt_tokens, p + 1) for p in range(start, start + count)]
+
+
+def decode_rows(
+    msg: StepMessage, rows: list[SeqState], block_size: int, rope_len_rule: str | None = None
+) -> DecodeRows | None:
     """The step as DecodeRows when every row computes exactly one token (in row order, as
     ModelRunner.prepare packs them), else None. `rows[i]` is row i's state in the worker's
-    persistent batch."""
+    persistent batch; a `rope_len_rule` adds each row's RoPE length (see rope_lens_of)."""
     if not rows or len(msg.token_ids) != len(rows):  # every row has at least one token
         return None
     positions = msg.start_positions
@@ -94,6 +109,7 @@ def decode_rows(msg: StepMessage, rows: list[SeqState], block_size: int) -> Deco
         block_tables=tables,
         slot_mapping=[t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)],
         sampled=sampled,
+        rope_lens=[rope_lens_of(r, p, 1, rope_len_rule)[0] for r, p in zip(rows, positions)] if rope_len_rule else None,
     )
 
 
@@ -124,6 +140,8 @@ class StaticDecode:
         self.slot_mapping = torch.full((rows,), PAD_SLOT, dtype=torch.long, device=device)  # [rows]
         self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)  # [rows]
         self.block_tables = torch.zeros((rows, self.max_blocks), dtype=torch.int32, device=device)  # [rows, max_blocks]
+        needs_rope_lens = getattr(model, "rope_len_rule", None) is not None
+        self.rope_lens = torch.ones(rows, dtype=torch.long, device=device) if needs_rope_lens else None  # [rows]
         # the (empty) prefill part of every step's metadata
         self._no_prefill = (
             torch.zeros(1, dtype=torch.int32, device=device),  # query_start_loc
@@ -188,6 +206,8 @@ class StaticDecode:
         ):
             buffer[:size].copy_(torch.tensor(values + [fill] * pad, dtype=torch.long), non_blocking=True)
         self.seq_lens[:size].copy_(torch.tensor(rows.seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
+        if self.rope_lens is not None:
+            self.rope_lens[:size].copy_(torch.tensor(rows.rope_lens + [1] * pad, dtype=torch.long), non_blocking=True)
         tables = [t + [0] * (width - len(t)) for t in rows.block_tables] + [[0] * width] * pad
         self.block_tables[:size, :width].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
 
@@ -212,6 +232,7 @@ class StaticDecode:
             prefill_query_lens_host=[],
             prefill_seq_lens_host=[],
             decode_seq_lens_host=seq_lens_host,
+            rope_lens=None if self.rope_lens is None else self.rope_lens[:size],
         )
 
     # ------------------------------------------------------------------ CUDA graphs
@@ -232,6 +253,8 @@ class StaticDecode:
         self.slot_mapping[:size].fill_(PAD_SLOT)
         self.seq_lens[:size].fill_(1)
         self.block_tables[:size].zero_()
+        if self.rope_lens is not None:
+            self.rope_lens[:size].fill_(1)
 
     @torch.inference_mode()
     def capture(self, kv_caches: list) -> list[int]:
