@@ -44,6 +44,9 @@ CHECKPOINTS = {
     "phi3-longrope": ("phi3", dict(sliding_window=None, max_position_embeddings=128,
                                    original_max_position_embeddings=THRESHOLD, rope_parameters=LONGROPE)),
     "llama-dynamic": ("llama", dict(max_position_embeddings=THRESHOLD, rope_parameters=DYNAMIC)),
+    # LongRoPE outside Phi-3: no re-encoding when the threshold is passed (per-token lengths)
+    "llama-longrope": ("llama", dict(max_position_embeddings=128, rope_parameters={
+        **LONGROPE, "original_max_position_embeddings": THRESHOLD})),
 }  # fmt: skip
 # below the threshold and crossing it while generating (10, 28), above it from the start (40)
 PROMPTS = [[1, *range(40, 49)], [1, *range(200, 227)], [1, *range(300, 339)]]
@@ -130,6 +133,8 @@ def test_loaded_config_serves_dynamic_to_max_positions_times_factor(checkpoint):
     assert (dynamic.max_model_len, dynamic.is_rope_length_dependent) == (4 * THRESHOLD, True)
     longrope = get_model_config(checkpoint("phi3-longrope"))
     assert (longrope.max_model_len, longrope.is_rope_length_dependent) == (128, True)
+    assert longrope.rope_recompute_len == THRESHOLD + 1 and dynamic.rope_recompute_len is None
+    assert get_model_config(checkpoint("llama-longrope")).rope_recompute_len is None
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
