@@ -45,6 +45,11 @@ class SchedulerConfig:
     max_model_len: int = 2048
     preemption_mode: PreemptionMode = PreemptionMode.AUTO
     enable_chunked_prefill: bool = True
+    # A sequence whose prompt is shorter than this is recomputed from its start when it
+    # reaches this length (Phi-3 LongRoPE: original_max_position_embeddings + 1, where
+    # transformers' Phi-3 `generate` drops its cache and re-encodes the whole sequence
+    # with the long factors); None: never.
+    recompute_at_len: int | None = None
 
     def __post_init__(self) -> None:
         self.preemption_mode = PreemptionMode(self.preemption_mode)
@@ -201,10 +206,15 @@ class Scheduler:
         scheduled = out.scheduled
         add_scheduled = scheduled.append
         is_running = SequenceStatus.RUNNING
+        recompute_at = self.config.recompute_at_len
+        recomputed: list[SequenceGroup] = []
         for group in running if room else self._groups_with_room(out):
             if group.is_prefilling:
                 prefilling.append(group)
                 num_seqs += group.max_num_running_seqs()  # its width once it forks
+                continue
+            if recompute_at is not None and _reaches(group, recompute_at):
+                recomputed.append(group)
                 continue
             seqs = group.seqs
             if len(seqs) == 1:
@@ -232,6 +242,9 @@ class Scheduler:
                     continue
             num_tokens += self._schedule_decode(group, out)
             num_seqs += group.max_num_running_seqs()
+        for group in reversed(recomputed):  # oldest first at the head of the queue
+            running.remove(group)
+            self._recompute(group)
         preempted = bool(out.preempted)
 
         # -- prefill: the next chunk of each partly prefilled group, FCFS
@@ -244,6 +257,10 @@ class Scheduler:
         while self.swapped and not preempted:
             group = self.swapped[0]
             seqs = group.get_seqs(SequenceStatus.SWAPPED)
+            if recompute_at is not None and _reaches(group, recompute_at, SequenceStatus.SWAPPED):
+                self.swapped.popleft()  # its CPU blocks go too: it is prefilled again
+                self._recompute(group, SequenceStatus.SWAPPED)
+                continue
             width = group.max_num_running_seqs()  # a group swapped while prefilling forks later
             if num_seqs + width > self.config.max_num_seqs:
                 break
@@ -490,12 +507,17 @@ class Scheduler:
             self.counters.preemptions_swap += 1
             return
         # Recompute (also the fallback when the CPU pool is full: never abort for lack of it).
-        for seq in seqs:
+        self._recompute(group)
+        self.counters.preemptions_recompute += 1
+
+    def _recompute(self, group: SequenceGroup, status: SequenceStatus = SequenceStatus.RUNNING) -> None:
+        """Free the group's blocks (its `status` sequences'); it waits at the head of the
+        queue to prefill every token (prompt and output) again."""
+        for seq in group.get_seqs(status):
             self.block_manager.free(seq)
             seq.reset_for_recompute()
         group.is_prefilling = False
         self.waiting.appendleft(group)
-        self.counters.preemptions_recompute += 1
 
     def _end_group(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """The request can never run (longer than max_model_len, or more than the whole
@@ -507,6 +529,12 @@ class Scheduler:
         self.groups.pop(group.request_id, None)
         self._release_params(group.request_id)
         out.ignored.append(group.request_id)
+
+
+def _reaches(group: SequenceGroup, length: int, status: SequenceStatus = SequenceStatus.RUNNING) -> bool:
+    """A sequence of the group (of `status`) is `length` tokens long, all computed below it
+    (its prompt was shorter): its next decode would be the recompute_at_len one."""
+    return any(len(seq.token_ids) == length and seq.num_prompt_tokens < length for seq in group.get_seqs(status))
 
 
 def _insert_by_arrival(running: list[SequenceGroup], group: SequenceGroup) -> None:

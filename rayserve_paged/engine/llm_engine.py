@@ -79,7 +79,7 @@ class LLMEngine:
             sizes.num_gpu_blocks,
             sizes.num_cpu_blocks,
             watermark=config.watermark,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=self._prefix_caching(),
             sliding_window=self.model_config.sliding_window,
         )
         self.scheduler = Scheduler(
@@ -89,6 +89,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 preemption_mode=config.preemption_mode,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                recompute_at_len=self.model_config.rope_recompute_len,
             ),
             self.block_manager,
         )
@@ -115,6 +116,15 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ start-up checks
+
+    def _prefix_caching(self) -> bool:
+        """Whether KV blocks are shared across requests: not for a model whose RoPE depends on
+        the prompt's length (dynamic NTK, LongRoPE), whose cached K differ between a short and
+        a long prompt with the same prefix."""
+        if self.config.enable_prefix_caching and self.model_config.is_rope_length_dependent:
+            logger.info("prefix caching off: the model's RoPE depends on each request's prompt length")
+            return False
+        return self.config.enable_prefix_caching
 
     def _resolve_max_model_len(self) -> int:
         model_max = self.model_config.max_model_len

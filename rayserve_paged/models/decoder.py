@@ -26,6 +26,8 @@ from torch import nn
 from rayserve_paged.ops.attention import AttentionMetadata
 
 from .layers import (
+    ROPE_LEN_PER_SEQUENCE,
+    ROPE_LEN_PER_TOKEN,
     SINGLE_RANK,
     Attention,
     KVCache,
@@ -73,6 +75,9 @@ class DecoderConfig:
     sliding_window: int | None = None  # positions a sliding layer's query sees, itself included
     layer_types: tuple[str, ...] = ()  # per layer FULL | SLIDING; () = all FULL
     local_rope: RopeScaling | None = None  # RoPE of sliding layers when it differs (Gemma 3)
+    # a sequence reaching this length is re-encoded whole (Phi-3 LongRoPE: its original
+    # length + 1); its tokens' RoPE length is then the sequence's (ROPE_LEN_PER_SEQUENCE)
+    rope_recompute_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.layer_types and len(self.layer_types) != self.num_layers:
@@ -88,6 +93,18 @@ class DecoderConfig:
 
     def window_of(self, layer_idx: int) -> int | None:
         return self.sliding_window if self.is_sliding(layer_idx) else None
+
+    @property
+    def is_rope_length_dependent(self) -> bool:
+        """A layer's RoPE needs each token's RoPE length (dynamic NTK, LongRoPE)."""
+        return self.rope.is_length_dependent or (self.local_rope is not None and self.local_rope.is_length_dependent)
+
+    @property
+    def rope_len_rule(self) -> str | None:
+        """How the runner gives each token its RoPE length (None: the RoPE needs none)."""
+        if not self.is_rope_length_dependent:
+            return None
+        return ROPE_LEN_PER_SEQUENCE if self.rope_recompute_len is not None else ROPE_LEN_PER_TOKEN
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -176,7 +193,7 @@ class DecoderAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv/tp, D]
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, attn_metadata.rope_lens)
         out = self.attn(q, k, v, kv_cache, attn_metadata)  # [T, H/tp * D]
         return self.o_proj(out)  # [T, hidden]
 
@@ -307,6 +324,7 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(ctx, self.layer_class)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, parallel=parallel, dtype=dtype, tied_to=tied)
+        self.rope_len_rule = cfg.rope_len_rule  # the runner builds metadata.rope_lens by it
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], attn_metadata: AttentionMetadata

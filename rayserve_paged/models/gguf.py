@@ -232,8 +232,6 @@ def check_supported(header: GGUFHeader) -> str:
                 f"{header.path}: tensor {tensor.name!r} uses GGUF quantization type {type_name}, which is not "
                 f"supported; supported: {', '.join(SUPPORTED_GGML_TYPES)}"
             )
-    if "rope_factors_long.weight" in header.tensors:
-        raise GGUFError(f"{header.path}: LongRoPE (rope_factors_long / rope_factors_short) is not supported")
     return GGUF_ARCHITECTURES[arch]
 
 
@@ -247,9 +245,28 @@ def _rope_parameters(header: GGUFHeader, arch: str) -> dict:
         raise GGUFError(f"{header.path}: unsupported GGUF RoPE scaling {scaling!r}; supported: none, linear")
     factors = header.tensors.get("rope_freqs.weight")  # Llama 3.1+: llama3 scaling, per dimension
     if factors is not None:
-        buf = np.memmap(header.path, dtype=np.uint8, mode="r")
-        params["freq_factors"] = dequantize_tensor(buf, factors).reshape(-1).tolist()
+        params["freq_factors"] = _vector(header, factors)
+    if "rope_factors_long.weight" in header.tensors:  # Phi-3 LongRoPE, as llama.cpp's converter writes it
+        params |= {
+            "rope_type": "longrope",
+            "long_factor": _vector(header, header.tensors["rope_factors_long.weight"]),
+            "short_factor": _vector(header, _require_tensor(header, "rope_factors_short.weight")),
+            "original_max_position_embeddings": int(_require(header, f"{arch}.rope.scaling.original_context_length")),
+        }
+        if f"{arch}.rope.scaling.attn_factor" in meta:
+            params["attention_factor"] = float(meta[f"{arch}.rope.scaling.attn_factor"])
     return params
+
+
+def _vector(header: GGUFHeader, tensor) -> list[float]:
+    buf = np.memmap(header.path, dtype=np.uint8, mode="r")
+    return dequantize_tensor(buf, tensor).reshape(-1).tolist()
+
+
+def _require_tensor(header: GGUFHeader, name: str):
+    if name not in header.tensors:
+        raise GGUFError(f"{header.path}: missing tensor {name!r}")
+    return header.tensors[name]
 
 
 def _token_id(meta: dict, key: str) -> int | None:
@@ -331,6 +348,9 @@ def _gemma3_fields(header: GGUFHeader) -> dict:
     }
 
 
+# tensors llama.cpp stores for RoPE, read into rope_parameters: Llama 3.1+ `freq_factors`,
+# Phi-3 LongRoPE's `long_factor` / `short_factor`
+CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # general.architecture -> config fields beyond the common ones
 _ARCH_FIELDS = {"gemma2": _gemma2_fields, "gemma3": _gemma3_fields, "phi3": lambda header: {
     "sliding_window": header.metadata.get("phi3.attention.sliding_window"),
@@ -462,8 +482,8 @@ def iter_gguf_weights(
         heads = {}
     buf = np.memmap(header.path, dtype=np.uint8, mode="r")
     for tensor in header.tensors.values():
-        if tensor.name == "rope_freqs.weight":
-            continue  # in the config (rope_parameters.freq_factors)
+        if tensor.name in CONFIG_TENSORS:
+            continue  # in the config (rope_parameters)
         name = hf_tensor_name(tensor.name, arch)
         proj = name.rsplit(".", 2)[-2]
         num_heads = heads[proj] if proj in heads and ".self_attn." in name else None

@@ -20,6 +20,7 @@ last, so the narrows below shard float weights, codes and group scales alike.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -446,7 +447,16 @@ class RMSNorm(nn.Module):
 # --------------------------------------------------------------------------- rotary
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+# the types whose frequencies depend on the length of the forward that computes a token
+LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
+# How a model's length-dependent RoPE (dynamic NTK, LongRoPE) picks each token's length: the
+# length of the forward in which transformers' `generate` computes the token.
+ROPE_LEN_PER_TOKEN = "token"  # max(num_prompt_tokens, position + 1): one prefill, then one per token
+# Phi-3: the sequence's length at the step, for every token of the row (its `generate` re-encodes
+# the whole sequence when it first passes original_max_position_embeddings, which the scheduler
+# mirrors with a recompute, so every cached key has the frequencies of the longest length)
+ROPE_LEN_PER_SEQUENCE = "sequence"
 
 
 @dataclass(frozen=True, slots=True)
@@ -455,10 +465,15 @@ class RopeScaling:
 
     rope_type: str = "default"  # one of ROPE_TYPES
     theta: float = 10000.0
-    factor: float = 1.0
+    factor: float = 1.0  # longrope: max_position_embeddings / original when the config has none
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3, yarn, longrope
+    max_position_embeddings: int = 8192  # dynamic: the length past which the base grows
+    # longrope only: per-dimension divisors of the inverse frequencies, up to and past
+    # original_max_position_embeddings
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
     # per-dimension divisors of the inverse frequencies, as GGUF files store llama3 scaling
     # (the `rope_freqs` tensor); applied on top of rope_type
     freq_factors: tuple[float, ...] | None = None
@@ -470,13 +485,21 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     truncate: bool = True
 
+    @property
+    def is_length_dependent(self) -> bool:
+        """Whether a token's frequencies depend on the length of the forward computing it
+        (see RotaryEmbedding); such a model needs `AttentionMetadata.rope_lens`."""
+        return self.rope_type in LENGTH_DEPENDENT_ROPE_TYPES
+
 
 def rope_scaling_from_hf(config: dict) -> RopeScaling:
     """Read RoPE settings from a config.json dict.
 
     transformers 5 writes `rope_parameters: {rope_type, rope_theta, factor, ...}`; older
     configs write `rope_theta` at top level and `rope_scaling: {type|rope_type, factor, ...}`
-    (or null). A top-level `rope_theta` fills a `rope_parameters` dict that lacks one.
+    (or null). A top-level `rope_theta` fills a `rope_parameters` dict that lacks one; for the
+    types that read it, a top-level `original_max_position_embeddings` (Phi-3 writes it there)
+    wins over the dict's, as in transformers.
     """
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -485,23 +508,44 @@ def rope_scaling_from_hf(config: dict) -> RopeScaling:
     if params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    fallback_max = config.get("max_position_embeddings", 8192)
+    max_len = config.get("max_position_embeddings", 8192)
+    original = params.get("original_max_position_embeddings", max_len)
+    if rope_type in ("llama3", "yarn", "longrope") and config.get("original_max_position_embeddings"):
+        original = config["original_max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:
+        factor = max_len / original if rope_type == "longrope" else 1.0
     return RopeScaling(
         rope_type=rope_type,
         theta=float(theta),
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", fallback_max)),
-        freq_factors=tuple(float(f) for f in params["freq_factors"]) if params.get("freq_factors") else None,
+        original_max_position_embeddings=int(original),
+        max_position_embeddings=int(max_len),
+        short_factor=_float_tuple(params.get("short_factor")),
+        long_factor=_float_tuple(params.get("long_factor")),
+        freq_factors=_float_tuple(params.get("freq_factors")),
         **{key: params[key] for key in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
                                         "truncate") if params.get(key) is not None},
     )  # fmt: skip
 
 
+def _float_tuple(values) -> tuple[float, ...] | None:
+    return tuple(float(v) for v in values) if values else None
+
+
+def _exponents(head_dim: int) -> torch.Tensor:
+    return torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # [D/2]
+
+
 def rope_inv_freq(head_dim: int, rope: RopeScaling) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] float32, as transformers computes them."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # [D/2]
+    """Inverse frequencies [head_dim / 2] float32, as transformers computes them (for the
+    length-dependent types, those of a forward up to the threshold length: LongRoPE's short
+    factors, dynamic NTK's unscaled base)."""
+    if rope.rope_type == "longrope":
+        return longrope_inv_freq(head_dim, rope, rope.short_factor, "short_factor")
+    exponents = _exponents(head_dim)
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.freq_factors is not None:
         if len(rope.freq_factors) != head_dim // 2:
@@ -513,7 +557,48 @@ def rope_inv_freq(head_dim: int, rope: RopeScaling) -> torch.Tensor:
         return _llama3_inv_freq(inv_freq, rope)
     if rope.rope_type == "yarn":
         return _yarn_inv_freq(head_dim, rope)
+    if rope.rope_type == "dynamic":  # the base at max_position_embeddings, in Python floats
+        f, max_len = rope.factor, rope.max_position_embeddings
+        base = rope.theta * ((f * max_len / max_len) - (f - 1)) ** (head_dim / (head_dim - 2))
+        return 1.0 / (base ** exponents)
     return inv_freq
+
+
+def longrope_inv_freq(head_dim: int, rope: RopeScaling, factors: tuple[float, ...] | None, what: str) -> torch.Tensor:
+    """LongRoPE (Phi-3 128k): 1 / (factor_i * theta ** (2i / D)), as transformers computes it."""
+    if factors is None or len(factors) != head_dim // 2:
+        got = "none" if factors is None else len(factors)
+        raise ValueError(f"longrope RoPE needs {what} with head_dim / 2 = {head_dim // 2} entries, got {got}")
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta ** _exponents(head_dim))
+
+
+def dynamic_max_len(rope: RopeScaling) -> int:
+    """The longest sequence a dynamic-NTK model serves by default: max_position_embeddings x
+    factor (as vLLM derives it)."""
+    return max(rope.max_position_embeddings, math.ceil(rope.max_position_embeddings * rope.factor))
+
+
+@functools.lru_cache(maxsize=8)
+def dynamic_inv_freq_table(
+    head_dim: int, rope: RopeScaling, max_len: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Dynamic NTK inverse frequencies [max_len + 1, D/2] float32, row L for a forward of
+    length L: the unscaled ones up to max_position_embeddings, above it the base
+    theta * (factor * L / max - (factor - 1)) ** (D / (D - 2)).
+
+    Each row is computed as transformers computes it, on 0-d float32 tensors (a batched pow
+    rounds differently in the last bit), once per model: a lookup by length is exact and
+    capturable in a CUDA graph. One table per settings and device, shared by the layers."""
+    if str(device) != "cpu":
+        return dynamic_inv_freq_table(head_dim, rope, max_len).to(device)
+    f, max_pos = rope.factor, rope.max_position_embeddings
+    exponents = _exponents(head_dim)
+    rows = [rope_inv_freq(head_dim, rope)] * (min(max_pos, max_len) + 1)
+    for length in range(max_pos + 1, max_len + 1):
+        seq_len = torch.tensor(length)  # int64, as transformers' max(position_ids) + 1
+        base = rope.theta * ((f * seq_len / max_pos) - (f - 1)) ** (head_dim / (head_dim - 2))
+        rows.append(1.0 / (base**exponents))
+    return torch.stack(rows)  # [max_len + 1, D/2]
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -521,7 +606,13 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def rope_attention_scaling(rope: RopeScaling) -> float:
-    """The factor on cos / sin (YaRN's attention factor; 1 for the other types)."""
+    """The factor on cos / sin (YaRN's and LongRoPE's attention factor; 1 for the other types)."""
+    if rope.rope_type == "longrope":
+        if rope.attention_factor is not None:
+            return rope.attention_factor
+        if rope.factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(rope.factor) / math.log(rope.original_max_position_embeddings))
     if rope.rope_type != "yarn":
         return 1.0
     if rope.attention_factor is not None:
@@ -571,6 +662,13 @@ class RotaryEmbedding(nn.Module):
     float32 exactly as transformers does, then cast to the activations' dtype. The inverse
     frequencies are not a buffer, so `model.half()` cannot round them; they follow the
     positions' device on first use.
+
+    Length-dependent types (`dynamic`, `longrope`) take each token's RoPE length [T]: in
+    transformers' `generate` a token's frequencies are those of the forward that computed it,
+    whose length is the prompt's for prompt tokens and p + 1 for the token generated at
+    position p, so rope_len(p) = max(num_prompt_tokens, p + 1), however the engine chunks or
+    recomputes. LongRoPE takes its long factors where rope_len > original_max_position_embeddings;
+    dynamic NTK grows the base where rope_len > max_position_embeddings.
     """
 
     def __init__(self, head_dim: int, rope: RopeScaling) -> None:
@@ -579,14 +677,36 @@ class RotaryEmbedding(nn.Module):
         self.rope = rope
         self.inv_freq = rope_inv_freq(head_dim, rope)  # [D/2] float32
         self.attention_scaling = rope_attention_scaling(rope)
+        self.is_length_dependent = rope.is_length_dependent
+        if rope.rope_type == "longrope":
+            self.long_inv_freq = longrope_inv_freq(head_dim, rope, rope.long_factor, "long_factor")  # [D/2]
+        if rope.rope_type == "dynamic":
+            self.inv_freq_table = dynamic_inv_freq_table(head_dim, rope, dynamic_max_len(rope))  # [L + 1, D/2]
+
+    def _token_inv_freq(self, rope_lens: torch.Tensor) -> torch.Tensor:
+        """[T, D/2] inverse frequencies of tokens whose RoPE lengths are rope_lens [T]."""
+        rope = self.rope
+        if rope.rope_type == "longrope":
+            if self.long_inv_freq.device != rope_lens.device:
+                self.long_inv_freq = self.long_inv_freq.to(rope_lens.device)
+            is_long = (rope_lens > rope.original_max_position_embeddings)[:, None]  # [T, 1]
+            return torch.where(is_long, self.long_inv_freq[None, :], self.inv_freq[None, :])
+        if self.inv_freq_table.device != rope_lens.device:
+            self.inv_freq_table = dynamic_inv_freq_table(self.head_dim, rope, dynamic_max_len(rope), rope_lens.device)
+        return self.inv_freq_table[rope_lens]  # rope_lens <= max_model_len <= the table's last row
 
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, rope_lens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [T]; query [T, H, D]; key [T, Hkv, D]
+        # positions [T]; query [T, H, D]; key [T, Hkv, D]; rope_lens [T] (length-dependent types)
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        if self.is_length_dependent:
+            if rope_lens is None:
+                raise ValueError(f"{self.rope.rope_type} RoPE needs each token's RoPE length (metadata.rope_lens)")
+            freqs = positions.float()[:, None] * self._token_inv_freq(rope_lens)  # [T, D/2]
+        else:
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         cos, sin = angles.cos(), angles.sin()
         if self.attention_scaling != 1.0:

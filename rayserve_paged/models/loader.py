@@ -36,7 +36,7 @@ from torch import nn
 from .gguf import find_gguf_file, gguf_hf_config, iter_gguf_weights, load_gguf_tokenizer, read_gguf_header
 from .gguf import weight_formats as gguf_weight_formats
 from .hf_quant import hf_weight_formats, iter_hf_quantized, quantization_method, with_quantize_config
-from .layers import LinearBase, ParallelLMHead, ParallelState, copy_weight
+from .layers import LinearBase, ParallelLMHead, ParallelState, copy_weight, dynamic_max_len
 from .quant import GroupQuantFormat, GroupQuantLinearMethod
 from .registry import ARCHITECTURES
 
@@ -72,7 +72,7 @@ class ModelConfig:
     head_dim: int
     hidden_size: int
     vocab_size: int
-    max_model_len: int  # max_position_embeddings
+    max_model_len: int  # max_position_embeddings (dynamic NTK RoPE: x its factor)
     eos_token_ids: tuple[int, ...]  # config.json and generation_config.json, merged
     bos_token_id: int | None
     pad_token_id: int | None
@@ -80,6 +80,11 @@ class ModelConfig:
     # every layer's sliding window when all layers have the same one, else None: the block
     # manager then returns blocks wholly before the window to the pool
     sliding_window: int | None = None
+    # a token's RoPE depends on its request's prompt length (dynamic NTK, LongRoPE): the
+    # runner passes per-token RoPE lengths, and KV blocks are not shared across requests
+    is_rope_length_dependent: bool = False
+    # a sequence whose prompt is shorter is recomputed whole on reaching this length (Phi-3 LongRoPE)
+    rope_recompute_len: int | None = None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -169,13 +174,22 @@ def get_model_config(model_path: str | Path) -> ModelConfig:
         head_dim=cfg.head_dim,
         hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size,
-        max_model_len=hf["max_position_embeddings"],
+        max_model_len=_max_model_len(hf, cfg),
         eos_token_ids=eos_token_ids,
         bos_token_id=hf.get("bos_token_id"),
         pad_token_id=hf.get("pad_token_id"),
         dtype=str(resolve_dtype(None, hf)).removeprefix("torch."),
         sliding_window=_uniform_window(getattr(cfg, "layer_windows", ())),
+        is_rope_length_dependent=getattr(cfg, "is_rope_length_dependent", False),
+        rope_recompute_len=getattr(cfg, "rope_recompute_len", None),
     )
+
+
+def _max_model_len(hf: dict, cfg: Any) -> int:
+    rope = getattr(cfg, "rope", None)
+    if rope is not None and rope.rope_type == "dynamic":
+        return dynamic_max_len(rope)
+    return hf["max_position_embeddings"]
 
 
 def _uniform_window(windows: tuple[int | None, ...]) -> int | None:

@@ -45,6 +45,10 @@ class AttentionMetadata:
     prefill_query_lens_host: list[int] | None = None
     prefill_seq_lens_host: list[int] | None = None
     decode_seq_lens_host: list[int] | None = None
+    # [num_tokens] int64, only for models whose RoPE depends on a length (dynamic NTK,
+    # LongRoPE): per token, the length of the forward transformers computes it in,
+    # max(num_prompt_tokens, position + 1)
+    rope_lens: torch.Tensor | None = None
 
     @property
     def num_prefills(self) -> int:

@@ -31,16 +31,20 @@ class RequestState:
 
 
 class SeqState:
-    __slots__ = ("seq_id", "request", "block_table", "sample_index", "history")
+    __slots__ = ("seq_id", "request", "block_table", "sample_index", "history", "num_computed_max")
 
     def __init__(
-        self, seq_id: int, request: RequestState, block_table: list[int], sample_index: int, history: list[int] | None
+        self, seq_id: int, request: RequestState, block_table: list[int], sample_index: int, history: list[int] | None,
+        num_computed_max: int = 0,
     ) -> None:
         self.seq_id = seq_id
         self.request = request
         self.block_table = block_table  # GPU block ids, as the scheduler's table
         self.sample_index = sample_index  # its place in the group (seeded sampling)
         self.history = history  # every token id known so far, when penalties need them
+        # one past the furthest position computed (kept only for Phi-3 LongRoPE; a recompute
+        # does not lower it)
+        self.num_computed_max = num_computed_max
 
 
 class StepStateError(RuntimeError):
@@ -67,7 +71,9 @@ class InputBatch:
         for parent_id, child_id, sample_index in msg.forks:
             parent = self._seq(parent_id)
             history = None if parent.history is None else list(parent.history)
-            seqs[child_id] = SeqState(child_id, parent.request, list(parent.block_table), sample_index, history)
+            seqs[child_id] = SeqState(
+                child_id, parent.request, list(parent.block_table), sample_index, history, parent.num_computed_max
+            )
             parent.request.seq_ids.add(child_id)
         for seq_id in msg.freed_seq_ids:
             seq = seqs.pop(seq_id, None)

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from rayserve_paged.core.outputs import StepMessage
+from rayserve_paged.models.layers import ROPE_LEN_PER_SEQUENCE
 from rayserve_paged.models.sampler import Sampler, SamplerOutput
 from rayserve_paged.ops.attention import AttentionMetadata
 from rayserve_paged.worker.input_batch import InputBatch, SeqState
 from rayserve_paged.worker.sampling_inputs import batch_from_step
-from rayserve_paged.worker.static_decode import StaticDecode, decode_rows
+from rayserve_paged.worker.static_decode import StaticDecode, decode_rows, rope_lens_of
 
 
 @dataclass(slots=True)
@@ -40,6 +41,7 @@ class ModelRunner:
         self.sampler = sampler  # only the rank that returns samples has one
         self.batch = InputBatch(sampler.eos_token_ids if sampler is not None else ())
         self.static_decode = static_decode  # decode-only steps within its buckets: padded, CUDA graphs
+        self.rope_len_rule: str | None = getattr(model, "rope_len_rule", None)  # dynamic NTK / LongRoPE
         self.last_path = ""  # the last step's: "eager", "static-graph" or "static-eager" (padded, no graph)
 
     def prepare(self, msg: StepMessage, rows: list[SeqState]) -> StepInputs:
@@ -83,6 +85,10 @@ class ModelRunner:
         for n in query_lens:
             query_start.append(query_start[-1] + n)
         unsampled = set(msg.unsampled_seq_ids)
+        rope_lens = None
+        if self.rope_len_rule is not None:  # in packing order: prefill rows' tokens, then the decodes
+            rule = self.rope_len_rule
+            rope_lens = [n for i in [*prefills, *decodes] for n in rope_lens_of(rows[i], starts[i], counts[i], rule)]
         metadata = AttentionMetadata(
             slot_mapping=_long(slots, device),
             num_prefill_tokens=num_prefill_tokens,
@@ -100,6 +106,7 @@ class ModelRunner:
             prefill_query_lens_host=query_lens,
             prefill_seq_lens_host=prefill_seq_lens,
             decode_seq_lens_host=decode_seq_lens,
+            rope_lens=None if rope_lens is None else _long(rope_lens, device),
         )
         sampled = last_index if not unsampled else [last_index[i] for i, s in enumerate(msg.seq_ids) if s not in unsampled]
         return StepInputs(
@@ -121,7 +128,7 @@ class ModelRunner:
             return SamplerOutput([]) if self.sampler is not None else None
         rows = self.batch.rows(msg)
         _record_history(msg, rows)
-        decode = decode_rows(msg, rows, self.block_size) if self.static_decode is not None else None
+        decode = decode_rows(msg, rows, self.block_size, self.rope_len_rule) if self.static_decode is not None else None
         if decode is not None and self.static_decode.fits(decode):
             hidden = self.static_decode.forward(decode, kv_caches)  # [num_decodes, hidden]
             logits_indices, self.last_path = _long(decode.sampled, self.device), f"static-{self.static_decode.last_path}"
@@ -131,12 +138,20 @@ class ModelRunner:
                 self.attn_backend.begin_step(inputs.metadata)  # checks and launch planning, once per step
             hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.metadata)  # [T, hidden]
             logits_indices, self.last_path = inputs.logits_indices, "eager"
+        if self.rope_len_rule == ROPE_LEN_PER_SEQUENCE:
+            _record_computed(msg, rows)
         if logits_indices.numel() == 0:  # only prefill chunks this step
             return SamplerOutput([]) if self.sampler is not None else None
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))  # [num_sampled, vocab]
         if self.sampler is None:
             return None
         return self.sampler(logits, batch_from_step(msg, rows))
+
+
+def _record_computed(msg: StepMessage, rows: list[SeqState]) -> None:
+    """Each row's furthest computed position + 1 (what ROPE_LEN_PER_SEQUENCE reads)."""
+    for seq, start, count in zip(rows, msg.start_positions, msg.num_query_tokens):
+        seq.num_computed_max = max(seq.num_computed_max, start + count)
 
 
 def _record_history(msg: StepMessage, rows: list[SeqState]) -> None:

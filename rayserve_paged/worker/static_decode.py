@@ -5,7 +5,8 @@ A decode-only step of n sequences runs as a batch of `bucket(n)` rows, the small
 smallest of `length_classes(max_model_len)` that holds the step's longest sequence. Its
 inputs live in one persistent device buffer, so every step of one (bucket, length class)
 has the same shapes and the same addresses, and one CUDA graph per (bucket, length class),
-captured at start-up, replays the whole model forward.
+captured at start-up, replays the whole model forward. A model whose RoPE depends on a
+length (dynamic NTK, LongRoPE) also gets each row's RoPE length (a column of the buffer).
 
     rows      0 .......... n-1 | n .......... bucket-1
               the step's decodes | padding: token 0 at position 0, slot PAD_SLOT (writes
@@ -14,7 +15,8 @@ captured at start-up, replays the whole model forward.
 
 The buffer, in int32 words, R = the largest bucket, W = ceil(length class / block_size):
 
-    [ token ids  R x int64 | positions R x int64 | slots R x int64 | seq_lens R | tables R x W ]
+    [ token ids R x int64 | positions R x int64 | slots R x int64 | seq_lens R |
+      RoPE lengths R x int64 | tables R x W ]
 
 The block-table section is read as [R, W] of the step's class (row stride W), so a class's
 rows are contiguous and a step's inputs are one prefix of the buffer. A pinned host mirror
@@ -52,6 +54,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rayserve_paged.core.outputs import StepMessage
+from rayserve_paged.models.layers import ROPE_LEN_PER_SEQUENCE
 from rayserve_paged.ops.attention import PAD_SLOT, AttentionMetadata
 
 if TYPE_CHECKING:
@@ -107,15 +110,28 @@ class DecodeRows:
     block_tables: list[list[int]]  # block ids covering positions [0, seq_len)
     slot_mapping: list[int]  # cache slot of the new token
     sampled: list[int]  # rows whose logits the step samples, in sampling order
+    rope_lens: list[int] | None = None  # per row, when the model's RoPE needs them (rope_lens_of)
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
 
-def decode_rows(msg: StepMessage, rows: list[SeqState], block_size: int) -> DecodeRows | None:
+def rope_lens_of(seq: SeqState, start: int, count: int, rule: str) -> list[int]:
+    """RoPE lengths of a row's tokens [start, start + count). The sequence's length at the
+    step is the prompt's while prefilling it, else one past the furthest token this worker
+    has computed for it (the last sampled token: a decode, or a recompute's whole sequence)."""
+    num_prompt_tokens = seq.request.num_prompt_tokens
+    if rule == ROPE_LEN_PER_SEQUENCE:
+        return [max(num_prompt_tokens, seq.num_computed_max + 1)] * count
+    return [max(num_prompt_tokens, p + 1) for p in range(start, start + count)]
+
+
+def decode_rows(
+    msg: StepMessage, rows: list[SeqState], block_size: int, rope_len_rule: str | None = None
+) -> DecodeRows | None:
     """The step as DecodeRows when every row computes exactly one token (in row order, as
     ModelRunner.prepare packs them), else None. `rows[i]` is row i's state in the worker's
-    persistent batch."""
+    persistent batch; a `rope_len_rule` adds each row's RoPE length (see rope_lens_of)."""
     if not rows or len(msg.token_ids) != len(rows):  # every row has at least one token
         return None
     positions = msg.start_positions
@@ -129,6 +145,7 @@ def decode_rows(msg: StepMessage, rows: list[SeqState], block_size: int) -> Deco
         block_tables=tables,
         slot_mapping=[t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)],
         sampled=sampled,
+        rope_lens=[rope_lens_of(r, p, 1, rope_len_rule)[0] for r, p in zip(rows, positions)] if rope_len_rule else None,
     )
 
 
@@ -163,13 +180,15 @@ class StaticDecode:
         self.use_cuda_graphs = use_cuda_graphs
         self.capture_error_mode = capture_error_mode
         rows = self.rows = self.buckets[-1]
-        self._tables_at = 7 * rows  # int32 words before the block-table section
+        self._tables_at = 9 * rows  # int32 words before the block-table section
         words = self._tables_at + rows * self.max_blocks
         pin = self.device.type == "cuda"
         self._words = torch.zeros(words, dtype=torch.int32, device=self.device)  # the layout in the module docstring
         self._host = torch.zeros(words, dtype=torch.int32, pin_memory=pin)  # its mirror
-        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self._columns(self._words)  # [rows] each
-        self._host_columns = self._columns(self._host)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens, rope_lens = self._columns(self._words)
+        self._host_columns = self._columns(self._host)  # [rows] each
+        # each row's RoPE length, only for a model whose RoPE depends on one (rope_lens_of)
+        self.rope_lens = rope_lens if getattr(model, "rope_len_rule", None) is not None else None
         self._host_class = 0  # the length class the mirror's tables are laid out for (0: none yet)
         self._row_table: list = [None] * rows  # the table (list) each mirror row holds, PAD, or None
         self._row_len = [0] * rows  # entries of that table the mirror row holds
@@ -193,10 +212,11 @@ class StaticDecode:
         self.num_entries_written = 0
 
     def _columns(self, words: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(token ids, positions, slots) as int64 [rows] and seq_lens as int32 [rows]."""
+        """(token ids, positions, slots) as int64 [rows], seq_lens as int32 [rows], RoPE
+        lengths as int64 [rows]."""
         r = self.rows
         return (words[: 2 * r].view(torch.int64), words[2 * r : 4 * r].view(torch.int64),
-                words[4 * r : 6 * r].view(torch.int64), words[6 * r : 7 * r])
+                words[4 * r : 6 * r].view(torch.int64), words[6 * r : 7 * r], words[7 * r : 9 * r].view(torch.int64))
 
     def _tables(self, words: torch.Tensor, length: int) -> torch.Tensor:
         """The block-table section read as [rows, ceil(length / block_size)]."""
@@ -271,11 +291,13 @@ class StaticDecode:
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy has read the mirror
         num_rows, pad = len(rows), size - len(rows)
-        host_ids, host_positions, host_slots, host_seq_lens = self._host_columns
+        host_ids, host_positions, host_slots, host_seq_lens, host_rope_lens = self._host_columns
         host_ids[:size] = torch.tensor(rows.token_ids + [0] * pad, dtype=torch.long)
         host_positions[:size] = torch.tensor(rows.positions + [0] * pad, dtype=torch.long)
         host_slots[:size] = torch.tensor(rows.slot_mapping + [PAD_SLOT] * pad, dtype=torch.long)
         host_seq_lens[:size] = torch.tensor(rows.seq_lens + [1] * pad, dtype=torch.int32)
+        if self.rope_lens is not None:
+            host_rope_lens[:size] = torch.tensor(rows.rope_lens + [1] * pad, dtype=torch.long)
         if length != self._host_class:  # another row stride: every row is rewritten
             self._host_class = length
             self._row_table = [None] * self.rows
@@ -342,6 +364,7 @@ class StaticDecode:
             prefill_query_lens_host=[],
             prefill_seq_lens_host=[],
             decode_seq_lens_host=seq_lens_host,
+            rope_lens=None if self.rope_lens is None else self.rope_lens[:size],
         )
 
     # ------------------------------------------------------------------ CUDA graphs
@@ -363,6 +386,8 @@ class StaticDecode:
         self.slot_mapping[:size].fill_(PAD_SLOT)
         self.seq_lens[:size].fill_(1)
         self._tables(self._words, length)[:size].zero_()
+        if self.rope_lens is not None:
+            self.rope_lens[:size].fill_(1)
 
     @torch.inference_mode()
     def capture(self, kv_caches: list) -> list[int]:

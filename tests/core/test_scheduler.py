@@ -235,3 +235,40 @@ def test_a_recomputed_group_returns_to_its_place_among_the_running():
     out = step(s)
     assert [g.request_id for g in out.groups] == ["c", "b"]  # swap-ins go first
     assert [g.request_id for g in s.running] == ["b", "c"]  # but b arrived first
+
+
+def test_a_sequence_reaching_recompute_at_len_is_prefilled_again_whole():
+    """Phi-3 LongRoPE: at 33 tokens (its original length 32 + 1) a sequence whose prompt was
+    shorter is re-encoded whole, in the same step, without counting as a preemption; one
+    whose prompt was already longer decodes on."""
+    s, bm = make_world(caching=False, recompute_at_len=33)  # the engine runs such models without a prefix cache
+    short, long = make_group("short", 30, arrival=0), make_group("long", 40, arrival=1)
+    for g in (short, long):
+        s.add_group(g)
+    step(s)  # prefills: short has 31 tokens, long 41
+    step(s)  # short 32, long 42
+    step(s)  # short 33, long 43
+    out = step(s)  # short's next decode would be at 33 tokens: recomputed whole; long decodes
+    rows = {sg.request_id: sg.seqs[0] for sg in out.groups}
+    assert (rows["short"].start_pos, len(rows["short"].token_ids)) == (0, 33)
+    assert (rows["long"].start_pos, len(rows["long"].token_ids)) == (42, 1)
+    assert out.preempted == [] and s.counters.preemptions_recompute == 0
+    assert [g.request_id for g in s.running] == ["short", "long"] and not s.waiting
+    out = step(s)  # both decode on: 34 tokens is past the length
+    assert [(sg.request_id, sg.seqs[0].start_pos) for sg in out.groups] == [("short", 33), ("long", 43)]
+
+
+def test_a_swapped_sequence_at_recompute_at_len_is_prefilled_again_instead_of_swapped_in():
+    s, bm = make_world(num_gpu=6, num_cpu=8, caching=False, preemption_mode="swap", recompute_at_len=34)
+    a, b = make_group("a", 47, arrival=0), make_group("b", 32, arrival=1)  # a's prompt is past the length
+    for g in (a, b):
+        s.add_group(g)
+    step(s)  # a 48 tokens in 3 blocks, b 33 in 2
+    step(s)  # a 49, b 34 in 3 blocks: the pool is full
+    out = step(s)  # a's token 49 needs a 4th block: b leaves, 34 tokens long
+    assert out.preempted == ["b"] and list(s.swapped) == [b] and len(b.seqs[0].token_ids) == 34
+    finish(s, a)
+    out = step(s)
+    assert out.message.blocks_to_swap_in == [] and not s.swapped and bm.usage().cpu_used == 0
+    (sg,) = out.groups
+    assert (sg.request_id, sg.seqs[0].start_pos, len(sg.seqs[0].token_ids)) == ("b", 0, 34)

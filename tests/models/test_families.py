@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rayserve_paged import LLM, SamplingParams
-from rayserve_paged.models.loader import get_model_config
+from rayserve_paged.models.loader import get_model_config, load_model
 
 from .conftest import hf_logits, make_runner
 from .families import FAMILIES, WINDOW, write_family_checkpoint
@@ -115,7 +115,9 @@ def test_torch_distributed_gloo_two_ranks(family, family_checkpoint, tmp_path):
     torch.testing.assert_close(torch.load(out_file), _generate(path)[0], atol=ATOL, rtol=0)
 
 
-def test_unsupported_rope_types_fail_at_load_naming_them(family_checkpoint, tmp_path):
+def test_phi3_longrope_under_its_old_names_and_with_bad_factors(family_checkpoint, tmp_path):
+    """`su` and `yarn` are longrope to Phi3Config; factors of the wrong length fail at load
+    naming them."""
     import json
     import shutil
 
@@ -123,11 +125,16 @@ def test_unsupported_rope_types_fail_at_load_naming_them(family_checkpoint, tmp_
     shutil.copytree(family_checkpoint("phi3"), path)
     config = json.loads((path / "config.json").read_text())
     head_half = config["head_dim"] // 2
-    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * head_half,
-                                 "long_factor": [2.0] * head_half, "original_max_position_embeddings": 64}  # fmt: skip
+    rope = {"rope_theta": 10000.0, "short_factor": [1.0] * head_half, "long_factor": [2.0] * head_half}
+    for name in ("su", "yarn"):
+        config["rope_parameters"] = None
+        config["rope_scaling"] = {"type": name, **rope}
+        (path / "config.json").write_text(json.dumps(config))
+        assert get_model_config(path).rope_recompute_len == config["original_max_position_embeddings"] + 1
+    config["rope_scaling"] = {"type": "longrope", **rope, "long_factor": [2.0] * (head_half - 1)}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="unsupported RoPE type .longrope.; supported: default, linear, llama3, yarn"):
-        get_model_config(path)
+    with pytest.raises(ValueError, match=f"longrope RoPE needs long_factor with head_dim / 2 = {head_half} entries"):
+        load_model(path)
 
 
 SHARED = "You are a helpful assistant. Answer briefly and precisely, "

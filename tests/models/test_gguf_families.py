@@ -5,6 +5,7 @@ them out, load to exactly the HF checkpoint's weights and logits; GGUF at TP=2."
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -83,6 +84,13 @@ def write_gguf(path, hf_dir, arch: str, type_name: str = "F32") -> None:
         writer.add_uint32(f"{arch}.attention.sliding_window", c["sliding_window"])
     if c["rope_parameters"].get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(c))
+    if c["rope_parameters"].get("rope_type") == "longrope":  # as llama.cpp's Phi-3 converter
+        original = c["original_max_position_embeddings"]
+        scale = c["max_position_embeddings"] / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        writer.add_tensor("rope_factors_long.weight", np.array(c["rope_parameters"]["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(c["rope_parameters"]["short_factor"], dtype=np.float32))
     heads = {"q_proj": c["num_attention_heads"], "k_proj": c["num_key_value_heads"]}
     for hf_name, tensor in sorted(load_file(str(hf_dir / "model.safetensors")).items()):
         w = tensor.numpy()
@@ -106,7 +114,7 @@ def family_gguf(tmp_path_factory):
     made = {}
 
     def make(family, type_name="F32", **overrides):
-        key = (family, type_name, tuple(sorted(overrides.items())))
+        key = (family, type_name, repr(sorted(overrides.items())))
         if key not in made:
             hf_dir = write_family_checkpoint(family, tmp_path_factory.mktemp(family), **overrides)
             path = hf_dir.parent / f"{family}.{type_name}.gguf"
@@ -168,6 +176,30 @@ def test_llama31_gguf_rope_freqs_equal_llama3_scaling(family_gguf, tmp_path):
     prompt = [1, *range(300, 340)]  # 41 positions: past the 16 original ones
     torch.testing.assert_close(make_runner(path).step([(0, prompt)], all_logits=True), hf_logits(hf, prompt),
                                atol=1e-4, rtol=0)  # fmt: skip
+
+
+def test_phi3_longrope_gguf_generates_the_hf_tokens(family_gguf, hf_model):
+    """llama.cpp's Phi-3 LongRoPE file (rope_factors_long / _short, the original context
+    length and the attention factor in the metadata): greedy tokens equal transformers'
+    `generate` on the checkpoint it came from, below, across and above the original length."""
+    from rayserve_paged import LLM, SamplingParams
+
+    from .test_rope_by_length import CHECKPOINTS, MAX_TOKENS, PROMPTS, THRESHOLD, _hf_greedy
+
+    hf_dir, path = family_gguf("phi3", **CHECKPOINTS["phi3-longrope"][1])
+    config = get_model_config(path)
+    assert (config.max_model_len, config.rope_recompute_len) == (4 * THRESHOLD, THRESHOLD + 1)
+    ours = load_model(path).model.layers[0].self_attn.rotary_emb
+    ref = load_model(hf_dir).model.layers[0].self_attn.rotary_emb
+    assert (ours.rope.short_factor, ours.rope.long_factor) == (ref.rope.short_factor, ref.rope.long_factor)
+    assert ours.attention_scaling == pytest.approx(ref.attention_scaling, rel=1e-6) and ours.attention_scaling > 1
+    llm = LLM(model=str(path), tokenizer=str(hf_dir), block_size=8, kv_cache_memory_gb=0.05, max_model_len=64,
+              enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=3)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    hf = hf_model(str(hf_dir))
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        assert output.outputs[0].token_ids == _hf_greedy(hf, prompt, MAX_TOKENS)
 
 
 def _logits(path, parallel=None, quantization="auto") -> torch.Tensor:

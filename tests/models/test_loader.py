@@ -149,6 +149,8 @@ def test_unsupported_architecture(llama_copy):
 
 
 def test_unsupported_rope_type(llama_copy):
-    _edit_config(llama_copy, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
-    with pytest.raises(ValueError, match="unsupported RoPE type .dynamic.; supported: default, linear, llama3, yarn"):
+    # `su` is an old name of longrope that only Phi-3 configs use
+    _edit_config(llama_copy, rope_parameters={"rope_type": "su", "rope_theta": 10000.0, "factor": 4.0})
+    supported = "default, linear, llama3, yarn, dynamic, longrope"
+    with pytest.raises(ValueError, match=f"unsupported RoPE type .su.; supported: {supported}"):
         load_model(llama_copy)
