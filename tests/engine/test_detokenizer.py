@@ -36,7 +36,8 @@ class WindowDetokenizer:
         return [tokens, 0, len(tokens)]
 
     def decode_next(self, state, token_id, skip):
-        pieces = [p for p in self.tokenizer.convert_ids_to_tokens([token_id], skip_special_tokens=skip) if p is not None]
+        converted = self.tokenizer.convert_ids_to_tokens([token_id], skip_special_tokens=skip)
+        pieces = [p for p in converted if p is not None]
         if not pieces:
             return ""
         tokens, prefix_offset, read_offset = state
@@ -153,7 +154,8 @@ def test_prompt_ending_inside_a_character_keeps_the_window(tiny_tokenizers):
 def test_copied_state_decodes_independently(tiny_tokenizers):
     tokenizer = tiny_tokenizers["opt"]
     detok = Detokenizer(tokenizer)
-    a, b = tokenizer(" one two", add_special_tokens=False).input_ids, tokenizer(" three", add_special_tokens=False).input_ids
+    a = tokenizer(" one two", add_special_tokens=False).input_ids
+    b = tokenizer(" three", add_special_tokens=False).input_ids
     state = detok.start(tokenizer("Hi").input_ids, True)
     first = "".join(detok.decode_next(state, i, True) for i in a)
     fork = detok.copy(state)
@@ -179,7 +181,8 @@ def test_smollm2_tokenizer_streams_the_whole_decode():
         for skip in (True, False):
             got = "".join(_streamed(detok, prompt_ids, output_ids, skip))
             whole = tokenizer.decode(prompt_ids + output_ids, skip_special_tokens=skip)
-            assert whole.startswith(prompt_text := tokenizer.decode(prompt_ids, skip_special_tokens=skip))
+            prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=skip)
+            assert whole.startswith(prompt_text)
             assert got == whole[len(prompt_text) :], (prompt_ids, output_ids, skip)
             if got != "".join(_streamed(old, prompt_ids, output_ids, skip)):
                 num_differing += 1
