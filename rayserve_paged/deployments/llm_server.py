@@ -39,7 +39,7 @@ from rayserve_paged.deployments.fleet_metrics import (
     FleetMetricsCache,
     scheduler_actor_name,
 )
-from rayserve_paged.engine.frontend import EngineFrontend, EngineUnavailable
+from rayserve_paged.engine.frontend import STREAM_BATCHING_INTERVAL_MS, EngineFrontend, EngineUnavailable
 from rayserve_paged.engine.llm_engine import RequestError
 from rayserve_paged.engine.outputs import RequestOutput
 from rayserve_paged.engine.ray_executor import scheduler_actor_options, show_info_logs
@@ -116,7 +116,7 @@ class LLMServer:
         http: dict | None = None,
         tokenizer=None,
         stream_interval: int = 1,
-        stream_batching_interval_ms: float = 0.0,
+        stream_batching_interval_ms: float = STREAM_BATCHING_INTERVAL_MS,
         metrics_cache_s: float = METRICS_CACHE_S,
     ) -> None:
         config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
