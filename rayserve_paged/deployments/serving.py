@@ -750,17 +750,24 @@ MAX_LOGGED_FIELDS = 8  # unknown field names one log line names
 MAX_LOGGED_FIELD_CHARS = 64  # of each name, once escaped
 
 
+_UNFINISHED = '"finish_reason":null,"stop_reason":null}'
+
+
+def _reasons(finish_reason: str | None, stop_reason: int | str | None) -> str:
+    if finish_reason is None and stop_reason is None:  # every event but a choice's last
+        return _UNFINISHED
+    return f'"finish_reason":{json_value(finish_reason)},"stop_reason":{json_value(stop_reason)}}}'
+
+
 def completion_choice_json(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> str:
     """A streamed CompletionChoice without logprobs, as pydantic writes it."""
-    reasons = f'"finish_reason":{json_value(finish_reason)},"stop_reason":{json_value(stop_reason)}'
-    return f'{{"index":{index},"text":{json_value(text)},"logprobs":null,{reasons}}}'
+    return f'{{"index":{index},"text":{json_value(text)},"logprobs":null,{_reasons(finish_reason, stop_reason)}'
 
 
 def chat_choice_json(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> str:
     """A streamed ChatChunkChoice with content only (or an empty delta), as pydantic writes it."""
     delta = f'{{"content":{json_value(text)}}}' if text else "{}"
-    reasons = f'"finish_reason":{json_value(finish_reason)},"stop_reason":{json_value(stop_reason)}'
-    return f'{{"index":{index},"delta":{delta},"logprobs":null,{reasons}}}'
+    return f'{{"index":{index},"delta":{delta},"logprobs":null,{_reasons(finish_reason, stop_reason)}'
 
 
 def _log_unknown_fields(request: CompletionRequest | ChatCompletionRequest) -> None:

@@ -27,7 +27,14 @@ def sse_event(body: BaseModel) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
 
+_json_string = json.encoder.encode_basestring  # C: a str as JSON, UTF-8 left as is (ensure_ascii=False)
+
+
 def json_value(value: str | int | None) -> str:
+    if value is None:
+        return "null"
+    if type(value) is str:
+        return _json_string(value)
     return json.dumps(value, ensure_ascii=False)
 
 
