@@ -17,6 +17,8 @@ Per request, on the client's clock:
     TTFT   send -> the first event that carries a choice
     E2E    send -> `data: [DONE]`
     TPOT   (E2E - TTFT) / (output tokens - 1), for requests of at least 2 output tokens
+    ITL    the gaps between consecutive events that carry a choice (pooled over requests;
+           an event may carry several tokens, so with coalescing ITL is per event)
     output tokens: `usage.completion_tokens` of the final usage event (the events that
     carried a choice when the server sends no usage)
 Per run: request throughput = completed requests / run seconds, output-token throughput =
@@ -36,7 +38,8 @@ worker 1.0 CPU, scheduler and replica 0.1 CPU each, `num_cpu_threads` = --thread
 nothing: the serving path is what is measured), 256 requests of 16 prompt and exactly 256
 output tokens, at 16 and 64 in flight and all at once, compared in-process; it also writes
 serving_concurrency.png (output tokens/s against requests in flight). With --launch:
-`--stream-interval N` sets the app's stream_interval; `--direct-ingress` starts the cluster
+`--stream-interval N` sets the app's stream_interval, `--stream-batching-interval-ms T`
+its stream_batching_interval_ms; `--direct-ingress` starts the cluster
 with RAY_SERVE_ENABLE_DIRECT_INGRESS=1 and the replica's HTTP port pinned to a free one, and
 sends the load there (Serve's proxy off the path); `--serve-env NAME=VALUE` sets any other
 variable in the launched cluster's environment.
@@ -70,7 +73,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -196,6 +199,7 @@ class RequestResult:
     ttft_s: float | None = None
     e2e_s: float | None = None
     error: str | None = None
+    itl_s: list[float] = field(default_factory=list)  # gaps between the events carrying a choice
 
     @property
     def tpot_s(self) -> float | None:
@@ -211,6 +215,7 @@ class StreamTracker:
     def __init__(self, prompt_len: int, output_len: int) -> None:
         self.result = RequestResult(is_ok=False, prompt_len=prompt_len, output_len=output_len)
         self.num_choice_events = 0
+        self.last_choice_t: float | None = None
         self.usage_tokens: int | None = None
         self.is_done = False
 
@@ -233,6 +238,9 @@ class StreamTracker:
             self.num_choice_events += 1
             if self.result.ttft_s is None:
                 self.result.ttft_s = t
+            if self.last_choice_t is not None:
+                self.result.itl_s.append(t - self.last_choice_t)
+            self.last_choice_t = t
         if event.get("usage"):
             self.usage_tokens = event["usage"].get("completion_tokens")
 
@@ -283,6 +291,7 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
         "output_throughput": num_output_tokens / duration_s,
         "ttft_s": latency_summary([r.ttft_s for r in ok]),
         "tpot_s": latency_summary([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "itl_s": latency_summary([gap for r in ok for gap in r.itl_s]),
         "e2e_s": latency_summary([r.e2e_s for r in ok]),
         "errors": sorted({r.error for r in results if r.error})[:MAX_ERRORS_KEPT],
     }
@@ -749,6 +758,7 @@ def _ms(summary: dict, key: str) -> str:
 def format_table(runs: list[dict]) -> str:
     header = (f"{'run':>12} {'ok':>4} {'fail':>4} {'sec':>6} {'req/s':>6} {'out tok/s':>9} |"
               f" {'TTFT ms mean':>12} {'med':>7} {'p99':>7} | {'TPOT ms mean':>12} {'med':>7} {'p99':>7} |"
+              f" {'ITL ms med':>10} {'p99':>7} |"
               f" {'E2E ms mean':>11} {'med':>7} {'p99':>7}")  # fmt: skip
     lines = [header, "-" * len(header)]
     for r in runs:
@@ -757,6 +767,7 @@ def format_table(runs: list[dict]) -> str:
             f"{r['request_throughput']:6.2f} {r['output_throughput']:9.1f} |"
             f" {_ms(r['ttft_s'], 'mean'):>12} {_ms(r['ttft_s'], 'median')} {_ms(r['ttft_s'], 'p99')} |"
             f" {_ms(r['tpot_s'], 'mean'):>12} {_ms(r['tpot_s'], 'median')} {_ms(r['tpot_s'], 'p99')} |"
+            f" {_ms(r['itl_s'], 'median'):>10} {_ms(r['itl_s'], 'p99')} |"
             f" {_ms(r['e2e_s'], 'mean'):>11} {_ms(r['e2e_s'], 'median')} {_ms(r['e2e_s'], 'p99')}"
         )
     return "\n".join(lines)
@@ -904,6 +915,8 @@ def run(args, workload: Workload, log=print) -> dict:
             serve_config, model_shape = _launch_config(args.launch, tmp, workload, args.threads, args.seed)
             if args.stream_interval is not None:
                 serve_config = with_app_args(serve_config, stream_interval=args.stream_interval)
+            if args.stream_batching_interval_ms is not None:
+                serve_config = with_app_args(serve_config, stream_batching_interval_ms=args.stream_batching_interval_ms)
             engine = None
             if args.compare_in_process:  # before the server starts and after it stops
                 engine = InProcessEngine(engine_options(serve_config), args.seed)
@@ -998,6 +1011,9 @@ def _parser() -> argparse.ArgumentParser:
                              "e.g. RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0")
     parser.add_argument("--stream-interval", type=int, default=None,
                         help="with --launch: the app's stream_interval (tokens per SSE event; default: the config's)")
+    parser.add_argument("--stream-batching-interval-ms", type=float, default=None,
+                        help="with --launch: the app's stream_batching_interval_ms (a stream's events at most once "
+                             "per this many ms; default: the config's)")
     parser.add_argument("--direct-ingress", action="store_true",
                         help="with --launch: RAY_SERVE_ENABLE_DIRECT_INGRESS=1, and the load goes to the replica's "
                              "own HTTP port instead of Serve's proxy")
@@ -1017,6 +1033,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--compare-in-process needs --launch (the engine options come from its config)")
     if args.stream_interval is not None and args.stream_interval < 1:
         parser.error("--stream-interval must be >= 1")
+    if args.stream_batching_interval_ms is not None and not 0 <= args.stream_batching_interval_ms < math.inf:
+        parser.error("--stream-batching-interval-ms must be >= 0 and finite")
     if args.threads < 1 or args.timeout <= 0:
         parser.error("--threads and --timeout must be positive")
     if args.launch == CEILING and not args.rate and not args.max_concurrency:

@@ -19,6 +19,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.deployments.access import API_KEY_ENV, API_KEY_FILE_ENV, API_KEY_REFUSED, DEFAULT_OPEN_PATHS
+from rayserve_paged.engine.frontend import STREAM_BATCHING_INTERVAL_MS
 from rayserve_paged.telemetry import TelemetryConfig
 
 
@@ -156,6 +157,15 @@ class AppArgs(EngineConfig):
         "has this many new tokens (the first token, a finish and an error at once): 1 sends every engine "
         "step; larger values send fewer, larger events, cutting per-event serving overhead under load at "
         "the cost of smoothness (vLLM's --stream-interval).",
+    )
+    stream_batching_interval_ms: float = Field(
+        STREAM_BATCHING_INTERVAL_MS,
+        ge=0,
+        allow_inf_nan=False,
+        description="Streamed responses send a stream's new tokens at most once per this many milliseconds "
+        "(the first token, a finish and an error at once), so the events per stream stay bounded whatever "
+        "the engine's step rate; 0 sends as stream_interval says (Ray Serve LLM's "
+        "stream_batching_interval_ms).",
     )
     max_request_body_bytes: int = Field(
         1 << 20, ge=1, description="Largest HTTP request body; a larger one is answered 413 before it is parsed."
@@ -303,5 +313,6 @@ def build_app(args: AppArgs | dict):
         telemetry=args.telemetry.model_dump(),
         http=http,
         stream_interval=args.stream_interval,
+        stream_batching_interval_ms=args.stream_batching_interval_ms,
         metrics_cache_s=args.metrics_cache_s,
     )

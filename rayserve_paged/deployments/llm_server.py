@@ -39,7 +39,7 @@ from rayserve_paged.deployments.fleet_metrics import (
     FleetMetricsCache,
     scheduler_actor_name,
 )
-from rayserve_paged.engine.frontend import EngineFrontend, EngineUnavailable
+from rayserve_paged.engine.frontend import STREAM_BATCHING_INTERVAL_MS, EngineFrontend, EngineUnavailable
 from rayserve_paged.engine.llm_engine import RequestError
 from rayserve_paged.engine.outputs import RequestOutput
 from rayserve_paged.engine.ray_executor import scheduler_actor_options, show_info_logs
@@ -116,6 +116,7 @@ class LLMServer:
         http: dict | None = None,
         tokenizer=None,
         stream_interval: int = 1,
+        stream_batching_interval_ms: float = STREAM_BATCHING_INTERVAL_MS,
         metrics_cache_s: float = METRICS_CACHE_S,
     ) -> None:
         config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
@@ -138,7 +139,9 @@ class LLMServer:
         self._pressure = PressureReport()
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
         self._info = ray.get(self.actor.model_info.remote())  # waits for the model to load
-        self.frontend = EngineFrontend(ActorCore(self.actor), self.tokenizer, stream_interval)
+        self.frontend = EngineFrontend(
+            ActorCore(self.actor), self.tokenizer, stream_interval, stream_batching_interval_ms
+        )
         self._tokenize_pool = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
     def __serve_build_asgi_app__(self):

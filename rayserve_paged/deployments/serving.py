@@ -38,7 +38,6 @@ from rayserve_paged.deployments.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
@@ -47,7 +46,6 @@ from rayserve_paged.deployments.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    CompletionStreamResponse,
     DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -62,7 +60,14 @@ from rayserve_paged.deployments.protocol import (
     requested_constraint,
     to_sampling_params,
 )
-from rayserve_paged.deployments.sse import SSE_DONE, EventStreamResponse, json_response, sse_event
+from rayserve_paged.deployments.sse import (
+    SSE_DONE,
+    EventFrame,
+    EventStreamResponse,
+    json_response,
+    json_value,
+    sse_event,
+)
 from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
 from rayserve_paged.engine.tool_calls import (
     TOOL_CALL_PARSERS,
@@ -301,18 +306,12 @@ class OpenAIServing:
         outputs: AsyncIterator[tuple[int, RequestOutput]],
         response_id: str,
     ) -> AsyncIterator[str]:
-        created = int(time.time())
+        frame = EventFrame(response_id, "text_completion", int(time.time()), self.served_model_name)
 
-        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None) -> str:
-            body = CompletionStreamResponse(
-                id=response_id, created=created, model=self.served_model_name, choices=choices, usage=usage
-            )
-            return sse_event(body)
-
-        def to_choice(index: int, out: CompletionOutput, state: _ChoiceProgress) -> CompletionChoice:
+        def to_choice(index: int, out: CompletionOutput, state: _ChoiceProgress) -> str:
             return self._completion_delta(request, prompts[index], out, state, index * request.n + out.index)
 
-        return self._stream_events(request, prompts, first, outputs, to_choice, chunk)
+        return self._stream_events(request, prompts, first, outputs, to_choice, frame.event)
 
     async def _stream_events(
         self,
@@ -373,13 +372,15 @@ class OpenAIServing:
         if request.logprobs is not None and out.logprobs is not None and out.token_ids:
             logprobs, state.text_offset = self._completion_logprobs(out.token_ids, out.logprobs, state.text_offset)
         state.num_tokens += len(out.token_ids)
-        return CompletionChoice(
-            index=choice_index,
-            text=text,
-            logprobs=logprobs,
-            finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
-        )
+        if logprobs is not None:
+            return CompletionChoice(
+                index=choice_index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+            ).model_dump_json()
+        return completion_choice_json(choice_index, text, out.finish_reason, out.stop_reason)
 
     # ---------------------------------------------------------------- /v1/chat/completions
 
@@ -517,23 +518,20 @@ class OpenAIServing:
         response_id: str,
         tools: str | None = None,
     ) -> AsyncIterator[str]:
-        created = int(time.time())
+        frame = EventFrame(response_id, "chat.completion.chunk", int(time.time()), self.served_model_name)
 
-        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None) -> str:
-            body = ChatCompletionChunk(
-                id=response_id, created=created, model=self.served_model_name, choices=choices, usage=usage
-            )
-            return sse_event(body)
-
-        def to_choice(_: int, out: CompletionOutput, state: _ChoiceProgress) -> ChatChunkChoice:
+        def to_choice(_: int, out: CompletionOutput, state: _ChoiceProgress) -> str:
             if tools is not None:
-                return self._chat_tool_delta(request, tools, out, state)
-            return self._chat_delta(request, out, state)
+                return self._chat_tool_delta(request, tools, out, state).model_dump_json()
+            if request.logprobs and out.token_ids:
+                return self._chat_delta(request, out, state).model_dump_json()
+            state.num_tokens += len(out.token_ids)
+            return chat_choice_json(out.index, out.text, out.finish_reason, out.stop_reason)
 
         # the role comes first, in a chunk of its own per choice
-        roles = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))], None)
-                 for i in range(request.n)]  # fmt: skip
-        return self._stream_events(request, [prompt], first, outputs, to_choice, chunk, roles)
+        role = DeltaMessage(role="assistant", content="")
+        roles = [frame.event([ChatChunkChoice(index=i, delta=role).model_dump_json()]) for i in range(request.n)]
+        return self._stream_events(request, [prompt], first, outputs, to_choice, frame.event, roles)
 
     def _chat_delta(
         self, request: ChatCompletionRequest, out: CompletionOutput, state: _ChoiceProgress
@@ -750,6 +748,26 @@ def _raw_token_bytes(raw: str) -> list[int] | None:
 
 MAX_LOGGED_FIELDS = 8  # unknown field names one log line names
 MAX_LOGGED_FIELD_CHARS = 64  # of each name, once escaped
+
+
+_UNFINISHED = '"finish_reason":null,"stop_reason":null}'
+
+
+def _reasons(finish_reason: str | None, stop_reason: int | str | None) -> str:
+    if finish_reason is None and stop_reason is None:  # every event but a choice's last
+        return _UNFINISHED
+    return f'"finish_reason":{json_value(finish_reason)},"stop_reason":{json_value(stop_reason)}}}'
+
+
+def completion_choice_json(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> str:
+    """A streamed CompletionChoice without logprobs, as pydantic writes it."""
+    return f'{{"index":{index},"text":{json_value(text)},"logprobs":null,{_reasons(finish_reason, stop_reason)}'
+
+
+def chat_choice_json(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> str:
+    """A streamed ChatChunkChoice with content only (or an empty delta), as pydantic writes it."""
+    delta = f'{{"content":{json_value(text)}}}' if text else "{}"
+    return f'{{"index":{index},"delta":{delta},"logprobs":null,{_reasons(finish_reason, stop_reason)}'
 
 
 def _log_unknown_fields(request: CompletionRequest | ChatCompletionRequest) -> None:

@@ -1,7 +1,15 @@
-"""Response bodies: JSON, and server-sent events (one `data:` event per chunk, `[DONE]` last)."""
+"""Response bodies: JSON, and server-sent events (one `data:` event per chunk, `[DONE]` last).
+
+A stream's events share everything but their choices and usage, so `EventFrame` formats
+that part once per stream and each event joins its choices' JSON into it: the bytes are
+those pydantic writes for the whole chunk model (compact, UTF-8 unescaped), without a
+model per token. `json_value` writes a str, int or None as pydantic does (floats differ:
+pydantic writes 1e-5 where Python writes 1e-05, so choices with logprobs stay models).
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 from fastapi.responses import Response, StreamingResponse
@@ -17,6 +25,32 @@ def json_response(body: BaseModel, status_code: int = 200, headers: dict[str, st
 
 def sse_event(body: BaseModel) -> str:
     return f"data: {body.model_dump_json()}\n\n"
+
+
+_json_string = json.encoder.encode_basestring  # C: a str as JSON, UTF-8 left as is (ensure_ascii=False)
+
+
+def json_value(value: str | int | None) -> str:
+    if value is None:
+        return "null"
+    if type(value) is str:
+        return _json_string(value)
+    return json.dumps(value, ensure_ascii=False)
+
+
+class EventFrame:
+    """One stream's events: `data: {"id":…,"object":…,"created":…,"model":…,` formatted
+    once, then per event its choices (each already JSON) and usage (null, or once a model)."""
+
+    __slots__ = ("_head",)
+
+    def __init__(self, response_id: str, object_name: str, created: int, model: str) -> None:
+        head = f'{{"id":{json_value(response_id)},"object":{json_value(object_name)},"created":{int(created)}'
+        self._head = f'data: {head},"model":{json_value(model)},"choices":['
+
+    def event(self, choices: list[str], usage: BaseModel | None = None) -> str:
+        usage_json = "null" if usage is None else usage.model_dump_json()
+        return f'{self._head}{",".join(choices)}],"usage":{usage_json}}}\n\n'
 
 
 class EventStreamResponse(StreamingResponse):

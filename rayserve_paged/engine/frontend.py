@@ -20,6 +20,12 @@ reader never slows the pump: its buffer holds one item and coalesces the steps i
 read yet into it (`merge_deltas`), so memory grows only with the unread tokens. With a
 `stream_interval` of N tokens, a stream's reader wakes once per N tokens (the first token
 and the end at once), so each delta crosses the path to the client with up to N tokens.
+With a `stream_batching_interval_ms` of T, a stream's reader wakes at most once per T ms
+(the first token, a finish and an error at once), so the events per stream stay bounded
+whatever the step rate:
+
+    steps   |t1 |t2 |t3 |t4 |t5 |t6 end
+    reader  t1 ........ t2-t4 ..... t5-t6,end      (T = 3 steps; the end never waits)
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ from rayserve_paged.engine.output_processor import OutputKind, OutputProcessor, 
 from rayserve_paged.engine.outputs import RequestOutput, StepOutput
 
 logger = logging.getLogger(__name__)
+
+# the app's default stream_batching_interval_ms (docs/BENCHMARKS.md 6d measured it)
+STREAM_BATCHING_INTERVAL_MS = 50.0
 
 
 class RequestFailed(ValueError):
@@ -66,45 +75,79 @@ class DeltaBuffer:
 
     With `stream_interval` N > 1 a reader is woken only once some choice has N unread
     tokens, a choice or the request finishes, or it fails; the first output (the first
-    token) wakes it at once. Fewer, larger items then cross the path to the client.
+    token) wakes it at once. With `batching_interval_s` T > 0 a reader is woken at most
+    once per T seconds after its last read: an item due sooner waits for a timer, except
+    a finish or a failure, which wake it at once. Fewer, larger items then cross the path
+    to the client.
     """
 
-    def __init__(self, stream_interval: int = 1) -> None:
+    def __init__(self, stream_interval: int = 1, batching_interval_s: float = 0.0) -> None:
         self._item: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
         self._interval = stream_interval
+        self._batching_interval_s = batching_interval_s
         self._min_tokens = 1  # the first output is never held
+        self._next_read_at = 0.0  # loop time before which only an end wakes the reader
+        self._timer: asyncio.TimerHandle | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException) or self._item is None:
             self._item = item
         elif isinstance(self._item, RequestOutput):
             self._item = merge_deltas(self._item, item)
-        if self._interval == 1 or _is_due(self._item, self._min_tokens):
-            self._ready.set()
+        if self._ready.is_set():
+            return
+        if self._interval > 1 and not _is_due(self._item, self._min_tokens):
+            return
+        if self._batching_interval_s and not _is_end(self._item):
+            loop = asyncio.get_running_loop()
+            wait = self._next_read_at - loop.time()
+            if wait > 0:
+                if self._timer is None:
+                    self._timer = loop.call_later(wait, self._ready.set)
+                return
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._ready.set()
 
     async def get(self) -> RequestOutput:
         await self._ready.wait()
         item, self._item = self._item, None
         self._ready.clear()
+        self._timer = None  # fired (or cancelled by the end that woke this read)
         if isinstance(item, BaseException):
             raise item
         self._min_tokens = self._interval
+        if self._batching_interval_s:
+            self._next_read_at = asyncio.get_running_loop().time() + self._batching_interval_s
         return item
 
 
+def _is_end(item: RequestOutput | BaseException) -> bool:
+    return isinstance(item, BaseException) or item.finished or item.error is not None
+
+
 def _is_due(item: RequestOutput | BaseException, min_tokens: int) -> bool:
-    if isinstance(item, BaseException) or item.finished or item.error is not None:
+    if _is_end(item):
         return True
     return any(c.finish_reason is not None or len(c.token_ids) >= min_tokens for c in item.outputs)
 
 
 class EngineFrontend:
-    def __init__(self, core: EngineCore, tokenizer, stream_interval: int = 1) -> None:
+    def __init__(
+        self, core: EngineCore, tokenizer, stream_interval: int = 1, stream_batching_interval_ms: float = 0.0
+    ) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1 (got {stream_interval})")
+        if not stream_batching_interval_ms >= 0:
+            raise ValueError(f"stream_batching_interval_ms must be >= 0 (got {stream_batching_interval_ms})")
         self.core = core
         self.stream_interval = stream_interval
+        self.stream_batching_interval_s = stream_batching_interval_ms / 1000
         self.tokenizer = tokenizer
         self.processor = OutputProcessor(tokenizer)
         self.failure: BaseException | None = None
@@ -141,7 +184,11 @@ class EngineFrontend:
             raise ValueError(f"request_id {request_id!r} is already in use")
         engine_id = f"{request_id}@{next(self._incarnations)}"
         self._live[request_id] = engine_id
-        buffer = self._buffers[engine_id] = DeltaBuffer(self.stream_interval if kind is OutputKind.DELTA else 1)
+        buffer = self._buffers[engine_id] = (
+            DeltaBuffer(self.stream_interval, self.stream_batching_interval_s)
+            if kind is OutputKind.DELTA
+            else DeltaBuffer()
+        )
         self.processor.add_request(engine_id, prompt, prompt_token_ids, params, kind, output_id=request_id)
         finished = False
         try:

@@ -485,7 +485,7 @@ class LLMEngine:
             if known is None:  # the first step: the beam's text starts after the prompt
                 known = (detok.start(parent.prompt_token_ids, skip), "")
             decode, text = known
-            decode = DecodeState(list(decode.tokens_text), decode.prefix_offset, decode.read_offset)
+            decode = detok.copy(decode)
             before = len(text)
             text += detok.decode_next(decode, token, skip)
             stop = next((s for s in params.stop if text.find(s, max(0, before - len(s) + 1)) != -1), None)

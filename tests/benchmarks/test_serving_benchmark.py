@@ -83,6 +83,7 @@ def test_stream_tracker_times_first_choice_and_done_and_counts_usage_tokens():
     assert r.is_ok and r.error is None
     assert (r.ttft_s, r.e2e_s, r.num_output_tokens) == (0.5, 1.0, 3)
     assert r.tpot_s == 0.25  # (1.0 - 0.5) / (3 - 1)
+    assert r.itl_s == [0.25, 0.125]  # between the choice events only (not usage, not [DONE])
 
 
 def test_stream_tracker_counts_choice_events_without_a_usage_event():

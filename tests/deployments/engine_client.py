@@ -72,8 +72,10 @@ class InProcessCore:
 
 
 class InProcessEngineClient(EngineFrontend):
-    def __init__(self, engine: LLMEngine, model_name: str, stream_interval: int = 1) -> None:
-        super().__init__(InProcessCore(engine), engine.tokenizer, stream_interval)
+    def __init__(
+        self, engine: LLMEngine, model_name: str, stream_interval: int = 1, stream_batching_interval_ms: float = 0.0
+    ) -> None:
+        super().__init__(InProcessCore(engine), engine.tokenizer, stream_interval, stream_batching_interval_ms)
         self.engine = engine
         self.model_name = model_name
         self.is_healthy = True

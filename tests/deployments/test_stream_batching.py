@@ -1,0 +1,140 @@
+"""stream_batching_interval_ms T: a stream's reader wakes at most once per T ms, the first
+token and a finish at once. Under every coalescing setting the joined stream equals the
+whole answer (completions and chat with n > 1, logprobs, stop strings, include_usage, tool
+calls), and a finish is never held for the interval."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from rayserve_paged.core.sequence import SamplingParams
+from rayserve_paged.deployments.openai_ingress import create_openai_app
+from rayserve_paged.engine.frontend import DeltaBuffer, EngineFrontend
+from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
+from tests.deployments.conftest import MODEL, parse_sse
+from tests.deployments.engine_client import InProcessEngineClient
+from tests.deployments import test_streaming as streaming
+from tests.deployments.test_structured_outputs import MESSAGES, TOOLS
+
+pytestmark = pytest.mark.anyio
+
+NEVER = 60_000.0  # ms: longer than any test; only the first token and the end get through
+SETTINGS = [(1, 0.0), (1, 20.0), (4, 20.0), (1, NEVER), (4, NEVER)]  # (stream_interval, ms)
+
+
+@pytest.fixture(params=SETTINGS, ids=lambda s: f"interval{s[0]}-{s[1]:g}ms")
+async def batching_client(request, engine):
+    stream_interval, ms = request.param
+    client = InProcessEngineClient(engine, MODEL, stream_interval=stream_interval, stream_batching_interval_ms=ms)
+    yield client
+    await client.close()
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_gpu_blocks() == engine.block_manager.gpu.num_blocks
+
+
+@pytest.fixture
+async def batching_http(batching_client, engine):
+    app = create_openai_app(batching_client, engine.tokenizer, MODEL)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        yield client
+
+
+async def test_streamed_completion_and_chat_equal_the_whole_ones(batching_http):
+    await streaming.assert_streamed_completion_equals_the_whole_one(batching_http)
+    await streaming.test_streamed_chat_equals_the_whole_one(batching_http)
+
+
+async def test_streamed_tool_calls_equal_the_whole_ones(batching_http):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": named, "max_tokens": 40,
+            "temperature": 0}  # fmt: skip
+    whole = (await batching_http.post("/v1/chat/completions", json=body)).json()["choices"][0]
+    events = parse_sse(await batching_http.post("/v1/chat/completions", json={**body, "stream": True}))
+    calls = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls", [])]
+    (call,) = whole["message"]["tool_calls"]
+    assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
+    assert calls[0]["function"]["name"] == call["function"]["name"] == "get_weather"
+    assert "".join(c["function"]["arguments"] for c in calls) == call["function"]["arguments"]
+    assert events[-1]["choices"][0]["finish_reason"] == whole["finish_reason"] == "tool_calls"
+
+
+async def test_a_finish_is_not_held_for_the_interval(engine):
+    """With an interval no test outlasts: the first token alone, then everything else with
+    the finish in one delta, as soon as the engine ends the request."""
+    client = InProcessEngineClient(engine, MODEL, stream_batching_interval_ms=NEVER)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=22, ignore_eos=True)
+        ids = engine.tokenizer(streaming.PROMPT).input_ids
+        outs = [out async for out in client.generate_stream(ids, params, "held")]
+        assert [len(o.outputs[0].token_ids) for o in outs] == [1, 21]
+        assert [o.finished for o in outs] == [False, True] and outs[-1].outputs[0].finish_reason == "length"
+        whole = await client.generate(ids, params, "whole")
+        assert "".join(o.outputs[0].text for o in outs) == whole.outputs[0].text
+    finally:
+        await client.close()
+
+
+async def test_an_abort_is_not_held_for_the_interval(engine):
+    client = InProcessEngineClient(engine, MODEL, stream_batching_interval_ms=NEVER)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        stream = client.generate_stream(engine.tokenizer(streaming.PROMPT).input_ids, params, "aborted")
+        first = await stream.__anext__()
+        assert len(first.outputs[0].token_ids) == 1 and not first.finished
+        await asyncio.sleep(0.05)  # the engine steps on; the reader is held by the interval
+        await client.abort("aborted")
+        last = await stream.__anext__()
+        assert last.finished and last.outputs[0].finish_reason == "abort"
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+    finally:
+        await client.close()
+
+
+def _delta(token_ids: list[int], finish_reason: str | None = None) -> RequestOutput:
+    text = "".join(f"<{t}>" for t in token_ids)
+    outputs = [CompletionOutput(index=0, text=text, token_ids=token_ids, cumulative_logprob=0.0, logprobs=None,
+                                finish_reason=finish_reason)]  # fmt: skip
+    return RequestOutput("r", None, [1], outputs, finished=finish_reason is not None)
+
+
+async def test_the_buffer_holds_deltas_until_the_interval_or_the_end():
+    buffer = DeltaBuffer(batching_interval_s=NEVER / 1000)
+    buffer.put(_delta([1]))
+    assert (await buffer.get()).outputs[0].token_ids == [1]  # the first: at once
+    buffer.put(_delta([2]))
+    buffer.put(_delta([3]))
+    with pytest.raises(TimeoutError):  # held: the interval has not passed
+        await asyncio.wait_for(buffer.get(), 0.05)
+    buffer.put(_delta([4], "stop"))
+    out = await buffer.get()
+    assert out.finished and out.outputs[0].token_ids == [2, 3, 4] and out.outputs[0].text == "<2><3><4>"
+    # a short interval: the held delta comes when its timer fires, merged
+    buffer = DeltaBuffer(batching_interval_s=0.01)
+    buffer.put(_delta([1]))
+    await buffer.get()
+    buffer.put(_delta([2]))
+    buffer.put(_delta([3]))
+    out = await asyncio.wait_for(buffer.get(), 5)
+    assert not out.finished and out.outputs[0].token_ids == [2, 3]
+
+
+def test_the_interval_must_be_finite_and_not_negative(monkeypatch):
+    from pydantic import ValidationError
+
+    from rayserve_paged.app import AppArgs
+    from rayserve_paged.engine.frontend import STREAM_BATCHING_INTERVAL_MS
+    from tests.deployments.conftest import record_binds
+
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="stream_batching_interval_ms"):
+            EngineFrontend(core=None, tokenizer=None, stream_batching_interval_ms=bad)
+    for bad in (-1, float("inf")):
+        with pytest.raises(ValidationError, match="stream_batching_interval_ms"):
+            AppArgs(model="tiny-opt", device="cpu", stream_batching_interval_ms=bad)
+    assert AppArgs(model="tiny-opt", device="cpu").stream_batching_interval_ms == STREAM_BATCHING_INTERVAL_MS
+    bound = record_binds(monkeypatch, AppArgs(model="tiny-opt", device="cpu", stream_batching_interval_ms=25))
+    assert bound["LLMServer"]["kwargs"]["stream_batching_interval_ms"] == 25
