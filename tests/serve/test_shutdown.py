@@ -83,4 +83,6 @@ def test_sigterm_drains_the_streams_in_flight_and_exits_0(ray_cluster, serve_por
     assert "Applications drained and deleted; shutting down Serve." in text
     assert "SIGTERM received" not in text and "Traceback" not in text
     # the loader's INFO line (load time, peak memory) reached the log at the default level
-    assert re.search(r"SchedulerActor pid=\d+\).* loaded \S+ as torch.float32 on cpu in [\d.]+ s \(peak RSS", text)
+    assert re.search(
+        r"SchedulerActor pid=\d+\).* loaded \S+ as torch.float32 on cpu in [\d.]+ s \(float weights; peak RSS", text
+    )
