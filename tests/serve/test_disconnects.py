@@ -18,7 +18,10 @@ pytestmark = pytest.mark.ray
 
 
 def test_random_disconnects_leave_no_blocks_behind(serve_session, serve_port):
-    serve_session.run(build_app(AppArgs(**(TINY | {"model": "tiny-opt"}))), name="leak", route_prefix="/")
+    # one event per token (no time-based coalescing), so that a client can cut any stream
+    # after exactly `cut` events
+    args = AppArgs(**(TINY | {"model": "tiny-opt", "stream_batching_interval_ms": 0}))
+    serve_session.run(build_app(args), name="leak", route_prefix="/")
     base = f"http://127.0.0.1:{serve_port}"
     llm = serve_session.get_deployment_handle("LLMServer", app_name="leak")
     rng = random.Random(3)
