@@ -556,7 +556,8 @@ class BlockManager:
         prefix (shared with other groups, or cached): swap-in takes it instead of a copy."""
         resident: dict[int, PhysicalBlock] = {}
         for seq in seqs:
-            hits = self._match_prefix(seq.token_ids)[: seq.num_computed_tokens // self.block_size]
+            hits = self._match_prefix(seq.token_ids, self._salt_keys.get(seq.seq_id))
+            hits = hits[: seq.num_computed_tokens // self.block_size]
             for cpu_bid, block in zip(self.cpu_tables[seq.seq_id], hits):
                 if cpu_bid != NULL_BLOCK:
                     resident.setdefault(cpu_bid, block)

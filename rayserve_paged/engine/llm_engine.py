@@ -34,6 +34,7 @@ from rayserve_paged.core.sequence import (
 )
 from rayserve_paged.engine.detokenizer import DecodeState, Detokenizer
 from rayserve_paged.engine.executor import Executor, InProcessExecutor
+from rayserve_paged.engine.output_processor import find_stop
 from rayserve_paged.engine.outputs import RequestMetrics, SequenceDelta, StepOutput
 from rayserve_paged.engine.structured_outputs import GrammarCompiler, StructuredOutputs
 from rayserve_paged.models.loader import get_model_config, load_tokenizer
@@ -488,8 +489,8 @@ class LLMEngine:
             decode = detok.copy(decode)
             before = len(text)
             text += detok.decode_next(decode, token, skip)
-            stop = next((s for s in params.stop if text.find(s, max(0, before - len(s) + 1)) != -1), None)
-            texts[key] = (decode, text, stop)
+            found = find_stop(text, params.stop, before)
+            texts[key] = (decode, text, None if found is None else found[0])
         return texts
 
     def _advance_beams(self, group: SequenceGroup, survivors: list, state: _BeamState, texts: dict | None) -> None:
@@ -549,10 +550,7 @@ class LLMEngine:
 
     def _ignored_output(self, request_id: str) -> StepOutput:
         metrics = self._metrics.pop(request_id, None)
-        group = self._constrained.pop(request_id, None)
-        if group is not None:
-            for seq in group.seqs:
-                self.structured.remove(seq.seq_id)
+        self._forget_constraint(request_id)
         self._beams.pop(request_id, None)
         self._num_cached.pop(request_id, None)
         return StepOutput(
@@ -567,10 +565,15 @@ class LLMEngine:
             ),
         )
 
-    def _forget(self, group: SequenceGroup) -> None:
-        if self._constrained.pop(group.request_id, None) is not None:
+    def _forget_constraint(self, request_id: str) -> None:
+        """Drop the matchers of a constrained request's sequences (nothing for a free one)."""
+        group = self._constrained.pop(request_id, None)
+        if group is not None:
             for seq in group.seqs:
                 self.structured.remove(seq.seq_id)
+
+    def _forget(self, group: SequenceGroup) -> None:
+        self._forget_constraint(group.request_id)
         self._beams.pop(group.request_id, None)
         self._num_cached.pop(group.request_id, None)
         self._metrics.pop(group.request_id, None)

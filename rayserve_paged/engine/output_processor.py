@@ -172,15 +172,22 @@ class OutputProcessor:
         return None
 
 
-def _find_stop(choice: _Choice, params: SamplingParams, before: int) -> str | None:
-    """Cut the text at the first stop string that ends in the new text; end the choice."""
-    text = choice.text
-    for stop in params.stop:
+def find_stop(text: str, stops: list[str], before: int) -> tuple[str, int] | None:
+    """The first of `stops` that ends in text[before:] (the new text), and where it starts."""
+    for stop in stops:
         at = text.find(stop, max(0, before - len(stop) + 1))
         if at != -1:
-            _cut_at_stop(choice, params, stop, at)
-            return stop
+            return stop, at
     return None
+
+
+def _find_stop(choice: _Choice, params: SamplingParams, before: int) -> str | None:
+    """Cut the text at the first stop string that ends in the new text; end the choice."""
+    found = find_stop(choice.text, params.stop, before)
+    if found is None:
+        return None
+    _cut_at_stop(choice, params, *found)
+    return found[0]
 
 
 def _cut_at_stop(choice: _Choice, params: SamplingParams, stop: str, at: int | None = None) -> None:

@@ -215,6 +215,30 @@ def test_an_unsalted_chain_is_not_found_by_a_salted_request_and_salts_follow_for
     check_block_manager(bm)
 
 
+def test_swap_in_takes_back_resident_blocks_of_its_own_salt_only():
+    """A salted request swapped out and back in re-shares a GPU copy of its prefix only
+    when that copy is of its own salt: an unsalted request's cached block with the same
+    tokens is not taken (a hit there would cross the salt, as admission never does)."""
+    bm = BlockManager(16, 12, 8)
+    prompt = list(range(500, 536))  # blocks full at 0, 1
+    plain = make_group("plain", prompt)
+    admit(bm, plain)
+    salted = make_group("salted", prompt, cache_salt="s")
+    admit(bm, salted)
+    (seq,) = salted.seqs
+    salted_blocks = bm.get_block_table(seq)
+    assert not set(salted_blocks) & set(bm.get_block_table(plain.seqs[0]))
+    bm.swap_out(salted)
+    seq.status = SequenceStatus.SWAPPED
+    back = dict(bm.swap_in(salted))
+    seq.status = SequenceStatus.RUNNING
+    # its own two full blocks are still cached on the GPU (salted): taken back, not copied;
+    # the partial third is copied; none of plain's same-token blocks is taken
+    assert len(back) == 1 and bm.get_block_table(seq)[:2] == salted_blocks[:2]
+    assert not set(bm.get_block_table(seq)) & set(bm.get_block_table(plain.seqs[0]))
+    check_block_manager(bm)
+
+
 def test_cache_salt_must_be_a_non_empty_string():
     from rayserve_paged.core import SamplingParams, SamplingParamsError
 
