@@ -9,6 +9,12 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# The test process connects to Ray only through the session fixture's explicit ray.init. A
+# call that reaches Ray after the fixture's ray.shutdown (a Serve handle's router thread
+# retrying its long poll) must fail, not auto-connect to the cluster being stopped: a driver
+# connected that way outlives the GCS and Ray ends the process with exit 1 after 60 s.
+# (Read once, when ray is first imported.)
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from hypothesis import settings
