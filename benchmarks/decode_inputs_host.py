@@ -28,6 +28,7 @@ import time
 import torch
 
 from benchmarks.records import chosen_cases, host_time_parser, load_module, median_us, print_rows, write_record
+from rayserve_paged.ops.cache_ops import slot_of
 from rayserve_paged.worker.static_decode import DecodeRows, StaticDecode
 
 NUM_ROWS = 256
@@ -62,7 +63,7 @@ class Decodes:
         rows = DecodeRows(
             token_ids=list(self.tokens), positions=list(self.positions), seq_lens=[p + 1 for p in self.positions],
             block_tables=self.tables,
-            slot_mapping=[t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for t, p in zip(self.tables, self.positions)],
+            slot_mapping=[slot_of(t, p, BLOCK_SIZE) for t, p in zip(self.tables, self.positions)],
             sampled=list(range(NUM_ROWS)),
         )
         return rows, changes

@@ -248,24 +248,22 @@ class PagedSystem:
         out = self.scheduler.schedule()
         bm = self.block_manager
         num_allocated = (bm.gpu.num_blocks - bm.gpu.num_free_blocks) * self.block_size
-        groups = self.scheduler.groups
         token_state = 0
         num_finished = 0
-        for scheduled in out.groups:
-            group = groups[scheduled.request_id]
+        for group, *_ in out.scheduled:
             for seq in group.seqs:
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
                 token_state += len(seq.token_ids)
                 seq.append_token(0)
-            if group.seqs[0].num_output_tokens >= self._output_len[scheduled.request_id]:
+            if group.seqs[0].num_output_tokens >= self._output_len[group.request_id]:
                 for seq in group.seqs:
                     seq.status = SequenceStatus.FINISHED_LENGTH
                 self.scheduler.free_finished(group)
-                del self._output_len[scheduled.request_id]
+                del self._output_len[group.request_id]
                 num_finished += 1
         return StepRecord(
-            num_batched=len(out.groups),
+            num_batched=len(out.scheduled),
             num_computed_tokens=out.num_batched_tokens,
             token_state=token_state,
             reservation=0,

@@ -131,7 +131,7 @@ class StepBench:
         groups = self.scheduler.groups
         token = self.step_index % VOCAB
         request_ids = [g[0].request_id for g in out.scheduled] if hasattr(out, "scheduled") else [
-            g.request_id for g in out.groups
+            g.request_id for g in out.groups  # an older checkout's SchedulerOutput (run as the baseline)
         ]
         for request_id in request_ids:
             for seq in groups[request_id].seqs:

@@ -199,28 +199,30 @@ class BlockMeter:
 
     def _measure(self) -> SchedulerOutput:
         out = self._schedule()
-        if not out.groups:
+        if not out.scheduled:
             return out
         bm = self.block_manager
         tables = bm.gpu_tables
         bs = self.block_size
+        msg = out.message
         used = bm.usage().gpu_used
         step_shared = step_unshared = num_seqs = 0
-        for group in out.groups:
+        for group, first_row, num_rows, _, _ in out.scheduled:
             group_blocks: set[int] = set()
             group_unshared = 0
-            for seq in group.seqs:
-                table = tables[seq.seq_id]
+            rows = range(first_row, first_row + num_rows)
+            for row in rows:
+                table = tables[msg.seq_ids[row]]
                 group_blocks.update(table)
                 group_unshared += len(table)
-                if len(table) != -(-(seq.start_pos + len(seq.token_ids)) // bs):
+                if len(table) != -(-(msg.start_positions[row] + msg.num_query_tokens[row]) // bs):
                     self.num_table_mismatches += 1
             totals = self.per_request.setdefault(group.request_id, [0, 0])
             totals[0] += len(group_blocks)
             totals[1] += group_unshared
             step_shared += len(group_blocks)
             step_unshared += group_unshared
-            num_seqs += len(group.seqs)
+            num_seqs += len(rows)
         self.num_unaccounted += used - step_shared
         self.num_unscheduled_tables += len(tables) - num_seqs
         self.num_steps += 1

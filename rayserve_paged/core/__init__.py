@@ -1,7 +1,7 @@
 """The pure-Python heart: sequences, the paged block manager and the scheduler (stdlib only)."""
 
 from rayserve_paged.core.block_manager import AllocStatus, BlockCounters, BlockManager, BlockUsage, SlotUsage
-from rayserve_paged.core.outputs import NewRequest, ScheduledGroup, ScheduledSeq, SchedulerOutput, StepMessage
+from rayserve_paged.core.outputs import NewRequest, ScheduledGroup, SchedulerOutput, StepMessage
 from rayserve_paged.core.scheduler import PreemptionMode, Scheduler, SchedulerConfig, SchedulerCounters
 from rayserve_paged.core.sequence import (
     SamplingParams,
@@ -21,7 +21,6 @@ __all__ = [
     "SamplingParams",
     "SamplingParamsError",
     "ScheduledGroup",
-    "ScheduledSeq",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerCounters",

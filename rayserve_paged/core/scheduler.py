@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from rayserve_paged.core.block_manager import AllocStatus, BlockManager
-from rayserve_paged.core.outputs import NewRequest, SchedulerOutput, StepMessage
+from rayserve_paged.core.outputs import NewRequest, ScheduledGroup, SchedulerOutput, StepMessage
 from rayserve_paged.core.sequence import KV_CACHE_LIMIT, Sequence, SequenceGroup, SequenceStatus
 
 
@@ -83,6 +83,9 @@ class Scheduler:
         self.swapped: deque[SequenceGroup] = deque()
         self.groups: dict[str, SequenceGroup] = {}  # every unfinished group, by request id
         self.counters = SchedulerCounters()
+        # the decode fast path (below, in schedule); off, every group takes the general path,
+        # with the same step as the result (a property test runs both)
+        self.fast_decode = True
         self._has_finished_running = False
         # What the workers hold, and what changed since the last step (see StepMessage)
         self._params_sent: set[str] = set()  # requests whose state workers hold
@@ -191,6 +194,7 @@ class Scheduler:
         # blocks is enough too.)
         num_free = bm.num_free_gpu_blocks()
         room = num_free >= self.config.max_num_seqs or num_free >= sum([len(g.seqs) for g in running])
+        room = room and self.fast_decode
         # The common decode is inlined (one sequence, one new token): a row, and the block
         # manager only when the step needs a new block, a copy-on-write or a full block
         # registered for the prefix cache (1 step in 8 with 16-token blocks). Everything
@@ -203,11 +207,11 @@ class Scheduler:
         add_start = msg.start_positions.append
         add_count = msg.num_query_tokens.append
         add_token = msg.token_ids.append
-        scheduled = out.scheduled
-        add_scheduled = scheduled.append
+        add_scheduled = out.scheduled.append
         is_running = SequenceStatus.RUNNING
         recompute_at = self.config.recompute_at_len
         recomputed: list[SequenceGroup] = []
+        inline_width = 1 if self.fast_decode else 0  # groups of this width take the inlined decode
         for group in running if room else self._groups_with_room(out):
             if group.is_prefilling:
                 prefilling.append(group)
@@ -217,7 +221,7 @@ class Scheduler:
                 recomputed.append(group)
                 continue
             seqs = group.seqs
-            if len(seqs) == 1:
+            if len(seqs) == inline_width:
                 seq = seqs[0]
                 token_ids = seq.token_ids
                 end = len(token_ids)
@@ -231,7 +235,7 @@ class Scheduler:
                         or blocks[table[-1]].ref_count > 1
                     ):
                         self._append_slots(seq, msg)
-                    add_scheduled((group, len(seq_ids), 1, True, False))
+                    add_scheduled((group, len(seq_ids), 1, True, False))  # a ScheduledGroup
                     add_seq_id(seq.seq_id)
                     add_start(end - 1)
                     add_count(1)
@@ -433,7 +437,7 @@ class Scheduler:
 
     def _emit(self, group: SequenceGroup, first_row: int, out: SchedulerOutput, do_sample: bool) -> None:
         """Close the group's rows: its state for the workers on its first step, and the
-        engine's record (group, first row, number of rows, do_sample, is_first_step)."""
+        engine's record of them (a ScheduledGroup)."""
         msg = out.message
         first = group.seqs[0]
         request_id = group.request_id
@@ -446,8 +450,8 @@ class Scheduler:
         is_first_step = len(group.seqs) == 1 and len(first.token_ids) == first.num_prompt_tokens
         if is_first_step and do_sample:
             msg.first_step_seq_ids.append(first.seq_id)
-        # a tuple, not an object: this runs for every scheduled group every step
-        out.scheduled.append((group, first_row, len(msg.seq_ids) - first_row, do_sample, is_first_step))
+        record: ScheduledGroup = (group, first_row, len(msg.seq_ids) - first_row, do_sample, is_first_step)
+        out.scheduled.append(record)
 
     # ------------------------------------------------------------------ preemption
 

@@ -22,6 +22,11 @@ BlockMapping = Sequence[tuple[int, int]] | torch.Tensor  # (src, dst) pairs, or 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache) of one layer
 
 
+def slot_of(block_table: Sequence[int], position: int, block_size: int) -> int:
+    """The slot of a sequence's token at `position`, through its block table (the layout above)."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
 # ---------------------------------------------------------------------------- reshape_and_cache
 
 

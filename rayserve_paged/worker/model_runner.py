@@ -16,6 +16,7 @@ from rayserve_paged.core.outputs import StepMessage
 from rayserve_paged.models.layers import ROPE_LEN_PER_SEQUENCE
 from rayserve_paged.models.sampler import Sampler, SamplerOutput
 from rayserve_paged.ops.attention import AttentionMetadata
+from rayserve_paged.ops.cache_ops import slot_of
 from rayserve_paged.worker.input_batch import InputBatch, SeqState
 from rayserve_paged.worker.static_decode import StaticDecode, decode_rows, rope_lens_of
 
@@ -61,14 +62,14 @@ class ModelRunner:
             table = rows[i].block_table
             start = starts[i]
             end = start + counts[i]
-            slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
+            slots.extend(slot_of(table, pos, bs) for pos in range(start, end))
             positions.extend(range(start, end))
             input_ids.extend(tokens[offsets[i] : offsets[i + 1]])
             last_index[i] = len(input_ids) - 1
         num_prefill_tokens = len(input_ids)
         for j, i in enumerate(decodes):
             pos = starts[i]
-            slots.append(rows[i].block_table[pos // bs] * bs + pos % bs)
+            slots.append(slot_of(rows[i].block_table, pos, bs))
             last_index[i] = num_prefill_tokens + j
         if prefills:
             input_ids.extend(tokens[offsets[i]] for i in decodes)

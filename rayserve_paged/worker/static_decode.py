@@ -56,6 +56,7 @@ import torch
 from rayserve_paged.core.outputs import StepMessage
 from rayserve_paged.models.layers import ROPE_LEN_PER_SEQUENCE
 from rayserve_paged.ops.attention import PAD_SLOT, AttentionMetadata
+from rayserve_paged.ops.cache_ops import slot_of
 
 if TYPE_CHECKING:
     from rayserve_paged.worker.input_batch import SeqState
@@ -143,7 +144,7 @@ def decode_rows(
         positions=positions,
         seq_lens=[p + 1 for p in positions],
         block_tables=tables,
-        slot_mapping=[t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)],
+        slot_mapping=[slot_of(t, p, block_size) for t, p in zip(tables, positions)],
         sampled=sampled,
         rope_lens=[rope_lens_of(r, p, 1, rope_len_rule)[0] for r, p in zip(rows, positions)] if rope_len_rule else None,
     )

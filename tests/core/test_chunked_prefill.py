@@ -6,6 +6,7 @@ from rayserve_paged.core import SequenceStatus
 
 from .invariants import check_scheduler
 from .worlds import fork_group, make_group, make_world, run_step
+from .views import groups
 
 
 def step(s):
@@ -16,7 +17,7 @@ def step(s):
 
 def work(out):
     """(request id, start position, tokens computed, samples?) per scheduled group."""
-    return [(g.request_id, g.seqs[0].start_pos, len(g.seqs[0].token_ids), g.do_sample) for g in out.groups]
+    return [(g.request_id, g.seqs[0].start_pos, len(g.seqs[0].token_ids), g.do_sample) for g in groups(out)]
 
 
 def test_decodes_first_then_prompt_chunks_in_arrival_order():
@@ -50,7 +51,7 @@ def test_a_chunk_never_samples_and_blocks_are_cached_only_once_computed():
     # a's last chunk registers block 2 as it is scheduled: b, admitted after it in the same
     # step, hits blocks 0-2 and computes only its last 2 tokens
     assert work(out) == [("a", 40, 10, True), ("b", 48, 2, True)]
-    assert out.groups[1].seqs[0].block_table[:3] == out.groups[0].seqs[0].block_table[:3]
+    assert groups(out)[1].seqs[0].block_table[:3] == groups(out)[0].seqs[0].block_table[:3]
     a = s.groups["a"]
     assert a.seqs[0].num_output_tokens == 1 and s.groups["b"].seqs[0].num_output_tokens == 1
 
@@ -88,7 +89,7 @@ def test_a_partly_prefilled_request_swapped_out_resumes_where_it_stopped():
     a.seqs[0].status = SequenceStatus.FINISHED_STOPPED
     s.free_finished(a)
     out = step(s)
-    assert work(out) == [("b", 32, 8, True)] and len(out.blocks_to_swap_in) + len(out.blocks_to_copy) <= 3
+    assert work(out) == [("b", 32, 8, True)] and len(out.message.blocks_to_swap_in) + len(out.message.blocks_to_copy) <= 3
     assert work(step(s)) == [("b", 40, 1, True)]
 
 
@@ -99,7 +100,7 @@ def test_a_request_aborted_mid_prefill_frees_its_blocks_and_is_forgotten():
     assert s.abort("a") is not None
     check_scheduler(s)
     assert bm.usage().gpu_used == 0
-    assert step(s).finished_request_ids == ["a"]
+    assert step(s).message.finished_request_ids == ["a"]
 
 
 # ---------------------------------------------------------------------------- wide groups
@@ -123,9 +124,9 @@ def test_a_group_still_prefilling_counts_at_its_full_width():
     for g in (wide, *short):
         s.add_group(g)
     out = run_step(s)  # the first chunk
-    assert [sg.request_id for sg in out.groups] == ["wide"] and sum(out.message.num_query_tokens) == 32
+    assert [sg.request_id for sg in groups(out)] == ["wide"] and sum(out.message.num_query_tokens) == 32
     out = run_step(s)  # the rest of the prompt; the short ones cannot join: 4 of 4 are taken
-    assert [sg.request_id for sg in out.groups] == ["wide"] and list(s.waiting) == short
+    assert [sg.request_id for sg in groups(out)] == ["wide"] and list(s.waiting) == short
     fork_group(s, wide, 3)
     for _ in range(30):
         out = run_step(s, distinct=True)
@@ -172,6 +173,6 @@ def test_without_chunking_a_recomputed_wide_group_stays_within_the_budget():
     assert list(zip(first.message.seq_ids, first.message.start_positions, first.message.num_query_tokens)) == [
         (wide.seqs[0].seq_id, 0, 55), (wide.seqs[1].seq_id, 48, 7), (wide.seqs[2].seq_id, 48, 2)
     ]  # fmt: skip
-    assert [g.do_sample for g in first.groups] == [False]
+    assert [g.do_sample for g in groups(first)] == [False]
     second = run_step(s, distinct=True)
-    assert sum(second.message.num_query_tokens) == 16 and [g.do_sample for g in second.groups] == [True]
+    assert sum(second.message.num_query_tokens) == 16 and [g.do_sample for g in groups(second)] == [True]

@@ -29,6 +29,7 @@ from rayserve_paged.core import (
 
 from .invariants import check_scheduler
 from .test_properties import ShadowKV
+from .views import groups
 
 MAX_MODEL_LEN = 64
 
@@ -84,12 +85,12 @@ class LivenessMachine(RuleBasedStateMachine):
     def _step(self, draw):
         had_work = self.s.has_unfinished_groups()
         out = self.s.schedule()
-        self.released += out.finished_request_ids
+        self.released += out.message.finished_request_ids
         assert not out.ignored, f"refused as never fits: {out.ignored}"
         if had_work:
-            assert out.groups, "a step with unfinished requests scheduled nothing"
+            assert groups(out), "a step with unfinished requests scheduled nothing"
         self.shadow.apply(out, self.seqs)
-        for sg in out.groups:
+        for sg in groups(out):
             if sg.sampling_params is not None:
                 self.params_sent.add(sg.request_id)
             if not sg.do_sample:
@@ -146,7 +147,7 @@ class LivenessMachine(RuleBasedStateMachine):
             self._step(lambda strategy: next(tokens))
             check_scheduler(self.s)
         assert not self.s.has_unfinished_groups(), f"requests still unfinished after {bound} steps"
-        self.released += self.s.schedule().finished_request_ids
+        self.released += self.s.schedule().message.finished_request_ids
         assert sorted(self.released) == sorted(self.params_sent), "workers would keep ended requests' params"
         usage = self.s.block_manager.usage()
         assert usage.gpu_used == 0 and usage.cpu_used == 0, usage

@@ -8,6 +8,7 @@ from rayserve_paged.core.sequence import KV_CACHE_LIMIT
 
 from .invariants import check_scheduler
 from .worlds import fork_group, make_group, make_world, run_step
+from .views import groups
 
 
 def step(s, token=7, distinct=False):
@@ -43,8 +44,8 @@ def _run_outgrowing_group(mode):
         if not s.has_unfinished_groups():
             break
         out = step(s)
-        finished_ids += out.finished_request_ids
-        assert out.groups, "a step with an unfinished request ran nothing"
+        finished_ids += out.message.finished_request_ids
+        assert groups(out), "a step with an unfinished request ran nothing"
         assert not out.ignored and not out.preempted
         end_at_length(s, 64)
     assert not s.has_unfinished_groups()
@@ -52,7 +53,7 @@ def _run_outgrowing_group(mode):
     # at 33 tokens the two need 1 shared + 2 + 2 blocks: the child ends, the pool is the limit
     assert (child.status, child.stop_reason, len(child)) == (SequenceStatus.FINISHED_LENGTH, KV_CACHE_LIMIT, 33)
     assert (parent.status, parent.stop_reason, len(parent)) == (SequenceStatus.FINISHED_LENGTH, None, 64)
-    finished_ids += s.schedule().finished_request_ids
+    finished_ids += s.schedule().message.finished_request_ids
     assert finished_ids == ["g"]  # the workers are told to forget it
     usage = bm.usage()
     assert usage.gpu_used == 0 and usage.cpu_used == 0
@@ -72,7 +73,7 @@ def test_a_group_alone_may_use_the_whole_pool_despite_the_watermark():
     a = make_group("a", 63, arrival=0)
     s.add_group(a)
     out = step(s)
-    assert not out.ignored and [g.request_id for g in out.groups] == ["a"]
+    assert not out.ignored and [g.request_id for g in groups(out)] == ["a"]
     assert bm.gpu_tables[a.seqs[0].seq_id] == [0, 1, 2, 3]
 
 
@@ -92,7 +93,7 @@ def _two_then_alone(mode, num_cpu):
         if not s.has_unfinished_groups():
             break
         out = step(s)
-        assert out.groups and not out.ignored
+        assert groups(out) and not out.ignored
         preempted += out.preempted
         if len(c.seqs[0]) >= 40 and not c.seqs[0].is_finished:
             c.seqs[0].status = SequenceStatus.FINISHED_STOPPED
@@ -129,17 +130,17 @@ def test_swap_in_reuses_prompt_blocks_still_on_the_gpu():
         if out.preempted:
             break
     assert out.preempted == ["g"] and g.seqs[0].status is SequenceStatus.SWAPPED
-    assert out.blocks_to_swap_out == [(2, 0), (3, 1), (7, 2), (5, 3)]
+    assert out.message.blocks_to_swap_out == [(2, 0), (3, 1), (7, 2), (5, 3)]
     assert [bm.cpu_tables[q.seq_id] for q in g.seqs] == [[0, 1, 2], [0, 1, 3]]
     assert bm.gpu_tables[a.seqs[0].seq_id] == [2, 3, 4, 7]  # a took g's block 7; 5 stays cached
     for seq in c.seqs:
         seq.status = SequenceStatus.FINISHED_STOPPED
     s.free_finished(c)
     out = step(s, distinct=True)
-    assert [grp.request_id for grp in out.groups] == ["a", "g"]
+    assert [grp.request_id for grp in groups(out)] == ["a", "g"]
     # one copy: the prefix blocks a holds (2, 3) and g's still-cached block 5 are taken as
     # they are; only CPU block 2 (whose GPU copy a now holds) travels back
-    assert out.blocks_to_swap_in == [(2, 6)]
+    assert out.message.blocks_to_swap_in == [(2, 6)]
     assert [bm.gpu_tables[q.seq_id] for q in g.seqs] == [[2, 3, 6, 1], [2, 3, 5, 0]]
     assert bm.gpu.blocks[2].ref_count == 3 and bm.counters.swapped_in_blocks == 1
 
@@ -164,7 +165,7 @@ def test_recompute_of_a_group_shares_the_prompt_and_reuses_each_sequences_cached
     a.seqs[0].status = SequenceStatus.FINISHED_STOPPED
     s.free_finished(a)
     out = step(s)
-    (sg,) = out.groups
+    (sg,) = groups(out)
     assert [bm.gpu_tables[q.seq_id] for q in g.seqs] == [[3, 4, 6, 8], [3, 4, 7, 2], [3, 4, 5, 1]]
     assert bm.gpu.blocks[3].ref_count == bm.gpu.blocks[4].ref_count == 3
     assert [(ss.start_pos, len(ss.token_ids)) for ss in sg.seqs] == [(48, 1)] * 3
@@ -185,10 +186,10 @@ def test_a_request_ended_after_running_releases_its_sampling_parameters():
         if not s.has_unfinished_groups():
             break
         out = step(s)
-        seen += out.finished_request_ids
+        seen += out.message.finished_request_ids
         ignored += out.ignored
         end_at_length(s, 48 if a.seqs[0].status is SequenceStatus.RUNNING else 100)
-    seen += s.schedule().finished_request_ids
+    seen += s.schedule().message.finished_request_ids
     assert ignored == ["b"] and len(b.seqs[0]) == 49
     assert (b.seqs[0].status, b.seqs[0].stop_reason) == (SequenceStatus.FINISHED_LENGTH, KV_CACHE_LIMIT)
     assert sorted(seen) == ["a", "b"]

@@ -26,6 +26,7 @@ from rayserve_paged.core import (
 )
 
 from .invariants import check_scheduler
+from .views import groups
 
 PREFIXES = [list(range(10, 50)), list(range(60, 75)), [5] * 33]
 
@@ -51,15 +52,15 @@ class ShadowKV:
                 dst[key] = tok
 
     def apply(self, out, seqs_by_id):
-        self._copy(self.gpu, self.cpu, out.blocks_to_swap_out)
-        self._copy(self.cpu, self.gpu, out.blocks_to_swap_in)
-        self._copy(self.gpu, self.gpu, out.blocks_to_copy)
-        for sg in out.groups:
+        self._copy(self.gpu, self.cpu, out.message.blocks_to_swap_out)
+        self._copy(self.cpu, self.gpu, out.message.blocks_to_swap_in)
+        self._copy(self.gpu, self.gpu, out.message.blocks_to_copy)
+        for sg in groups(out):
             for ss in sg.seqs:
                 for i, tok in enumerate(ss.token_ids):
                     pos = ss.start_pos + i
                     self.gpu[(ss.block_table[pos // self.bs], pos % self.bs)] = tok
-        for sg in out.groups:
+        for sg in groups(out):
             for ss in sg.seqs:
                 seq = seqs_by_id[ss.seq_id]
                 end = ss.start_pos + len(ss.token_ids)
@@ -103,7 +104,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, data):
         out = self.s.schedule()
         self.shadow.apply(out, self.seqs)
-        for sg in out.groups:
+        for sg in groups(out):
             if not sg.do_sample:  # a prefill chunk: nothing sampled
                 continue
             group = self.s.groups[sg.request_id]
@@ -125,8 +126,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def beam_step(self, data):
         """Beam-search style: one running sequence forks, another of its group finishes."""
-        groups = [g for g in self.s.running if g.get_seqs(SequenceStatus.RUNNING)]
-        group = data.draw(st.sampled_from(groups))
+        candidates = [g for g in self.s.running if g.get_seqs(SequenceStatus.RUNNING)]
+        group = data.draw(st.sampled_from(candidates))
         running = group.get_seqs(SequenceStatus.RUNNING)
         parent = data.draw(st.sampled_from(running))
         self._fork(group, parent)

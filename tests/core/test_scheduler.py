@@ -6,6 +6,7 @@ from rayserve_paged.core import PreemptionMode, SequenceStatus
 
 from .invariants import check_scheduler
 from .worlds import finish, fork_group, make_group, make_world, run_step
+from .views import groups
 
 
 def step(s, token=7):
@@ -23,14 +24,14 @@ def test_prefill_then_decode_work_items():
     a = make_group("a", 20, arrival=0)
     s.add_group(a)
     out = step(s)
-    (sg,) = out.groups
+    (sg,) = groups(out)
     (ss,) = sg.seqs
     assert (ss.start_pos, len(ss.token_ids), ss.block_table, sg.is_first_step) == (0, 20, [0, 1], True)
     assert out.num_batched_tokens == 20 and out.num_prefill_groups == 1
     out = step(s, token=9)
-    (ss,) = out.groups[0].seqs
+    (ss,) = groups(out)[0].seqs
     assert (ss.start_pos, ss.token_ids, ss.num_output_tokens) == (20, [7], 1)
-    assert out.num_batched_tokens == 1 and not out.groups[0].is_first_step
+    assert out.num_batched_tokens == 1 and not groups(out)[0].is_first_step
 
 
 def test_running_out_of_blocks_preempts_the_most_recent_group_by_recompute():
@@ -49,12 +50,12 @@ def test_running_out_of_blocks_preempts_the_most_recent_group_by_recompute():
     assert tables(s, a) == [[0, 1, 5]] and tables(s, b) == [[2, 3, 4]]
     assert s.counters.preemptions_recompute == 1 and s.counters.preemptions_swap == 0
     out = step(s)
-    assert [g.request_id for g in out.groups] == ["a", "b"]  # c must wait: no free block
+    assert [g.request_id for g in groups(out)] == ["a", "b"]  # c must wait: no free block
     finish(s, a)
     out = step(s)
-    assert [g.request_id for g in out.groups] == ["b", "c"]
+    assert [g.request_id for g in groups(out)] == ["b", "c"]
     # c is recomputed whole: prompt and the tokens it had generated
-    assert len(out.groups[1].seqs[0].token_ids) == 33
+    assert len(groups(out)[1].seqs[0].token_ids) == 33
 
 
 def test_a_group_that_cannot_grow_preempts_itself_when_it_is_the_newest():
@@ -66,7 +67,7 @@ def test_a_group_that_cannot_grow_preempts_itself_when_it_is_the_newest():
     step(s)  # a: [0, 1], b: [2]
     out = step(s)  # both need a block; b is newest: preempted, a gets b's block
     assert out.preempted == ["b"]
-    assert [g.request_id for g in out.groups] == ["a"]
+    assert [g.request_id for g in groups(out)] == ["a"]
     assert tables(s, a) == [[0, 1, 2]]
 
 
@@ -87,7 +88,7 @@ def test_a_multi_sequence_group_is_swapped_out_whole_and_comes_back_whole():
     assert tables(s, g) == [[2, 3]] * 3
     out = step(s)  # g's 3 sequences write into shared block 3: 2 copies, 1 free block
     assert out.preempted == ["g"]
-    assert out.blocks_to_swap_out == [(2, 0), (3, 1)]
+    assert out.message.blocks_to_swap_out == [(2, 0), (3, 1)]
     assert all(seq.status is SequenceStatus.SWAPPED for seq in g.seqs)
     assert [bm.cpu_tables[seq.seq_id] for seq in g.seqs] == [[0, 1]] * 3
     assert [bm.cpu.blocks[i].ref_count for i in (0, 1)] == [3, 3]
@@ -95,17 +96,17 @@ def test_a_multi_sequence_group_is_swapped_out_whole_and_comes_back_whole():
     d = make_group("d", 4, arrival=2)
     s.add_group(d)
     out = step(s)  # no admission while g is swapped, no swap-in while it does not fit
-    assert [grp.request_id for grp in out.groups] == ["a"] and list(s.waiting) == [d]
+    assert [grp.request_id for grp in groups(out)] == ["a"] and list(s.waiting) == [d]
     finish(s, a)
     out = step(s)
     # g comes back first; with nothing swapped any more, d is admitted in the same step
-    assert [grp.request_id for grp in out.groups] == ["g", "d"]
+    assert [grp.request_id for grp in groups(out)] == ["g", "d"]
     # the prompt's full block 2 is still cached on the GPU: taken back without a copy
-    gpu_of = dict(out.blocks_to_swap_in)
+    gpu_of = dict(out.message.blocks_to_swap_in)
     assert sorted(gpu_of) == [1]
     # back on the GPU, the three sequences then copy-on-write the shared last block
-    assert len(out.blocks_to_copy) == 2
-    assert all(src == gpu_of[1] for src, _ in out.blocks_to_copy)
+    assert len(out.message.blocks_to_copy) == 2
+    assert all(src == gpu_of[1] for src, _ in out.message.blocks_to_copy)
     assert [t[0] for t in tables(s, g)] == [2] * 3
     assert bm.usage().cpu_used == 0 and bm.usage().gpu_free == 0
 
@@ -113,7 +114,7 @@ def test_a_multi_sequence_group_is_swapped_out_whole_and_comes_back_whole():
 def test_auto_falls_back_to_recompute_when_the_cpu_pool_is_full():
     s, bm, a, g = _wide_world(num_cpu=1)
     out = step(s)
-    assert out.preempted == ["g"] and out.blocks_to_swap_out == []
+    assert out.preempted == ["g"] and out.message.blocks_to_swap_out == []
     assert s.counters.preemptions_recompute == 1 and s.counters.preemptions_swap == 0
     assert list(s.waiting) == [g] and all(seq.status is SequenceStatus.WAITING for seq in g.seqs)
     finish(s, a)
@@ -122,7 +123,7 @@ def test_auto_falls_back_to_recompute_when_the_cpu_pool_is_full():
     first_blocks = {t[0] for t in tables(s, g)}
     assert len(first_blocks) == 1
     assert bm.gpu.blocks[first_blocks.pop()].ref_count == 3
-    (sg,) = out.groups
+    (sg,) = groups(out)
     assert [ss.start_pos for ss in sg.seqs] == [16, 16, 16]  # block 0 of the prompt was cached
 
 
@@ -144,7 +145,7 @@ def test_a_request_that_can_never_fit_is_ignored_and_the_next_one_runs():
     s.add_group(make_group("ok", 10, arrival=2))
     out = step(s)
     assert out.ignored == ["too-long", "too-big"]
-    assert [g.request_id for g in out.groups] == ["ok"]
+    assert [g.request_id for g in groups(out)] == ["ok"]
     assert set(s.groups) == {"ok"}
 
 
@@ -152,7 +153,7 @@ def test_budgets_limit_admissions():
     s, bm = make_world(max_num_seqs=2, max_num_batched_tokens=1024, max_model_len=1024)
     for i in range(3):
         s.add_group(make_group(f"r{i}", 8, arrival=i))
-    assert [g.request_id for g in step(s).groups] == ["r0", "r1"]
+    assert [g.request_id for g in groups(step(s))] == ["r0", "r1"]
     assert len(s.waiting) == 1
     # without chunked prefill a prompt goes whole or waits
     s, bm = make_world(
@@ -160,16 +161,16 @@ def test_budgets_limit_admissions():
     )
     s.add_group(make_group("x", 60, arrival=0))
     s.add_group(make_group("y", 60, arrival=1))
-    assert [g.request_id for g in step(s).groups] == ["x"]
+    assert [g.request_id for g in groups(step(s))] == ["x"]
     out = step(s)
-    assert [g.request_id for g in out.groups] == ["x", "y"] and out.num_batched_tokens == 61
+    assert [g.request_id for g in groups(out)] == ["x", "y"] and out.num_batched_tokens == 61
 
 
 def test_best_of_counts_toward_max_num_seqs_at_admission():
     s, bm = make_world(max_num_seqs=4)
     s.add_group(make_group("wide", 8, arrival=0, n=2, best_of=3))
     s.add_group(make_group("next", 8, arrival=1, n=2))
-    assert [g.request_id for g in step(s).groups] == ["wide"]
+    assert [g.request_id for g in groups(step(s))] == ["wide"]
 
 
 def test_requests_sharing_a_prefix_share_blocks_in_the_same_step():
@@ -178,7 +179,7 @@ def test_requests_sharing_a_prefix_share_blocks_in_the_same_step():
     s.add_group(make_group("a", prefix + [1, 2, 3], arrival=0))
     s.add_group(make_group("b", prefix + [4, 5], arrival=1))
     out = step(s)
-    a_seq, b_seq = out.groups[0].seqs[0], out.groups[1].seqs[0]
+    a_seq, b_seq = groups(out)[0].seqs[0], groups(out)[1].seqs[0]
     assert a_seq.block_table == [0, 1, 2] and b_seq.block_table == [0, 1, 3]
     assert b_seq.start_pos == 32 and b_seq.token_ids == [4, 5]
     assert out.num_batched_tokens == 35 + 2
@@ -233,7 +234,7 @@ def test_a_recomputed_group_returns_to_its_place_among_the_running():
     assert c.seqs[0].status is SequenceStatus.SWAPPED and b.seqs[0].status is SequenceStatus.WAITING
     finish(s, a)
     out = step(s)
-    assert [g.request_id for g in out.groups] == ["c", "b"]  # swap-ins go first
+    assert [g.request_id for g in groups(out)] == ["c", "b"]  # swap-ins go first
     assert [g.request_id for g in s.running] == ["b", "c"]  # but b arrived first
 
 
@@ -249,13 +250,13 @@ def test_a_sequence_reaching_recompute_at_len_is_prefilled_again_whole():
     step(s)  # short 32, long 42
     step(s)  # short 33, long 43
     out = step(s)  # short's next decode would be at 33 tokens: recomputed whole; long decodes
-    rows = {sg.request_id: sg.seqs[0] for sg in out.groups}
+    rows = {sg.request_id: sg.seqs[0] for sg in groups(out)}
     assert (rows["short"].start_pos, len(rows["short"].token_ids)) == (0, 33)
     assert (rows["long"].start_pos, len(rows["long"].token_ids)) == (42, 1)
     assert out.preempted == [] and s.counters.preemptions_recompute == 0
     assert [g.request_id for g in s.running] == ["short", "long"] and not s.waiting
     out = step(s)  # both decode on: 34 tokens is past the length
-    assert [(sg.request_id, sg.seqs[0].start_pos) for sg in out.groups] == [("short", 33), ("long", 43)]
+    assert [(sg.request_id, sg.seqs[0].start_pos) for sg in groups(out)] == [("short", 33), ("long", 43)]
 
 
 def test_a_swapped_sequence_at_recompute_at_len_is_prefilled_again_instead_of_swapped_in():
@@ -270,5 +271,5 @@ def test_a_swapped_sequence_at_recompute_at_len_is_prefilled_again_instead_of_sw
     finish(s, a)
     out = step(s)
     assert out.message.blocks_to_swap_in == [] and not s.swapped and bm.usage().cpu_used == 0
-    (sg,) = out.groups
+    (sg,) = groups(out)
     assert (sg.request_id, sg.seqs[0].start_pos, len(sg.seqs[0].token_ids)) == ("b", 0, 34)

@@ -14,6 +14,8 @@ from rayserve_paged.core import (
     SequenceStatus,
 )
 
+from .views import groups
+
 _seq_ids = itertools.count(1000)
 _token_bases = itertools.count(1)
 
@@ -42,7 +44,7 @@ def run_step(scheduler: Scheduler, token: int = 7, distinct: bool = False):
     """Schedule one step and play the engine: append `token` to each sequence that samples
     (`distinct`: token + the sequence's place in its group, so forks diverge)."""
     out = scheduler.schedule()
-    for sg in out.groups:
+    for sg in groups(out):
         if not sg.do_sample:
             continue
         group = scheduler.groups[sg.request_id]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rayserve_paged.core.outputs import NewRequest, ScheduledGroup, ScheduledSeq, StepMessage
+from rayserve_paged.core.outputs import NewRequest, StepMessage
 from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.models.loader import get_model_config, load_model
 from rayserve_paged.models.sampler import Sampler
@@ -19,6 +19,7 @@ from rayserve_paged.worker.input_batch import InputBatch
 from rayserve_paged.worker.kv_sizing import kv_cache_budget_bytes
 from rayserve_paged.worker.model_runner import ModelRunner
 from rayserve_paged.worker.static_decode import StaticDecode, decode_buckets, decode_rows
+from tests.core.views import GroupView, SeqView
 
 BLOCK_SIZE = 8
 MAX_MODEL_LEN = 128
@@ -51,7 +52,7 @@ def test_bucket_lists():
         decode_buckets(0)
 
 
-def step_message(groups: list[ScheduledGroup]) -> StepMessage:
+def step_message(groups: list[GroupView]) -> StepMessage:
     """The step message for groups described one object per sequence: parameters for the
     groups that carry them, every row's whole block table (a valid update, if not the
     smallest), the rows and their flags."""
@@ -72,13 +73,13 @@ def step_message(groups: list[ScheduledGroup]) -> StepMessage:
     return msg
 
 
-def rows_of(groups: list[ScheduledGroup]):
+def rows_of(groups: list[GroupView]):
     """decode_rows of the groups' step, on a fresh persistent batch that knows them."""
     batch = InputBatch()
     batch.apply(StepMessage(new_requests=[
         NewRequest(g.request_id, g.seqs[0].seq_id, SamplingParams(), g.num_prompt_tokens) for g in groups
     ]))
-    msg = step_message([ScheduledGroup(g.request_id, g.seqs, None, g.num_prompt_tokens, g.is_first_step, g.do_sample)
+    msg = step_message([GroupView(g.request_id, g.seqs, None, g.num_prompt_tokens, g.is_first_step, g.do_sample)
                         for g in groups])
     msg.forks = [(g.seqs[0].seq_id, s.seq_id, i) for g in groups for i, s in enumerate(g.seqs) if i]
     batch.apply(msg)
@@ -114,9 +115,9 @@ class Harness:
         ids = [f"{tag}-{s}" for s in range(num_seqs)]
         outputs: list[list[int]] = [[] for _ in range(num_seqs)]
         # step 0: sequence 0's whole prompt; step 1: the others' tails after the cached prefix
-        first = [ScheduledGroup(ids[0], [ScheduledSeq(0, prompts[0], 0, tables[0], 0, 0)], params, len(prompts[0]), True)]
+        first = [GroupView(ids[0], [SeqView(0, prompts[0], 0, tables[0], 0, 0)], params, len(prompts[0]), True)]
         rest = [
-            ScheduledGroup(ids[s], [ScheduledSeq(s, prompts[s][PREFIX:], PREFIX, tables[s], 0, 0)], params,
+            GroupView(ids[s], [SeqView(s, prompts[s][PREFIX:], PREFIX, tables[s], 0, 0)], params,
                            len(prompts[s]), True)
             for s in range(1, num_seqs)
         ]
@@ -126,7 +127,7 @@ class Harness:
                     outputs[int(group.request_id.rsplit("-", 1)[1])].append(sample)
         for _ in range(steps):
             groups = [
-                ScheduledGroup(ids[s], [ScheduledSeq(s, [outputs[s][-1]], len(prompts[s]) + len(outputs[s]) - 1,
+                GroupView(ids[s], [SeqView(s, [outputs[s][-1]], len(prompts[s]) + len(outputs[s]) - 1,
                                                      tables[s], len(outputs[s]), 0)], None, len(prompts[s]), False)
                 for s in range(num_seqs)
             ]
@@ -169,17 +170,17 @@ def test_decodes_above_the_largest_bucket_and_mixed_steps_run_eagerly(tiny_paths
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     tables = [[10, 11], [20, 21], [30, 31]]
     static.runner.execute(step_message([
-        ScheduledGroup(f"m{i}", [ScheduledSeq(i, [5, 6, 7], 0, tables[i], 0, 0)], params, 3, True) for i in range(2)
+        GroupView(f"m{i}", [SeqView(i, [5, 6, 7], 0, tables[i], 0, 0)], params, 3, True) for i in range(2)
     ]), static.caches)
     mixed = [
-        ScheduledGroup("m0", [ScheduledSeq(0, [9], 3, tables[0], 1, 0)], None, 3, False),
-        ScheduledGroup("m1", [ScheduledSeq(1, [9], 3, tables[1], 1, 0)], None, 3, False),
-        ScheduledGroup("m2", [ScheduledSeq(2, [5, 6, 7], 0, tables[2], 0, 0)], params, 3, True),
+        GroupView("m0", [SeqView(0, [9], 3, tables[0], 1, 0)], None, 3, False),
+        GroupView("m1", [SeqView(1, [9], 3, tables[1], 1, 0)], None, 3, False),
+        GroupView("m2", [SeqView(2, [5, 6, 7], 0, tables[2], 0, 0)], params, 3, True),
     ]
     assert rows_of(mixed) is None
     static.runner.execute(step_message(mixed), static.caches)
     assert static.runner.last_path == "eager" and static.static.runs == {"graph": 0, "eager": 0}
-    decode_only = [ScheduledGroup(f"m{i}", [ScheduledSeq(i, [9], 4, tables[i], 2, 0)], None, 3, False) for i in range(3)]
+    decode_only = [GroupView(f"m{i}", [SeqView(i, [9], 4, tables[i], 2, 0)], None, 3, False) for i in range(3)]
     static.runner.execute(step_message(decode_only), static.caches)
     assert static.runner.last_path == "static-eager" and static.static.runs == {"graph": 0, "eager": 1}
 
@@ -192,14 +193,14 @@ def test_padding_rows_write_nothing_and_read_only_block_zero(tiny_paths):
         key[1:] = float("nan")
         value[1:] = float("nan")
     rows = rows_of([
-        ScheduledGroup("r", [ScheduledSeq(0, [17], 0, [0], 0, 0)], SamplingParams(temperature=0.0), 1, True)
+        GroupView("r", [SeqView(0, [17], 0, [0], 0, 0)], SamplingParams(temperature=0.0), 1, True)
     ])
     caches_before = [(k.clone(), v.clone()) for k, v in harness.caches]
     with torch.inference_mode():
         hidden = static.forward(rows, harness.caches)  # 1 real row padded to a bucket of 1
         assert hidden.shape[0] == 1 and torch.isfinite(hidden).all()
         rows5 = rows_of([
-            ScheduledGroup(f"r{i}", [ScheduledSeq(i, [17 + i], 0, [0], 0, 0)], None, 1, False) for i in range(5)
+            GroupView(f"r{i}", [SeqView(i, [17 + i], 0, [0], 0, 0)], None, 1, False) for i in range(5)
         ])
         static.forward(rows5, harness.caches)  # 5 rows padded to 8: 3 padding rows
     assert static.slot_mapping[5:8].tolist() == [PAD_SLOT] * 3
@@ -216,7 +217,7 @@ def test_static_decode_refuses_what_does_not_fit(tiny_paths):
     assert static.bucket(1) == 1 and static.bucket(3) == 4 and static.bucket(4) == 4
     with pytest.raises(ValueError, match="do not fit the buckets"):
         static.bucket(5)
-    group = ScheduledGroup("x", [ScheduledSeq(0, [5], MAX_MODEL_LEN, [0] * 17, 1, 0)], None, 1, False)
+    group = GroupView("x", [SeqView(0, [5], MAX_MODEL_LEN, [0] * 17, 1, 0)], None, 1, False)
     assert not static.fits(rows_of([group]))  # longer than max_model_len
     assert not static.fits(None)
     assert not static.can_capture  # CPU: never captured
@@ -265,7 +266,7 @@ def test_captured_graphs_replay_the_eager_tokens(tiny_paths, arch):
     assert static.capture(caches) == [1, 2, 4, 8]
     for num_rows in (1, 3, 8):
         rows = rows_of([
-            ScheduledGroup(f"g{i}", [ScheduledSeq(i, [5 + i], 0, [1 + i], 0, 0)], None, 1, False)
+            GroupView(f"g{i}", [SeqView(i, [5 + i], 0, [1 + i], 0, 0)], None, 1, False)
             for i in range(num_rows)
         ])
         for key, value in caches:
@@ -284,10 +285,10 @@ def test_captured_graphs_replay_the_eager_tokens(tiny_paths, arch):
 
 def test_decode_rows_from_a_step_message():
     groups = [
-        ScheduledGroup("beam", [ScheduledSeq(0, [11], 9, [4, 7], 1, 0), ScheduledSeq(1, [12], 9, [4, 8], 1, 1)],
+        GroupView("beam", [SeqView(0, [11], 9, [4, 7], 1, 0), SeqView(1, [12], 9, [4, 8], 1, 1)],
                        None, 5, False),
-        ScheduledGroup("chunk", [ScheduledSeq(2, [13], 16, [1, 2, 3], 0, 0)], None, 30, True, do_sample=False),
-        ScheduledGroup("one", [ScheduledSeq(3, [14], 0, [9], 0, 0)], None, 1, True),
+        GroupView("chunk", [SeqView(2, [13], 16, [1, 2, 3], 0, 0)], None, 30, True, do_sample=False),
+        GroupView("one", [SeqView(3, [14], 0, [9], 0, 0)], None, 1, True),
     ]
     rows = rows_of(groups)
     assert rows.token_ids == [11, 12, 13, 14] and rows.positions == [9, 9, 16, 0]
