@@ -135,41 +135,58 @@ class OutputProcessor:
         return _delta(request, is_finished), stop
 
     def _apply(self, request: _Request, delta) -> tuple[int, str] | None:
-        params = request.params
+        """One choice's step; (choice index, stop string) when a stop string ended it here."""
         choice = request.choices.get(delta.index)
         if choice is None:
-            decode = None if params.use_beam_search else self.detokenizer.start(
-                request.prompt_token_ids, params.skip_special_tokens
-            )
-            choice = request.choices[delta.index] = _Choice(
-                delta.index, decode, logprobs=[] if params.logprobs is not None else None
-            )
+            choice = request.choices[delta.index] = self._new_choice(request, delta.index)
         if choice.finish_reason is not None:  # ended here by a stop string: later tokens are dropped
             return None
-        if params.use_beam_search:  # whole hypotheses, once
-            choice.token_ids = list(delta.token_ids)
-            choice.logprobs = list(delta.top_logprobs) if choice.logprobs is not None and delta.top_logprobs else None
-            choice.text = self.detokenizer.decode(choice.token_ids, params.skip_special_tokens)
-            if isinstance(delta.stop_reason, str) and delta.stop_reason in params.stop:
-                # the engine ended the hypothesis at a stop string: its text ends there
-                _cut_at_stop(choice, params, delta.stop_reason)
-        else:
-            for i, token_id in enumerate(delta.token_ids):
-                choice.token_ids.append(token_id)
-                if choice.logprobs is not None and delta.top_logprobs is not None:
-                    choice.logprobs.append(delta.top_logprobs[i])
-                before = len(choice.text)
-                new_text = self.detokenizer.decode_next(choice.decode, token_id, params.skip_special_tokens)
-                if not new_text:
-                    continue
-                choice.text += new_text
-                if params.stop and (stop := _find_stop(choice, params, before)) is not None:
-                    choice.cumulative_logprob = delta.cumulative_logprob
-                    return choice.index, stop
-        choice.cumulative_logprob = delta.cumulative_logprob
-        if delta.finish_reason is not None:
-            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+        if request.params.use_beam_search:
+            self._apply_beam(choice, request.params, delta)
+            return None
+        return self._apply_tokens(choice, request.params, delta)
+
+    def _new_choice(self, request: _Request, index: int) -> _Choice:
+        params = request.params
+        decode = None  # beam search decodes whole hypotheses
+        if not params.use_beam_search:
+            decode = self.detokenizer.start(request.prompt_token_ids, params.skip_special_tokens)
+        return _Choice(index, decode, logprobs=[] if params.logprobs is not None else None)
+
+    def _apply_beam(self, choice: _Choice, params: SamplingParams, delta) -> None:
+        """Beam search: a whole hypothesis, once (beams reorder until the end); decoded in
+        one go, and cut where the engine ended it at a stop string."""
+        choice.token_ids = list(delta.token_ids)
+        choice.logprobs = list(delta.top_logprobs) if choice.logprobs is not None and delta.top_logprobs else None
+        choice.text = self.detokenizer.decode(choice.token_ids, params.skip_special_tokens)
+        if isinstance(delta.stop_reason, str) and delta.stop_reason in params.stop:
+            _cut_at_stop(choice, params, delta.stop_reason)
+        _end_step(choice, delta)
+
+    def _apply_tokens(self, choice: _Choice, params: SamplingParams, delta) -> tuple[int, str] | None:
+        """Sampling: the step's new tokens, decoded one by one; the first stop string that
+        ends in the new text ends the choice there (the rest of the step is dropped)."""
+        for i, token_id in enumerate(delta.token_ids):
+            choice.token_ids.append(token_id)
+            if choice.logprobs is not None and delta.top_logprobs is not None:
+                choice.logprobs.append(delta.top_logprobs[i])
+            before = len(choice.text)
+            new_text = self.detokenizer.decode_next(choice.decode, token_id, params.skip_special_tokens)
+            if not new_text:
+                continue
+            choice.text += new_text
+            if params.stop and (stop := _find_stop(choice, params, before)) is not None:
+                choice.cumulative_logprob = delta.cumulative_logprob
+                return choice.index, stop
+        _end_step(choice, delta)
         return None
+
+
+def _end_step(choice: _Choice, delta) -> None:
+    """What the engine says of the choice after this step: its logprob, and its end."""
+    choice.cumulative_logprob = delta.cumulative_logprob
+    if delta.finish_reason is not None:
+        choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 def find_stop(text: str, stops: list[str], before: int) -> tuple[str, int] | None:
