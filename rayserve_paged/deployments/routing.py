@@ -5,7 +5,8 @@ already holds the longest chain of its first blocks, or to its session's replica
                               │ parse, validate, tokenize; RoutingKey = the prompt's
                               │ prefix_block_keys + the session (x-session-id / `user`)
                               ▼ handle.generate(..., routing=key)
-                           PrefixAffinityRouter (Serve RequestRouter, in the ingress process)
+                           PrefixAffinityRouter (prefix_router.py: a Serve RequestRouter in
+                              │ the ingress process, running AffinityPolicy below)
                               │ session ─> its replica, while that replica is in the fleet
                               │ else the longest cached chain, unless that replica's queue is
                               │ longer than the shortest by more than imbalance_threshold
@@ -39,18 +40,16 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily
-from ray.serve._private.request_router.request_router import RequestRouter
 
 from rayserve_paged.telemetry import render_families
 
 ROUTING_KWARG = "routing"  # the keyword of LLMServer.generate / generate_stream the router reads
 PREFIX_KEYS_STAT = "prefix_keys"  # what LLMServer.record_routing_stats reports
-ROUTER_PATH = "rayserve_paged.deployments.routing:PrefixAffinityRouter"
+ROUTER_PATH = "rayserve_paged.deployments.prefix_router:PrefixAffinityRouter"
 DEFAULT_IMBALANCE_THRESHOLD = 8
 MAX_SESSIONS = 100_000  # sessions remembered per router (least recently used forgotten first)
 
@@ -119,7 +118,7 @@ class AffinityPolicy:
     def choose(self, key: RoutingKey, loads: dict[str, float]) -> tuple[str, str]:
         """(replica, reason) for `key` among `loads` (replica -> queue length; not empty)."""
         lowest = min(loads.values())
-        least = random.choice([r for r, load in loads.items() if load == lowest])
+        least = self._least_loaded(loads, lowest)
         if key.session is not None:
             replica = self.sessions.get(key.session)
             if replica in loads:
@@ -132,6 +131,21 @@ class AffinityPolicy:
         if loads[best] - lowest > self.imbalance_threshold:
             return least, IMBALANCE
         return best, PREFIX
+
+    def _least_loaded(self, loads: dict[str, float], lowest: float) -> str:
+        """The shortest queue; among equals the replica known to cache the fewest blocks
+        (a new prefix goes where it evicts least), then any."""
+        tied = [r for r, load in loads.items() if load == lowest]
+        if len(tied) == 1:
+            return tied[0]
+        sizes = {r: self._num_known_blocks(r) for r in tied}
+        fewest = min(sizes.values())
+        return random.choice([r for r in tied if sizes[r] == fewest])
+
+    def _num_known_blocks(self, replica: str) -> int:
+        published = self._published.get(replica, (None, frozenset()))[1]
+        current, _ = self._sent.get(replica, (set(), set()))
+        return len(published) + len(current - published)
 
     def record(self, key: RoutingKey, replica: str) -> None:
         """`key`'s request went to `replica`: its session sticks there, its blocks will be there."""
@@ -189,6 +203,14 @@ class RoutingStats:
 ROUTING_STATS = RoutingStats()  # this process's
 
 
+def record_decision(reason: str, replica: str) -> None:
+    ROUTING_STATS.record_decision(reason, replica)
+
+
+def record_step(seconds: float) -> None:
+    ROUTING_STATS.record_step(seconds)
+
+
 def routing_key_of(pending_request) -> RoutingKey | None:
     if pending_request is None:
         return None
@@ -196,64 +218,3 @@ def routing_key_of(pending_request) -> RoutingKey | None:
     return key if isinstance(key, RoutingKey) else None
 
 
-class PrefixAffinityRouter(RequestRouter):
-    """Serve request router of LLMServer under `routing: prefix` (request_router_config;
-    kwargs: imbalance_threshold). Requests without a RoutingKey (model_info, metrics)
-    go to the shortest queue."""
-
-    MAX_CHOSEN = 10_000  # decisions awaiting on_request_routed (a cancelled request never arrives)
-
-    def initialize_state(self, imbalance_threshold: float = DEFAULT_IMBALANCE_THRESHOLD, max_sessions: int = MAX_SESSIONS):
-        self.policy = AffinityPolicy(imbalance_threshold, max_sessions)
-        self._chosen: OrderedDict[str, tuple[str, str]] = OrderedDict()  # internal request id -> (replica, reason)
-
-    async def choose_replicas(self, candidate_replicas, pending_request=None):
-        key = routing_key_of(pending_request)
-        if pending_request is not None:
-            pending_request.routing_context.should_backoff = True  # all full: back off, do not spin
-        if key is None or len(candidate_replicas) < 2:
-            return [candidate_replicas]
-        started = time.perf_counter()
-        loads = await self._queue_lens(candidate_replicas)
-        if not loads:
-            return [candidate_replicas]
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        for replica_id in loads:
-            self.policy.update_published(replica_id, by_id[replica_id].routing_stats.get(PREFIX_KEYS_STAT))
-        replica_id, reason = self.policy.choose(key, loads)
-        self._chosen[pending_request.metadata.internal_request_id] = (replica_id, reason)
-        while len(self._chosen) > self.MAX_CHOSEN:
-            self._chosen.popitem(last=False)
-        rest = sorted((r for r in loads if r != replica_id), key=loads.__getitem__)
-        ROUTING_STATS.record_step(time.perf_counter() - started)
-        return [[by_id[replica_id]], [by_id[r] for r in rest]]
-
-    async def _queue_lens(self, replicas) -> dict[str, float]:
-        """Queue length of each replica that answers (Serve's cache, else a probe)."""
-        loads: dict[str, float] = {}
-        missing = []
-        for r in replicas:
-            queue_len = self._replica_queue_len_cache.get(r.replica_id) if self._use_replica_queue_len_cache else None
-            if queue_len is None:
-                missing.append(r)
-            else:
-                loads[r.replica_id.unique_id] = queue_len
-        if missing:
-            for r, queue_len in await self._probe_queue_lens(missing, 0):
-                if queue_len is not None:
-                    loads[r.replica_id.unique_id] = queue_len
-        return loads
-
-    def on_request_routed(self, pending_request, replica_id, result) -> None:
-        key = routing_key_of(pending_request)
-        if key is None:
-            return
-        replica = replica_id.unique_id
-        chosen = self._chosen.pop(pending_request.metadata.internal_request_id, None)
-        reason = chosen[1] if chosen is not None and chosen[0] == replica else FALLBACK
-        ROUTING_STATS.record_decision(reason, replica)
-        self.policy.record(key, replica)
-
-    def update_replicas(self, replicas) -> None:
-        super().update_replicas(replicas)
-        self.policy.retain({r.replica_id.unique_id for r in replicas})

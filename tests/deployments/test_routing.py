@@ -39,6 +39,18 @@ def test_the_longest_published_chain_wins_and_no_match_goes_to_the_least_loaded(
     assert policy.num_cached_blocks("a", key(CHAT).prefix_keys) == 0
 
 
+def test_among_equal_queues_a_new_prefix_goes_to_the_replica_caching_fewest_blocks():
+    policy = AffinityPolicy()
+    policy.update_published("a", list(key(SYSTEM + [1]).prefix_keys))
+    policy.update_published("b", [])
+    other = key(list(range(3000, 3040)))
+    assert policy.choose(other, {"a": 0, "b": 0}) == ("b", LOAD)
+    policy.record(other, "b")  # b now holds 2 blocks (sent), a 3 (published)
+    assert policy.choose(key(list(range(4000, 4040))), {"a": 0, "b": 0}) == ("b", LOAD)
+    policy.record(key(list(range(4000, 4040))), "b")  # 4 against 3
+    assert policy.choose(key(list(range(6000, 6040))), {"a": 0, "b": 0}) == ("a", LOAD)
+
+
 def test_equal_chains_go_to_the_less_loaded_and_the_threshold_passes_a_loaded_replica_over():
     policy = AffinityPolicy(imbalance_threshold=4)
     system = list(key(SYSTEM + [1]).prefix_keys)
