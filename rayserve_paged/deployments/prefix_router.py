@@ -10,7 +10,7 @@ the ingress's /metrics renders).
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from ray.serve._private.request_router.request_router import RequestRouter
 
@@ -29,6 +29,10 @@ class PrefixAffinityRouter(RequestRouter):
     ) -> None:
         self.policy = routing.AffinityPolicy(imbalance_threshold, max_sessions)
         self._chosen: OrderedDict[str, tuple[str, str]] = OrderedDict()  # internal request id -> (replica, reason)
+        # requests chosen for a replica and not yet sent: Serve counts a request in a
+        # replica's queue only once sent, so a burst routed together would all see the
+        # same queues (and the same empty caches) without this
+        self._num_chosen: Counter[str] = Counter()
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         key = routing.routing_key_of(pending_request)
@@ -43,10 +47,10 @@ class PrefixAffinityRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         for replica_id in loads:
             self.policy.update_published(replica_id, by_id[replica_id].routing_stats.get(routing.PREFIX_KEYS_STAT))
+            loads[replica_id] += self._num_chosen[replica_id]
         replica_id, reason = self.policy.choose(key, loads)
-        self._chosen[pending_request.metadata.internal_request_id] = (replica_id, reason)
-        while len(self._chosen) > self.MAX_CHOSEN:
-            self._chosen.popitem(last=False)
+        self._remember(pending_request.metadata.internal_request_id, replica_id, reason)
+        self.policy.record(key, replica_id)  # the next request of the burst sees it there
         rest = sorted((r for r in loads if r != replica_id), key=loads.__getitem__)
         routing.record_step(time.perf_counter() - started)
         return [[by_id[replica_id]], [by_id[r] for r in rest]]
@@ -72,10 +76,26 @@ class PrefixAffinityRouter(RequestRouter):
         if key is None:
             return
         replica = replica_id.unique_id
-        chosen = self._chosen.pop(pending_request.metadata.internal_request_id, None)
-        reason = chosen[1] if chosen is not None and chosen[0] == replica else routing.FALLBACK
-        routing.record_decision(reason, replica)
-        self.policy.record(key, replica)
+        chosen = self._forget(pending_request.metadata.internal_request_id)
+        if chosen is not None and chosen[0] == replica:
+            routing.record_decision(chosen[1], replica)
+        else:  # Serve sent it elsewhere (the chosen replica was full): it is there
+            routing.record_decision(routing.FALLBACK, replica)
+            self.policy.record(key, replica)
+
+    def _remember(self, request_id: str, replica: str, reason: str) -> None:
+        self._forget(request_id)  # chosen again (Serve retries after a backoff)
+        self._chosen[request_id] = (replica, reason)
+        self._num_chosen[replica] += 1
+        while len(self._chosen) > self.MAX_CHOSEN:
+            _, (oldest, _) = self._chosen.popitem(last=False)
+            self._num_chosen[oldest] -= 1
+
+    def _forget(self, request_id: str) -> tuple[str, str] | None:
+        chosen = self._chosen.pop(request_id, None)
+        if chosen is not None:
+            self._num_chosen[chosen[0]] -= 1
+        return chosen
 
     def update_replicas(self, replicas) -> None:
         super().update_replicas(replicas)
