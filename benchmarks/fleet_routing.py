@@ -13,7 +13,8 @@ loop of --turns turns. Turn t's prompt is the system prompt, then per earlier tu
 message (--message-len tokens) and a reply (--reply-len tokens: a fixed random stand-in for
 the model's answer, so prompts are known in advance), then turn t's message. Every request
 streams --max-tokens tokens (greedy, ignore_eos) and sends `user` (its session). Random
-token ids in the tiny tokenizer's range. Two warm-up requests of unrelated tokens first.
+token ids in the tiny tokenizer's range. First, one-token requests of unrelated tokens until
+both replicas have answered one (the cluster is healthy once one replica is).
 
 The KV pool (--kv-blocks per replica, 256 by default) holds the workload's distinct blocks
 (8 x 128 system tokens and 16 x 4 x 64 conversation tokens: 320 blocks) once across the
@@ -150,6 +151,22 @@ async def probe(base_url: str, model: str, num: int, seed: int, timeout_s: float
     return latency_summary([r.e2e_s for r in results if r.is_ok]) | {"num_failed": sum(not r.is_ok for r in results)}
 
 
+def warm_up(client: httpx.Client, base_url: str, model: str, timeout_s: float) -> None:
+    """One-token requests of unrelated tokens until both replicas have answered one (/health
+    is OK once one replica is up; the other may still be loading)."""
+    rng = random.Random(12345)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        body = {"model": model, "prompt": _tokens(rng, 8), "max_tokens": 1}
+        client.post(f"{base_url}/v1/completions", json=body).raise_for_status()
+        finished = _by(scrape(client, base_url).get("rayserve_paged_request_finished", {}), "replica")
+        if len([n for n in finished.values() if n > 0]) >= 2:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {sorted(finished)} of 2 replicas answered within {timeout_s:g} s")
+        time.sleep(0.5)
+
+
 def keys_time_us(prompts: list[list[list[int]]]) -> float:
     """Mean microseconds of prefix_block_keys over the workload's prompts (the ingress's part)."""
     from rayserve_paged.core.block_manager import prefix_block_keys
@@ -168,10 +185,8 @@ def measure_mode(model_dir: str, routing: str, prompts, args, log) -> dict:
     with LaunchedServer(config, Path(args.out) / f"launch-{routing}", LAUNCH_NUM_CPUS) as server:
         server.start(args.launch_timeout, log)
         model = os.path.basename(model_dir)
-        warm = asyncio.run(probe(server.base_url, model, 2, args.seed + 100, args.timeout))
-        if warm["num_failed"]:
-            raise RuntimeError(f"{routing}: warm-up failed")
         with httpx.Client(trust_env=False, timeout=60) as client:
+            warm_up(client, server.base_url, model, args.launch_timeout)
             before = scrape(client, server.base_url)
             load_before = os.getloadavg()
             results, seconds = asyncio.run(chat(server.base_url, model, prompts, args.max_tokens, args.timeout))

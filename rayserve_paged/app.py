@@ -9,6 +9,11 @@ undecorated LLMServer class, made a late-bound Serve ingress here (`serve.ingres
 OpenAI app runs in the replica that owns the engine, so HTTP reaches it in one hop, and the
 Python handle API is on the same deployment. Each replica gets a placement group of its
 own, so an autoscaled replica always brings its own workers.
+
+`routing: prefix` (fleets) puts the OpenAI app in an OpenAIIngress deployment instead,
+which calls RoutedLLMServer by handle through PrefixAffinityRouter (deployments/routing.py):
+
+    HTTP (Serve proxy) ──> OpenAIIngress ──(PrefixAffinityRouter)──> RoutedLLMServer ──> ...
 """
 
 from __future__ import annotations
@@ -102,16 +107,16 @@ class AppArgs(EngineConfig):
         description="How requests reach LLMServer replicas. `load`: the HTTP app runs in the replicas and Serve "
         "routes by queue length (one hop; the choice for one replica). `prefix`: an OpenAIIngress deployment "
         "parses and tokenizes each request and sends it to its session's replica (x-session-id header or "
-        "`user`), else to the replica whose prefix cache holds the longest chain of its first blocks, unless "
-        "that replica's queue is longer than the shortest by more than routing_imbalance_threshold "
-        "(one more hop; docs/DEPLOY.md).",
+        "`user`), else to the replica whose prefix cache holds the longest chain of its first blocks; to the "
+        "shortest queue instead when that replica's queue is longer than the shortest by more than "
+        "routing_imbalance_threshold (one more hop; docs/DEPLOY.md).",
     )
     routing_imbalance_threshold: float = Field(
         8,
         ge=0,
         allow_inf_nan=False,
-        description="routing: prefix: a replica holding a request's prefix is passed over when its queue is "
-        "longer than the shortest queue by more than this many requests.",
+        description="routing: prefix: a request's session replica, or the replica holding its prefix, is "
+        "passed over when its queue is longer than the shortest queue by more than this many requests.",
     )
     routing_stats_period_s: float = Field(
         1.0,

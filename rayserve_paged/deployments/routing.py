@@ -7,9 +7,10 @@ already holds the longest chain of its first blocks, or to its session's replica
                               ▼ handle.generate(..., routing=key)
                            PrefixAffinityRouter (prefix_router.py: a Serve RequestRouter in
                               │ the ingress process, running AffinityPolicy below)
-                              │ session ─> its replica, while that replica is in the fleet
-                              │ else the longest cached chain, unless that replica's queue is
-                              │ longer than the shortest by more than imbalance_threshold
+                              │ session ─> its replica, while that replica is in the fleet;
+                              │ else the longest cached chain; either way the shortest queue
+                              │ instead when that replica's queue is longer than the shortest
+                              │ by more than imbalance_threshold
                               ▼
                            LLMServer replica  ── record_routing_stats(): its cached keys ──┐
                                                                                            │
@@ -56,7 +57,7 @@ MAX_SESSIONS = 100_000  # sessions remembered per router (least recently used fo
 # why a request went where it went (the `reason` label of rayserve_paged_routing_decisions)
 SESSION = "session"  # its session's replica
 PREFIX = "prefix"  # the replica holding the longest chain of its first blocks
-IMBALANCE = "imbalance"  # that replica was too loaded: the least-loaded one instead
+IMBALANCE = "imbalance"  # that replica (session's or prefix's) was too loaded: the least-loaded one
 LOAD = "load"  # no replica holds any of its blocks (or no key): the least-loaded one
 FALLBACK = "fallback"  # the chosen replica was full: Serve took the next candidate
 REASONS = (SESSION, PREFIX, IMBALANCE, LOAD, FALLBACK)
@@ -122,6 +123,8 @@ class AffinityPolicy:
         if key.session is not None:
             replica = self.sessions.get(key.session)
             if replica in loads:
+                if loads[replica] - lowest > self.imbalance_threshold:
+                    return least, IMBALANCE  # the session moves (and sticks to its new replica)
                 return replica, SESSION
         matched = {r: self.num_cached_blocks(r, key.prefix_keys) for r in loads}
         longest = max(matched.values())

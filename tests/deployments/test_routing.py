@@ -82,12 +82,13 @@ def test_keys_sent_to_a_replica_count_until_its_second_report_after_them():
     assert policy.num_cached_blocks("b", key(CHAT).prefix_keys) == 5
 
 
-def test_a_session_sticks_to_its_replica_while_the_replica_is_in_the_fleet():
-    policy = AffinityPolicy(imbalance_threshold=0)
+def test_a_session_sticks_to_its_replica_while_the_replica_is_in_the_fleet_and_not_overloaded():
+    policy = AffinityPolicy(imbalance_threshold=3)
     policy.update_published("b", list(key(CHAT).prefix_keys))
     policy.record(key(SYSTEM, "s1"), "a")
-    # the session's replica even against a longer chain and a longer queue elsewhere
-    assert policy.choose(key(CHAT, "s1"), {"a": 9, "b": 0}) == ("a", SESSION)
+    # the session's replica even against a longer chain elsewhere, within the threshold
+    assert policy.choose(key(CHAT, "s1"), {"a": 3, "b": 0}) == ("a", SESSION)
+    assert policy.choose(key(CHAT, "s1"), {"a": 4, "b": 0}) == ("b", IMBALANCE)
     # a gone: the session is routed by its prefix and then sticks to the new replica
     assert policy.choose(key(CHAT, "s1"), {"b": 0, "c": 0}) == ("b", PREFIX)
     policy.record(key(CHAT, "s1"), "b")
