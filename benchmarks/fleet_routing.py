@@ -16,8 +16,8 @@ streams --max-tokens tokens (greedy, ignore_eos) and sends `user` (its session).
 token ids in the tiny tokenizer's range. First, one-token requests of unrelated tokens until
 both replicas have answered one (the cluster is healthy once one replica is).
 
-The KV pool (--kv-blocks per replica, 256 by default) holds the workload's distinct blocks
-(8 x 128 system tokens and 16 x 4 x 64 conversation tokens: 320 blocks) once across the
+The KV pool (--kv-blocks per replica, 288 by default) holds the workload's distinct blocks
+(4 x 256 system tokens and 16 x 4 x 64 conversation tokens: 320 blocks) once across the
 fleet but not in each replica: under `load` every replica sees every conversation and the
 LRU evicts, under `prefix` each holds its own share. (Too big a pool hides what routing
 buys past the first hits; too small a pool preempts.)
@@ -268,14 +268,14 @@ def run(args, log) -> dict:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rayserve-paged bench fleet-routing", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for fleet_routing.json and the launch logs")
-    parser.add_argument("--systems", type=int, default=8, help="shared system prompts")
-    parser.add_argument("--system-len", type=int, default=128, help="tokens per system prompt")
+    parser.add_argument("--systems", type=int, default=4, help="shared system prompts")
+    parser.add_argument("--system-len", type=int, default=256, help="tokens per system prompt")
     parser.add_argument("--users", type=int, default=16, help="conversations, all at once")
     parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
     parser.add_argument("--message-len", type=int, default=32, help="tokens per user message")
     parser.add_argument("--reply-len", type=int, default=32, help="tokens of each earlier reply in the prompt")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn")
-    parser.add_argument("--kv-blocks", type=int, default=256,
+    parser.add_argument("--kv-blocks", type=int, default=288,
                         help="KV blocks per replica (num_gpu_blocks_override): the workload's blocks fit once in the "
                              "fleet, not in each replica")
     parser.add_argument("--probe-requests", type=int, default=32, help="sequential one-token requests per mode")
