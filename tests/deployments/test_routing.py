@@ -139,3 +139,68 @@ def test_app_args_routing_fields_are_checked():
         AppArgs(model="tiny-opt", routing="prefix", deployment_options={"request_router_config": {}})
     with pytest.raises(ValueError, match="routing_imbalance_threshold"):
         AppArgs(model="tiny-opt", routing_imbalance_threshold=-1)
+
+
+class _Call:
+    """What DeploymentHandle.method.remote(...) returns, over a coroutine or an async iterator."""
+
+    def __init__(self, result) -> None:
+        self._result = result
+        self.is_cancelled = False
+
+    def __await__(self):
+        return self._result.__await__()
+
+    def __aiter__(self):
+        return self._result.__aiter__()
+
+    def cancel(self) -> None:
+        self.is_cancelled = True
+
+
+class _FakeHandle:
+    """A DeploymentHandle to LLMServer over the in-process engine client; records each call's RoutingKey."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.keys: list[RoutingKey] = []
+        self.generate = self._method(lambda *a: client.generate(*a))
+        self.generate_stream = self._method(lambda *a: client.generate_stream(*a))
+        self.model_info = self._method(lambda: client.model_info())
+
+    def _method(self, call):
+        handle = self
+
+        class _Method:
+            def remote(self, *args, routing=None):
+                if routing is not None:
+                    handle.keys.append(routing)
+                return _Call(call(*args))
+
+        return _Method()
+
+    def options(self, stream: bool = False):
+        return self
+
+
+@pytest.mark.anyio
+async def test_the_ingress_client_sends_each_prompts_keys_and_session_streamed_or_not(engine_client, engine):
+    import httpx
+
+    from rayserve_paged.deployments.ingress import RoutedEngineClient
+    from rayserve_paged.deployments.openai_ingress import create_openai_app
+
+    handle = _FakeHandle(engine_client)
+    app = create_openai_app(RoutedEngineClient(handle, 16, None, "i1"), engine.tokenizer, "tiny-opt")
+    prompt = list(range(20, 60))  # 40 tokens: 2 full blocks looked up
+    body = {"model": "tiny-opt", "prompt": prompt, "max_tokens": 2, "cache_salt": "t1"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        for extra, headers in (({}, {"x-session-id": "s1"}), ({"stream": True}, {"x-session-id": "s1"}),
+                               ({"user": "u1"}, {}), ({"stream": True, "user": "u1"}, {"x-session-id": "s2"}),
+                               ({}, {})):  # fmt: skip
+            response = await http.post("/v1/completions", json=body | extra, headers=headers)
+            assert response.status_code == 200, response.text
+    expected = tuple(prefix_block_keys(prompt, 16, "t1"))
+    assert [k.prefix_keys for k in handle.keys] == [expected] * 5
+    sessions = [routing_session("s1", None)] * 2 + [routing_session(None, "u1"), routing_session("s2", None), None]
+    assert [k.session for k in handle.keys] == sessions
