@@ -219,7 +219,8 @@ def measure_mode(model_dir: str, routing: str, prompts, args, log) -> dict:
 def format_report(result: dict) -> str:
     runs = {r["routing"]: r for r in result["runs"]}
     lines = [
-        "| routing | fleet hit rate | per replica | TTFT p50 | TTFT p99 | E2E p50 | output tok/s | one request, idle (p50) |",
+        "| routing | fleet hit rate | per replica | TTFT p50 | TTFT p99 | E2E p50 | output tok/s "
+        "| one request, idle (p50) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for mode in MODES:

@@ -55,7 +55,8 @@ def _prompt(user: int, turn: int) -> list[int]:
 def _scrape(port: int) -> dict[str, list]:
     response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60)
     assert response.status_code == 200
-    return {f.name: [s for s in f.samples if s.name.endswith("_total")] for f in text_string_to_metric_families(response.text)}
+    families = text_string_to_metric_families(response.text)
+    return {f.name: [s for s in f.samples if s.name.endswith("_total")] for f in families}
 
 
 def _family(families: dict, suffix: str) -> list:
