@@ -321,8 +321,9 @@ class RunSpec:
         return "all at once" if self.mode == "all-at-once" else f"{self.request_rate:g} req/s"
 
 
-def completion_body(model: str, request: Request) -> dict:
+def completion_body(model: str, request: Request, **extra) -> dict:
     return {
+        **extra,
         "model": model,
         "prompt": request.prompt_token_ids,
         "max_tokens": request.output_len,
@@ -334,12 +335,13 @@ def completion_body(model: str, request: Request) -> dict:
 
 
 async def send_request(client: httpx.AsyncClient, base_url: str, model: str, request: Request,
-                       timeout_s: float) -> RequestResult:
+                       timeout_s: float, **extra) -> RequestResult:
+    """One streamed completion; `extra`: more body fields (e.g. `user`)."""
     tracker = StreamTracker(len(request.prompt_token_ids), request.output_len)
     start = time.perf_counter()
 
     async def stream() -> None:
-        body = completion_body(model, request)
+        body = completion_body(model, request, **extra)
         async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")

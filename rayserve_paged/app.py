@@ -9,6 +9,11 @@ undecorated LLMServer class, made a late-bound Serve ingress here (`serve.ingres
 OpenAI app runs in the replica that owns the engine, so HTTP reaches it in one hop, and the
 Python handle API is on the same deployment. Each replica gets a placement group of its
 own, so an autoscaled replica always brings its own workers.
+
+`routing: prefix` (fleets) puts the OpenAI app in an OpenAIIngress deployment instead,
+which calls RoutedLLMServer by handle through PrefixAffinityRouter (deployments/routing.py):
+
+    HTTP (Serve proxy) ──> OpenAIIngress ──(PrefixAffinityRouter)──> RoutedLLMServer ──> ...
 """
 
 from __future__ import annotations
@@ -97,14 +102,40 @@ class AppArgs(EngineConfig):
     placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK", description="How a replica's bundles are placed."
     )
+    routing: Literal["load", "prefix"] = Field(
+        "load",
+        description="How requests reach LLMServer replicas. `load`: the HTTP app runs in the replicas and Serve "
+        "routes by queue length (one hop; the choice for one replica). `prefix`: an OpenAIIngress deployment "
+        "parses and tokenizes each request and sends it to its session's replica (x-session-id header or "
+        "`user`), else to the replica whose prefix cache holds the longest chain of its first blocks; to the "
+        "shortest queue instead when that replica's queue is longer than the shortest by more than "
+        "routing_imbalance_threshold (one more hop; docs/DEPLOY.md).",
+    )
+    routing_imbalance_threshold: float = Field(
+        8,
+        ge=0,
+        allow_inf_nan=False,
+        description="routing: prefix: a request's session replica, or the replica holding its prefix, is "
+        "passed over when its queue is longer than the shortest queue by more than this many requests.",
+    )
+    routing_stats_period_s: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="routing: prefix: how often each replica reports the keys its prefix cache holds "
+        "(Serve's request_routing_stats_period_s).",
+    )
     ingress_cpus: float = Field(
-        0.1, ge=0, description="Deprecated, ignored: the HTTP app runs in the LLMServer replicas."
+        0.1, ge=0, description="routing: prefix: CPUs of each OpenAIIngress replica (ignored with `load`)."
     )
     ingress_replicas: int = Field(
-        1, ge=1, description="Deprecated, ignored: the HTTP app runs in the LLMServer replicas."
+        1,
+        ge=1,
+        description="routing: prefix: OpenAIIngress replicas (ignored with `load`). Each keeps its own session "
+        "map, so a session may start on different replicas through different ingress replicas.",
     )
     ingress_max_ongoing_requests: int = Field(
-        1024, ge=1, description="Deprecated, ignored: the HTTP app runs in the LLMServer replicas."
+        1024, ge=1, description="routing: prefix: requests in flight per OpenAIIngress replica (ignored with `load`)."
     )
     max_pending_requests: int = Field(
         256,
@@ -191,6 +222,11 @@ class AppArgs(EngineConfig):
         if self.autoscaling_policy == "kv" and "policy" in (self.autoscaling_config or {}):
             raise ValueError(
                 "autoscaling_config.policy: give either autoscaling_policy: kv or a policy of your own, not both"
+            )
+        if self.routing == "prefix" and "request_router_config" in self.deployment_options:
+            raise ValueError(
+                "deployment_options.request_router_config: routing: prefix sets LLMServer's request router; "
+                "use routing: load with a router of your own"
             )
         named = sorted(set(self.deployment_options) & (LLM_SERVER_OPTIONS_NAMED | {"name"}))
         if named:
@@ -302,17 +338,60 @@ def build_app(args: AppArgs | dict):
         "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
         "tool_call_parser": args.tool_call_parser,
     }
+    server_kwargs = {
+        "scheduler_cpus": args.scheduler_cpus,
+        "worker_cpus": args.worker_cpus,
+        "telemetry": args.telemetry.model_dump(),
+        "stream_interval": args.stream_interval,
+        "stream_batching_interval_ms": args.stream_batching_interval_ms,
+        "metrics_cache_s": args.metrics_cache_s,
+    }
+    if args.routing == "prefix":
+        return _prefix_routed_app(args, engine, server_kwargs, http)
     try:
         llm = serve.deployment(serve.ingress()(LLMServer), **llm_server_options(args))
     except TypeError as e:  # an option serve.deployment does not know (its own values raise ValidationError)
         raise ValueError(f"deployment_options: {e}") from e
-    return llm.bind(
-        engine.model_dump(),
-        scheduler_cpus=args.scheduler_cpus,
-        worker_cpus=args.worker_cpus,
-        telemetry=args.telemetry.model_dump(),
+    return llm.bind(engine.model_dump(), http=http, **server_kwargs)
+
+
+def router_config_of(args: AppArgs) -> dict[str, Any]:
+    """LLMServer's request_router_config under routing: prefix."""
+    from rayserve_paged.deployments.routing import ROUTER_PATH
+
+    return {
+        "request_router_class": ROUTER_PATH,
+        "request_router_kwargs": {"imbalance_threshold": args.routing_imbalance_threshold},
+        "request_routing_stats_period_s": args.routing_stats_period_s,
+        "request_routing_stats_timeout_s": max(5.0, 2 * args.routing_stats_period_s),
+    }
+
+
+def _prefix_routed_app(args: AppArgs, engine: EngineConfig, server_kwargs: dict[str, Any], http: dict[str, Any]):
+    """OpenAIIngress (the HTTP app, parsing and tokenizing) over RoutedLLMServer replicas
+    behind PrefixAffinityRouter (deployments/routing.py)."""
+    from ray import serve
+
+    from rayserve_paged.deployments.ingress import OpenAIIngress
+    from rayserve_paged.deployments.llm_server import RoutedLLMServer
+
+    options = llm_server_options(args) | {"request_router_config": router_config_of(args)}
+    try:
+        llm = serve.deployment(RoutedLLMServer, **options)
+    except TypeError as e:
+        raise ValueError(f"deployment_options: {e}") from e
+    ingress = serve.deployment(
+        serve.ingress()(OpenAIIngress),
+        name="OpenAIIngress",
+        num_replicas=args.ingress_replicas,
+        max_ongoing_requests=args.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": args.ingress_cpus},
+    )
+    return ingress.bind(
+        llm.bind(engine.model_dump(), **server_kwargs),
+        tokenizer=args.tokenizer or args.model,
+        block_size=args.block_size,
         http=http,
-        stream_interval=args.stream_interval,
-        stream_batching_interval_ms=args.stream_batching_interval_ms,
+        trust_remote_code=args.trust_remote_code,
         metrics_cache_s=args.metrics_cache_s,
     )

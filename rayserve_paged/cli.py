@@ -12,6 +12,7 @@ import time
 
 # name -> module in the top-level `benchmarks` package; each has main(argv) -> int
 BENCHMARKS = {
+    "fleet-routing": "benchmarks.fleet_routing",
     "memory": "benchmarks.memory",
     "mixed": "benchmarks.mixed_load",
     "scheduler": "benchmarks.scheduler_step",

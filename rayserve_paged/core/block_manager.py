@@ -42,6 +42,7 @@ attention of that step reads it.
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -61,8 +62,29 @@ def default_block_hash(parent_key: int | None, token_ids: tuple[int, ...]) -> in
 def salt_key(cache_salt: str | None) -> int | None:
     """The parent key of a salted chain's first block (None: unsalted). A hit also needs
     the block's parent to be the very block before it, so a salted first block is never
-    taken as a later block of another chain, nor the other way round."""
-    return None if cache_salt is None else hash(("cache_salt", cache_salt))
+    taken as a later block of another chain, nor the other way round.
+
+    The same in every process (a digest, not `hash()` of a string, which each process
+    seeds differently): a fleet's router computes the keys its replicas hold."""
+    if cache_salt is None:
+        return None
+    digest = hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=8, person=b"cache_salt")
+    return int.from_bytes(digest.digest(), "little", signed=True)
+
+
+def prefix_block_keys(
+    token_ids: list[int], block_size: int, cache_salt: str | None = None, hash_fn: HashFn = default_block_hash
+) -> list[int]:
+    """The prefix-cache keys of the full blocks a request's prompt would look up at
+    admission (as `BlockManager._match_prefix` walks them: tokens[:-1]), first block first.
+    Equal in every process for the same tokens and salt (token tuples hash alike
+    everywhere), so a key names one cached chain on whichever replica holds it."""
+    keys: list[int] = []
+    parent_key = salt_key(cache_salt)
+    for i in range((len(token_ids) - 1) // block_size):
+        parent_key = hash_fn(parent_key, tuple(token_ids[i * block_size : (i + 1) * block_size]))
+        keys.append(parent_key)
+    return keys
 
 
 class AllocStatus(enum.Enum):
@@ -361,6 +383,12 @@ class BlockManager:
                 self.gpu.register(block, parent, key, tokens)
             parent = block
         self._num_registered[seq.seq_id] = end
+
+    def cached_prefix_keys(self) -> list[int]:
+        """Keys of every block the GPU prefix cache can hand out (in use or free but still
+        cached). One C-level copy of the map's keys (ints: no Python code runs during
+        it), so another thread may call this while the step thread runs."""
+        return list(self.gpu.cached)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (e.g. after a failed step left blocks uncomputed)."""

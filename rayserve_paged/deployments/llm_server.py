@@ -38,6 +38,7 @@ from rayserve_paged.deployments.fleet_metrics import (
     FleetMetricsCache,
     scheduler_actor_name,
 )
+from rayserve_paged.deployments.routing import PREFIX_KEYS_STAT, RoutingKey
 from rayserve_paged.deployments.tokenizer_pool import TokenizerPool
 from rayserve_paged.engine.frontend import STREAM_BATCHING_INTERVAL_MS, EngineFrontend, EngineUnavailable
 from rayserve_paged.engine.llm_engine import RequestError
@@ -107,6 +108,8 @@ class LLMServer:
     """One replica: the EngineClient (engine/protocol.py) its own OpenAI app and the handle
     API call, over an EngineFrontend and the replica's SchedulerActor."""
 
+    serves_http = True  # the OpenAI app runs here (build_app's default, one hop)
+
     def __init__(
         self,
         engine_config: EngineConfig | dict,
@@ -125,7 +128,8 @@ class LLMServer:
         self._http = dict(http or {})
         # the key comes from this replica's environment, never from the app's arguments; a
         # missing key that is required stops the replica here, before anything starts
-        self._api_key = replica_api_key(self._http.pop("require_api_key", False))
+        require_api_key = self._http.pop("require_api_key", False)
+        self._api_key = replica_api_key(require_api_key) if self.serves_http else None
         self._app_name = None  # set when this replica's engine is findable by the fleet's /metrics
         if scheduler_actor is None:
             self._app_name = _app_name()
@@ -163,8 +167,10 @@ class LLMServer:
         prompt: str | list[int],
         sampling_params: SamplingParams | dict | None = None,
         request_id: str | None = None,
+        routing: RoutingKey | None = None,
     ) -> RequestOutput:
-        """The whole result, once finished."""
+        """The whole result, once finished. `routing` is for the fleet's router
+        (deployments/routing.py), which reads it before the call gets here."""
         params = as_sampling_params(sampling_params)
         text, token_ids = await self._prompt(prompt)
         return await self.frontend.generate(token_ids, params, request_id or _new_id(), text)
@@ -174,8 +180,10 @@ class LLMServer:
         prompt: str | list[int],
         sampling_params: SamplingParams | dict | None = None,
         request_id: str | None = None,
+        routing: RoutingKey | None = None,
     ):
-        """Deltas (see the module docstring); closing the stream aborts the request."""
+        """Deltas (see the module docstring); closing the stream aborts the request.
+        `routing`: as in `generate`."""
         params = as_sampling_params(sampling_params)
         text, token_ids = await self._prompt(prompt)
         async for out in self.frontend.generate_stream(token_ids, params, request_id or _new_id(), text):
@@ -223,6 +231,18 @@ class LLMServer:
         if self.frontend.failure is not None:
             raise RuntimeError(f"the engine failed: {self.frontend.failure!r}")
         await asyncio.wait_for(self.actor.check_health.remote(), timeout=20)
+
+
+class RoutedLLMServer(LLMServer):
+    """LLMServer under `routing: prefix`: it also reports the keys its prefix cache holds,
+    which Serve's controller polls (request_routing_stats_period_s) and hands to the
+    fleet's routers. Only this mode pays for the report. HTTP is served by OpenAIIngress
+    (deployments/ingress.py), so this replica reads no API key."""
+
+    serves_http = False
+
+    async def record_routing_stats(self) -> dict[str, list[int]]:
+        return {PREFIX_KEYS_STAT: await self.actor.prefix_cache_keys.remote()}
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):

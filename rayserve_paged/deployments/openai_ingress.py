@@ -30,6 +30,8 @@ Every overload 503 is the same error (code "overloaded", a Retry-After header), 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import hashlib
 import hmac
 import logging
 import time
@@ -85,6 +87,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20  # 1 MiB: 128 prompts of ~2k tokens fit easily
 DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0  # arrival to the body's last byte
+SESSION_HEADER = "x-session-id"
+# the session of the request being served (the engine client of a fleet's ingress reads it)
+ROUTING_SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("routing_session", default=None)
 # what admission counts: the routes that tokenize or generate
 ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 
@@ -225,6 +230,16 @@ class _InternalErrorMiddleware:
             await internal_error().response()(scope, receive, send)
 
 
+def routing_session(header: str | None, user: str | None) -> str | None:
+    """The session a fleet's router sticks to one replica (`x-session-id`, else the body's
+    `user`), as a fixed-size digest: the router's session map holds 32 characters per
+    session whatever the client sent."""
+    value = header or user
+    if not value:
+        return None
+    return hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
 def _route_path(scope) -> str:
     path, root = scope.get("path", ""), scope.get("root_path", "")
     return path[len(root) :] if root and path.startswith(root) else path
@@ -284,10 +299,12 @@ def create_openai_app(
 
     @app.post("/v1/completions", response_model=None, responses={200: {"model": CompletionResponse}})
     async def completions(request: CompletionRequest, http: Request) -> Response:
+        ROUTING_SESSION.set(routing_session(http.headers.get(SESSION_HEADER), request.user))
         return await completion.create_completion(request, http.scope.get(SCOPE_KEY))
 
     @app.post("/v1/chat/completions", response_model=None, responses={200: {"model": ChatCompletionResponse}})
     async def chat_completions(request: ChatCompletionRequest, http: Request) -> Response:
+        ROUTING_SESSION.set(routing_session(http.headers.get(SESSION_HEADER), request.user))
         return await chat.create_chat_completion(request, http.scope.get(SCOPE_KEY))
 
     @app.post("/tokenize")

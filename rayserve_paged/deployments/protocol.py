@@ -209,7 +209,11 @@ class _SamplingFields(_RequestModel):
     early_stopping: bool | Literal["never"] = Field(
         False, description="Beam search: stop when best_of hypotheses are done (true), heuristically (false), or never."
     )
-    user: str | None = Field(None, description="End-user id (accepted, not used).")
+    user: str | None = Field(
+        None,
+        description="End-user id. With routing: prefix, the session a fleet keeps on one replica when no "
+        "x-session-id header is sent.",
+    )
     logit_bias: dict[str, float] | None = Field(
         None,
         description=f"Token id (as a string) -> bias in [-100, 100] added to its logit; at most {MAX_LOGIT_BIAS}.",

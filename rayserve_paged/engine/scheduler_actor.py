@@ -175,6 +175,10 @@ class SchedulerActor:
             "num_preemptions": s.counters.preemptions_recompute + s.counters.preemptions_swap,
         }
 
+    def prefix_cache_keys(self) -> list[int]:
+        """Keys of the blocks this engine's prefix cache holds (what a fleet routes on)."""
+        return self.engine.block_manager.cached_prefix_keys()
+
     async def metrics_text(self) -> str:
         """Prometheus exposition text of this replica's engine and GPU metrics."""
         return self.telemetry.metrics_text()

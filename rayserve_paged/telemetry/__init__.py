@@ -16,7 +16,7 @@ from rayserve_paged.telemetry.export import (
     shutdown_meter_provider,
 )
 from rayserve_paged.telemetry.gpu import GpuMetrics, GpuProbe, GpuSnapshot, tensor_bytes
-from rayserve_paged.telemetry.merge import merge_prometheus
+from rayserve_paged.telemetry.merge import merge_prometheus, render_families
 from rayserve_paged.telemetry.replica import ReplicaTelemetry
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "merge_prometheus",
     "otlp_requested",
     "prometheus_server_port",
+    "render_families",
     "render_prometheus",
     "setup_meter_provider",
     "shutdown_meter_provider",

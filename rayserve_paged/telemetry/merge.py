@@ -41,6 +41,11 @@ def merge_prometheus(texts: Iterable[str]) -> str:
                 if key not in seen:
                     seen.add(key)
                     merged.samples.append(sample)
+    return render_families(list(families.values()))
+
+
+def render_families(families: list[Metric]) -> str:
+    """Prometheus text (format 0.0.4) of already-built metric families."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(list(families.values())))
+    registry.register(_Families(families))
     return generate_latest(registry).decode()

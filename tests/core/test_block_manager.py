@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from rayserve_paged.core import AllocStatus, BlockManager, SequenceStatus
+from rayserve_paged.core.block_manager import prefix_block_keys
 
 from .invariants import check_block_manager
 from .worlds import fork_group, make_group
@@ -359,3 +364,26 @@ def test_slot_usage_counts_token_slots_and_shared_blocks_per_pool():
     gpu, _ = bm.slot_usage([a, b, c])
     assert (gpu.used_slots, gpu.allocated_slots, gpu.num_shared_blocks) == (20, 32, 0)
     assert gpu.num_allocated_blocks == bm.usage().gpu_used == 2
+
+
+def test_prefix_block_keys_name_the_chains_the_cache_holds_in_any_process():
+    bm = BlockManager(16, 12, 4)
+    prompt = list(range(100, 150))  # 50 tokens: 3 full blocks, tokens[:-1] look up 3
+    salted = list(range(500, 533))  # 33 tokens: 2 full blocks
+    admit(bm, make_group("a", prompt))
+    admit(bm, make_group("b", salted, cache_salt="tenant-a"))
+    keys = prefix_block_keys(prompt, 16)
+    salted_keys = prefix_block_keys(salted, 16, "tenant-a")
+    assert len(keys) == 3 and len(salted_keys) == 2
+    assert sorted(bm.cached_prefix_keys()) == sorted(keys + salted_keys)
+    # a prompt of exactly 2 blocks looks up only the first (its last token is computed)
+    assert prefix_block_keys(prompt[:32], 16) == keys[:1]
+    assert prefix_block_keys(salted, 16, "tenant-b")[0] not in salted_keys
+    # another interpreter (another hash seed) computes the same keys
+    code = (
+        "from rayserve_paged.core.block_manager import prefix_block_keys as k;"
+        f"print(k({prompt!r}, 16), k({salted!r}, 16, 'tenant-a'))"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.strip() == f"{keys} {salted_keys}"

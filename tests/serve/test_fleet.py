@@ -90,14 +90,14 @@ def _done(response) -> bool:
         return True
 
 
-def _deploy_config(args: dict, num_replicas: int) -> None:
-    """Deploy "fleet" as `serve deploy` would: the replica count is a deployment-level
+def _deploy_config(args: dict, num_replicas: int, name: str = "fleet") -> None:
+    """Deploy `name` as `serve deploy` would: the replica count is a deployment-level
     override, so changing it is a lightweight update (no replica is restarted)."""
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
     app = {
-        "name": "fleet", "route_prefix": "/", "import_path": "rayserve_paged.app:build_app", "args": args,
+        "name": name, "route_prefix": "/", "import_path": "rayserve_paged.app:build_app", "args": args,
         "deployments": [{"name": "LLMServer", "num_replicas": num_replicas}],
     }  # fmt: skip
     _get_global_client().deploy_apps(ServeDeploySchema(applications=[app]))
@@ -117,8 +117,8 @@ def two_replicas(ray_cluster, serve_port):
     serve.delete("fleet")
 
 
-def _app_running(serve) -> bool:
-    app = serve.status().applications.get("fleet")
+def _app_running(serve, name: str = "fleet") -> bool:
+    app = serve.status().applications.get(name)
     return app is not None and app.status == "RUNNING"
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from rayserve_paged.deployments.routing import RoutingStats
+
 from .test_prometheus import _full_snapshot
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
@@ -51,7 +53,11 @@ def exported(swap_run) -> set[str]:
         text = swap_run.telemetry.metrics_text()
     finally:
         swap_run.telemetry.update_gpu([])
-    return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    routing = RoutingStats()  # and what a fleet ingress adds (routing: prefix)
+    routing.record_decision("prefix", "r1")
+    routing.record_step(0.001)
+    texts = (text, routing.metrics_text("i1"))
+    return {s.name for t in texts for f in text_string_to_metric_families(t) for s in f.samples}
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +94,7 @@ def test_the_dashboard_covers_the_fleet(dashboard):
         "rayserve_paged_request_e2e_latency_seconds_bucket",
         "rayserve_paged_tokens_total",
         "rayserve_paged_prefix_cache_hits_total",
+        "rayserve_paged_routing_decisions_total",  # fleet routing by reason
         "hw_gpu_memory_usage_bytes",  # per device and rank
     ):
         assert needed in used, needed

@@ -1,0 +1,223 @@
+"""Fleet routing (`routing: prefix`): each request goes to the replica whose prefix cache
+already holds the longest chain of its first blocks, or to its session's replica.
+
+    HTTP ─> Serve proxy ─> OpenAIIngress replica (deployments/ingress.py)
+                              │ parse, validate, tokenize; RoutingKey = the prompt's
+                              │ prefix_block_keys + the session (x-session-id / `user`)
+                              ▼ handle.generate(..., routing=key)
+                           PrefixAffinityRouter (prefix_router.py: a Serve RequestRouter in
+                              │ the ingress process, running AffinityPolicy below)
+                              │ session ─> its replica, while that replica is in the fleet;
+                              │ else the longest cached chain; either way the shortest queue
+                              │ instead when that replica's queue is longer than the shortest
+                              │ by more than imbalance_threshold
+                              ▼
+                           LLMServer replica  ── record_routing_stats(): its cached keys ──┐
+                                                                                           │
+                           Serve controller ── polls every routing_stats_period_s, pushes ─┘
+                                               them to every router (RunningReplica.routing_stats)
+
+Why an ingress: with the one-hop app (the OpenAI app inside LLMServer) the proxy's router
+sees only Serve's pickled ASGI scope (headers, no body: the replica pulls the body from
+the proxy after it is chosen), so neither the prompt nor `user` exists where the
+decision is made. Ray Serve LLM's PrefixCacheAffinityRouter reads a parsed request's
+`prompt` / `messages` from the handle call's arguments for the same reason, and is not
+reused here: it matches characters in a prefix tree of what it *routed* (kept in a
+detached actor, one remote call per request), while a replica's cache holds token blocks
+under the chat template, evicts them, and is keyed by cache_salt. Here the replicas
+publish the keys they really hold, and the router matches token-block keys locally (no
+remote call on the request path).
+
+What the router knows of a replica's cache is up to one stats period old, so it also
+remembers the keys it sent to each replica since that replica's last two reports (a
+conversation's next turn, arriving before the report, still finds its replica).
+
+Adapter affinity adds one more field to RoutingKey (the adapter id, also the prefix
+chain's root key, so a chain is found only on replicas that cached it under that adapter)
+and one more rule ahead of the prefix rule; the policy below is the place.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily
+
+from rayserve_paged.telemetry import render_families
+
+ROUTING_KWARG = "routing"  # the keyword of LLMServer.generate / generate_stream the router reads
+PREFIX_KEYS_STAT = "prefix_keys"  # what LLMServer.record_routing_stats reports
+ROUTER_PATH = "rayserve_paged.deployments.prefix_router:PrefixAffinityRouter"
+DEFAULT_IMBALANCE_THRESHOLD = 8
+MAX_SESSIONS = 100_000  # sessions remembered per router (least recently used forgotten first)
+
+# why a request went where it went (the `reason` label of rayserve_paged_routing_decisions)
+SESSION = "session"  # its session's replica
+PREFIX = "prefix"  # the replica holding the longest chain of its first blocks
+IMBALANCE = "imbalance"  # that replica (session's or prefix's) was too loaded: the least-loaded one
+LOAD = "load"  # no replica holds any of its blocks (or no key): the least-loaded one
+FALLBACK = "fallback"  # the chosen replica was full: Serve took the next candidate
+REASONS = (SESSION, PREFIX, IMBALANCE, LOAD, FALLBACK)
+
+
+@dataclass(slots=True, frozen=True)
+class RoutingKey:
+    """What the router reads of one engine request (small: ints and a string)."""
+
+    prefix_keys: tuple[int, ...]  # prefix_block_keys of the prompt, first block first
+    session: str | None = None
+
+
+class AffinityPolicy:
+    """The routing rule, over replica ids (strings) and their queue lengths; no Ray.
+
+    State: each replica's published cached keys (replaced at each report), the keys this
+    router sent it since (two generations, turned over at each report), and a bounded
+    session -> replica map."""
+
+    def __init__(self, imbalance_threshold: float = DEFAULT_IMBALANCE_THRESHOLD, max_sessions: int = MAX_SESSIONS):
+        if imbalance_threshold < 0:
+            raise ValueError(f"imbalance_threshold must be >= 0 (got {imbalance_threshold})")
+        self.imbalance_threshold = imbalance_threshold
+        self.max_sessions = max_sessions
+        self.sessions: OrderedDict[str, str] = OrderedDict()
+        self._published: dict[str, tuple[object, frozenset[int]]] = {}  # replica -> (report, its keys)
+        self._sent: dict[str, tuple[set[int], set[int]]] = {}  # replica -> (since last report, the one before)
+
+    def update_published(self, replica: str, keys) -> None:
+        """The replica's latest report (`keys`: a list of ints); a new report object
+        replaces the old set and turns the sent-keys generations over."""
+        if keys is None:
+            return
+        last = self._published.get(replica)
+        if last is not None and last[0] is keys:
+            return
+        self._published[replica] = (keys, frozenset(keys))
+        current, _ = self._sent.get(replica, (set(), set()))
+        self._sent[replica] = (set(), current)
+
+    def retain(self, replicas: set[str]) -> None:
+        """Forget what is known of every replica not in `replicas` (gone from the fleet)."""
+        for replica in (self._published.keys() | self._sent.keys()) - replicas:
+            self._published.pop(replica, None)
+            self._sent.pop(replica, None)
+
+    def num_cached_blocks(self, replica: str, prefix_keys: tuple[int, ...]) -> int:
+        """Leading blocks of the request this replica holds (or was just sent)."""
+        published = self._published.get(replica, (None, frozenset()))[1]
+        current, previous = self._sent.get(replica, (set(), set()))
+        n = 0
+        for key in prefix_keys:
+            if key not in published and key not in current and key not in previous:
+                break
+            n += 1
+        return n
+
+    def choose(self, key: RoutingKey, loads: dict[str, float]) -> tuple[str, str]:
+        """(replica, reason) for `key` among `loads` (replica -> queue length; not empty)."""
+        lowest = min(loads.values())
+        least = self._least_loaded(loads, lowest)
+        if key.session is not None:
+            replica = self.sessions.get(key.session)
+            if replica in loads:
+                if loads[replica] - lowest > self.imbalance_threshold:
+                    return least, IMBALANCE  # the session moves (and sticks to its new replica)
+                return replica, SESSION
+        matched = {r: self.num_cached_blocks(r, key.prefix_keys) for r in loads}
+        longest = max(matched.values())
+        if longest == 0:
+            return least, LOAD
+        best = min((r for r, n in matched.items() if n == longest), key=lambda r: (loads[r], r != least))
+        if loads[best] - lowest > self.imbalance_threshold:
+            return least, IMBALANCE
+        return best, PREFIX
+
+    def _least_loaded(self, loads: dict[str, float], lowest: float) -> str:
+        """The shortest queue; among equals the replica known to cache the fewest blocks
+        (a new prefix goes where it evicts least), then any."""
+        tied = [r for r, load in loads.items() if load == lowest]
+        if len(tied) == 1:
+            return tied[0]
+        sizes = {r: self._num_known_blocks(r) for r in tied}
+        fewest = min(sizes.values())
+        return random.choice([r for r in tied if sizes[r] == fewest])
+
+    def _num_known_blocks(self, replica: str) -> int:
+        published = self._published.get(replica, (None, frozenset()))[1]
+        current, _ = self._sent.get(replica, (set(), set()))
+        return len(published) + len(current - published)
+
+    def record(self, key: RoutingKey, replica: str) -> None:
+        """`key`'s request went to `replica`: its session sticks there, its blocks will be there."""
+        if key.session is not None:
+            self.sessions[key.session] = replica
+            self.sessions.move_to_end(key.session)
+            if len(self.sessions) > self.max_sessions:
+                self.sessions.popitem(last=False)
+        current, previous = self._sent.setdefault(replica, (set(), set()))
+        current.update(key.prefix_keys)
+
+
+class RoutingStats:
+    """Decisions by reason and replica, and the time the router spent deciding, in this
+    process (each ingress replica's routers count into it); rendered on its /metrics."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # routers of several handles may share the process
+        self.decisions: Counter[tuple[str, str]] = Counter()
+        self.num_steps = 0
+        self.step_s = 0.0
+
+    def record_decision(self, reason: str, replica: str) -> None:
+        with self._lock:
+            self.decisions[(reason, replica)] += 1
+
+    def record_step(self, seconds: float) -> None:
+        with self._lock:
+            self.num_steps += 1
+            self.step_s += seconds
+
+    def metrics_text(self, ingress: str) -> str:
+        decisions = CounterMetricFamily(
+            "rayserve_paged_routing_decisions",
+            "Engine requests routed to each LLMServer replica, by the rule that chose it "
+            "(session, prefix, imbalance, load, fallback).",
+            labels=["ingress", "reason", "replica"],
+        )
+        steps = CounterMetricFamily(
+            "rayserve_paged_routing_step_seconds",
+            "Time the fleet router spent choosing replicas (the request's keys, the rule, queue-length probes).",
+            labels=["ingress"],
+        )
+        count = CounterMetricFamily(
+            "rayserve_paged_routing_steps", "Routing decisions timed in routing_step_seconds.", labels=["ingress"]
+        )
+        with self._lock:
+            for (reason, replica), n in sorted(self.decisions.items()):
+                decisions.add_metric([ingress, reason, replica], n)
+            steps.add_metric([ingress], self.step_s)
+            count.add_metric([ingress], self.num_steps)
+        return render_families([decisions, steps, count])
+
+
+ROUTING_STATS = RoutingStats()  # this process's
+
+
+def record_decision(reason: str, replica: str) -> None:
+    ROUTING_STATS.record_decision(reason, replica)
+
+
+def record_step(seconds: float) -> None:
+    ROUTING_STATS.record_step(seconds)
+
+
+def routing_key_of(pending_request) -> RoutingKey | None:
+    if pending_request is None:
+        return None
+    key = pending_request.kwargs.get(ROUTING_KWARG)
+    return key if isinstance(key, RoutingKey) else None
+
+

@@ -1,0 +1,206 @@
+"""The fleet routing rule (AffinityPolicy) and its counters, without Ray: exact choices."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from rayserve_paged.app import AppArgs
+from rayserve_paged.core.block_manager import prefix_block_keys
+from rayserve_paged.deployments.openai_ingress import routing_session
+from rayserve_paged.deployments.routing import (
+    IMBALANCE,
+    LOAD,
+    PREFIX,
+    SESSION,
+    AffinityPolicy,
+    RoutingKey,
+    RoutingStats,
+)
+
+SYSTEM = list(range(1000, 1048))  # 3 blocks of 16
+CHAT = SYSTEM + list(range(2000, 2040))  # 5 full blocks, 8 tokens more
+
+
+def key(tokens, session=None) -> RoutingKey:
+    return RoutingKey(tuple(prefix_block_keys(tokens, 16)), session)
+
+
+def test_the_longest_published_chain_wins_and_no_match_goes_to_the_least_loaded():
+    policy = AffinityPolicy(imbalance_threshold=4)
+    policy.update_published("a", [key(CHAT).prefix_keys[0]])  # the system prompt's first block
+    policy.update_published("b", list(key(CHAT).prefix_keys[:4]))
+    assert policy.num_cached_blocks("a", key(CHAT).prefix_keys) == 1
+    assert policy.num_cached_blocks("b", key(CHAT).prefix_keys) == 4
+    assert policy.choose(key(CHAT), {"a": 0, "b": 3}) == ("b", PREFIX)
+    assert policy.choose(key(list(range(5000, 5040))), {"a": 2, "b": 1}) == ("b", LOAD)
+    # a chain counts from its first block: a later block alone is no match
+    policy.update_published("a", list(key(CHAT).prefix_keys[1:]))
+    assert policy.num_cached_blocks("a", key(CHAT).prefix_keys) == 0
+
+
+def test_among_equal_queues_a_new_prefix_goes_to_the_replica_caching_fewest_blocks():
+    policy = AffinityPolicy()
+    policy.update_published("a", list(key(SYSTEM + [1]).prefix_keys))
+    policy.update_published("b", [])
+    other = key(list(range(3000, 3040)))
+    assert policy.choose(other, {"a": 0, "b": 0}) == ("b", LOAD)
+    policy.record(other, "b")  # b now holds 2 blocks (sent), a 3 (published)
+    assert policy.choose(key(list(range(4000, 4040))), {"a": 0, "b": 0}) == ("b", LOAD)
+    policy.record(key(list(range(4000, 4040))), "b")  # 4 against 3
+    assert policy.choose(key(list(range(6000, 6040))), {"a": 0, "b": 0}) == ("a", LOAD)
+
+
+def test_equal_chains_go_to_the_less_loaded_and_the_threshold_passes_a_loaded_replica_over():
+    policy = AffinityPolicy(imbalance_threshold=4)
+    system = list(key(SYSTEM + [1]).prefix_keys)
+    policy.update_published("a", system)
+    policy.update_published("b", system)
+    assert policy.choose(key(CHAT), {"a": 3, "b": 1}) == ("b", PREFIX)
+    policy.update_published("a", list(key(CHAT).prefix_keys))
+    assert policy.choose(key(CHAT), {"a": 5, "b": 1}) == ("a", PREFIX)  # 4 more: within the threshold
+    assert policy.choose(key(CHAT), {"a": 6, "b": 1}) == ("b", IMBALANCE)  # 5 more: passed over
+    with pytest.raises(ValueError, match="imbalance_threshold"):
+        AffinityPolicy(imbalance_threshold=-1)
+
+
+def test_keys_sent_to_a_replica_count_until_its_second_report_after_them():
+    policy = AffinityPolicy()
+    policy.update_published("a", [])
+    policy.update_published("b", [])
+    policy.record(key(CHAT), "a")  # not yet in a's report
+    assert policy.choose(key(CHAT + [7, 8]), {"a": 1, "b": 0}) == ("a", PREFIX)
+    policy.update_published("a", [])  # a report taken before the prefill: the keys still count
+    assert policy.num_cached_blocks("a", key(CHAT).prefix_keys) == 5
+    policy.update_published("a", [])  # the next report says a holds none of them (evicted)
+    assert policy.num_cached_blocks("a", key(CHAT).prefix_keys) == 0
+    same = []
+    policy.update_published("b", same)
+    policy.record(key(CHAT), "b")
+    policy.update_published("b", same)  # the same report object again: not a new report
+    policy.update_published("b", [])
+    assert policy.num_cached_blocks("b", key(CHAT).prefix_keys) == 5
+
+
+def test_a_session_sticks_to_its_replica_while_the_replica_is_in_the_fleet_and_not_overloaded():
+    policy = AffinityPolicy(imbalance_threshold=3)
+    policy.update_published("b", list(key(CHAT).prefix_keys))
+    policy.record(key(SYSTEM, "s1"), "a")
+    # the session's replica even against a longer chain elsewhere, within the threshold
+    assert policy.choose(key(CHAT, "s1"), {"a": 3, "b": 0}) == ("a", SESSION)
+    assert policy.choose(key(CHAT, "s1"), {"a": 4, "b": 0}) == ("b", IMBALANCE)
+    # a gone: the session is routed by its prefix and then sticks to the new replica
+    assert policy.choose(key(CHAT, "s1"), {"b": 0, "c": 0}) == ("b", PREFIX)
+    policy.record(key(CHAT, "s1"), "b")
+    policy.retain({"b", "c"})
+    assert policy.choose(key(CHAT, "s1"), {"b": 3, "c": 0}) == ("b", SESSION)
+    assert policy.num_cached_blocks("a", key(SYSTEM).prefix_keys) == 0  # a's state is forgotten
+
+
+def test_the_session_map_is_bounded_least_recently_used_first():
+    policy = AffinityPolicy(max_sessions=2)
+    for session, replica in (("s1", "a"), ("s2", "b"), ("s1", "a"), ("s3", "b")):
+        policy.record(key(SYSTEM, session), replica)
+    assert list(policy.sessions.items()) == [("s1", "a"), ("s3", "b")]
+
+
+def test_routing_sessions_are_fixed_size_digests_header_first():
+    assert routing_session(None, None) is None
+    assert routing_session("", None) is None
+    long = "u" * 100_000
+    assert len(routing_session(None, long)) == 32
+    assert routing_session("h", "u") == routing_session("h", None) != routing_session(None, "u")
+    assert routing_session(None, "\ud800") is not None  # a lone surrogate from JSON is still a session
+
+
+def test_routing_stats_render_decisions_by_reason_and_replica():
+    stats = RoutingStats()
+    for reason, replica in ((PREFIX, "a"), (PREFIX, "a"), (SESSION, "b"), (LOAD, "a")):
+        stats.record_decision(reason, replica)
+    stats.record_step(0.25)
+    stats.record_step(0.5)
+    families = {f.name: f for f in text_string_to_metric_families(stats.metrics_text("i1"))}
+    decisions = {
+        (s.labels["reason"], s.labels["replica"]): s.value
+        for s in families["rayserve_paged_routing_decisions"].samples
+        if s.name.endswith("_total")
+    }
+    assert decisions == {(PREFIX, "a"): 2, (SESSION, "b"): 1, (LOAD, "a"): 1}
+    (seconds,) = [s for s in families["rayserve_paged_routing_step_seconds"].samples if s.name.endswith("_total")]
+    (steps,) = [s for s in families["rayserve_paged_routing_steps"].samples if s.name.endswith("_total")]
+    assert (seconds.value, steps.value, steps.labels) == (0.75, 2, {"ingress": "i1"})
+
+
+def test_app_args_routing_fields_are_checked():
+    assert AppArgs(model="tiny-opt").routing == "load"
+    with pytest.raises(ValueError, match="routing"):
+        AppArgs(model="tiny-opt", routing="adapter")
+    with pytest.raises(ValueError, match="request_router_config"):
+        AppArgs(model="tiny-opt", routing="prefix", deployment_options={"request_router_config": {}})
+    with pytest.raises(ValueError, match="routing_imbalance_threshold"):
+        AppArgs(model="tiny-opt", routing_imbalance_threshold=-1)
+
+
+class _Call:
+    """What DeploymentHandle.method.remote(...) returns, over a coroutine or an async iterator."""
+
+    def __init__(self, result) -> None:
+        self._result = result
+        self.is_cancelled = False
+
+    def __await__(self):
+        return self._result.__await__()
+
+    def __aiter__(self):
+        return self._result.__aiter__()
+
+    def cancel(self) -> None:
+        self.is_cancelled = True
+
+
+class _FakeHandle:
+    """A DeploymentHandle to LLMServer over the in-process engine client; records each call's RoutingKey."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.keys: list[RoutingKey] = []
+        self.generate = self._method(lambda *a: client.generate(*a))
+        self.generate_stream = self._method(lambda *a: client.generate_stream(*a))
+        self.model_info = self._method(lambda: client.model_info())
+
+    def _method(self, call):
+        handle = self
+
+        class _Method:
+            def remote(self, *args, routing=None):
+                if routing is not None:
+                    handle.keys.append(routing)
+                return _Call(call(*args))
+
+        return _Method()
+
+    def options(self, stream: bool = False):
+        return self
+
+
+@pytest.mark.anyio
+async def test_the_ingress_client_sends_each_prompts_keys_and_session_streamed_or_not(engine_client, engine):
+    import httpx
+
+    from rayserve_paged.deployments.ingress import RoutedEngineClient
+    from rayserve_paged.deployments.openai_ingress import create_openai_app
+
+    handle = _FakeHandle(engine_client)
+    app = create_openai_app(RoutedEngineClient(handle, 16, None, "i1"), engine.tokenizer, "tiny-opt")
+    prompt = list(range(20, 60))  # 40 tokens: 2 full blocks looked up
+    body = {"model": "tiny-opt", "prompt": prompt, "max_tokens": 2, "cache_salt": "t1"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        for extra, headers in (({}, {"x-session-id": "s1"}), ({"stream": True}, {"x-session-id": "s1"}),
+                               ({"user": "u1"}, {}), ({"stream": True, "user": "u1"}, {"x-session-id": "s2"}),
+                               ({}, {})):  # fmt: skip
+            response = await http.post("/v1/completions", json=body | extra, headers=headers)
+            assert response.status_code == 200, response.text
+    expected = tuple(prefix_block_keys(prompt, 16, "t1"))
+    assert [k.prefix_keys for k in handle.keys] == [expected] * 5
+    sessions = [routing_session("s1", None)] * 2 + [routing_session(None, "u1"), routing_session("s2", None), None]
+    assert [k.session for k in handle.keys] == sessions
