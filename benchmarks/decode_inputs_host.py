@@ -27,7 +27,9 @@ import time
 
 import torch
 
-from benchmarks.records import chosen_cases, host_time_parser, load_module, median_us, print_rows, write_record
+from benchmarks.metrics import median_us
+from benchmarks.options import chosen_cases, host_time_parser, parse_host_time_args
+from benchmarks.records import load_module, print_rows, write_record
 from rayserve_paged.ops.cache_ops import slot_of
 from rayserve_paged.worker.static_decode import DecodeRows, StaticDecode
 
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         "python -m benchmarks.decode_inputs_host", __doc__.splitlines()[0], CASES, out_name="decode_inputs_host.json",
         baseline_help="a static_decode.py timed alongside",
     )
-    args = parser.parse_args(argv)
+    args = parse_host_time_args(parser, argv)
     torch.set_num_threads(1)
     baseline = load_module(args.baseline, "static_decode_baseline") if args.baseline else None
     results = {

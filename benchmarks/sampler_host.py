@@ -33,7 +33,9 @@ import time
 
 import torch
 
-from benchmarks.records import chosen_cases, host_time_parser, load_module, median_us, print_rows, write_record
+from benchmarks.metrics import median_us
+from benchmarks.options import chosen_cases, host_time_parser, parse_host_time_args
+from benchmarks.records import load_module, print_rows, write_record
 from rayserve_paged.core.outputs import NewRequest, StepMessage
 from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.models.sampler import Sampler
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         baseline_flag="--baseline-sampler", baseline_help="a sampler.py with the old call shape, timed alongside",
     )
     parser.add_argument("--vocab", type=int, default=256)
-    args = parser.parse_args(argv)
+    args = parse_host_time_args(parser, argv)
     torch.set_num_threads(1)
     baseline = load_baseline(args.baseline_sampler) if args.baseline_sampler else None
     results = {

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
-import zlib
 
 import pytest
 import torch
@@ -30,21 +29,6 @@ from rayserve_paged.ops.cache_ops import contiguous_runs
 from .builders import make_attention_inputs, make_metadata, new_token_slots
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add spin-waiting on a shared 2-core machine."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
-@pytest.fixture
-def generator(request) -> torch.Generator:
-    """A fresh generator per test, seeded from the test id (different for every parameter set)."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def randn(generator, *shape, dtype=torch.float32) -> torch.Tensor:
