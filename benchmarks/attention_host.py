@@ -33,7 +33,7 @@ from dataclasses import replace
 import torch
 
 from benchmarks.options import benchmark_parser
-from benchmarks.records import print_rows, write_record
+from benchmarks.records import report_rows
 from rayserve_paged.ops.attention import AttentionMetadata
 
 NUM_DECODES = 256
@@ -203,10 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         with patched(*stubs):
             results[name] = time_backend(backend, dtype, fused, args.steps, args.warmup, args.seed)
     title = f"attention host time, {NUM_DECODES} decodes, {NUM_LAYERS} layers, kernels stubbed (median us)"
-    print_rows(title, results, 7)
+    report_rows(title, results, 7, args.out, "attention-host")
     print(f"  goal: other layers under {TARGET_LAYER_US} us")
-    if args.out:
-        write_record(args.out, "attention-host", results)
     return 0
 
 

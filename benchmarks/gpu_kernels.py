@@ -187,12 +187,7 @@ def decode_point(torch, dtype, batch: int, context: int, *, repeats: int, device
     blocks_per_seq = math.ceil(context / BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
     generator = torch.Generator(device=device).manual_seed(batch * 100_003 + context)
-    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    key_cache = torch.randn(cache_shape, generator=generator, device=device, dtype=dtype)
-    value_cache = torch.randn(cache_shape, generator=generator, device=device, dtype=dtype)
-    # blocks scattered over the pool, as after a while of serving
-    block_tables = torch.randperm(num_blocks, generator=generator, device=device).to(torch.int32)
-    block_tables = block_tables.view(batch, blocks_per_seq)  # [batch, blocks_per_seq]
+    key_cache, value_cache, block_tables = scattered_cache(torch, batch, blocks_per_seq, generator, device, dtype)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     query = torch.randn((batch, NUM_HEADS, HEAD_DIM), generator=generator, device=device, dtype=dtype)
     out = torch.empty_like(query)
@@ -236,6 +231,18 @@ def decode_point(torch, dtype, batch: int, context: int, *, repeats: int, device
 # ---------------------------------------------------------------------------- prefill
 
 
+def scattered_cache(torch, num_seqs: int, blocks_per_seq: int, generator, device, dtype):
+    """Random K and V caches of num_seqs x blocks_per_seq blocks, and block tables that
+    scatter each sequence over the pool, as after a while of serving (drawn from
+    `generator` in this order)."""
+    num_blocks = num_seqs * blocks_per_seq
+    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    key_cache = torch.randn(cache_shape, generator=generator, device=device, dtype=dtype)
+    value_cache = torch.randn(cache_shape, generator=generator, device=device, dtype=dtype)
+    block_tables = torch.randperm(num_blocks, generator=generator, device=device).to(torch.int32)
+    return key_cache, value_cache, block_tables.view(num_seqs, blocks_per_seq)  # tables [num_seqs, blocks_per_seq]
+
+
 def prefill_benchmark(torch, quick: bool, deadline: Deadline) -> list[dict]:
     dtypes = (torch.float16,) if quick else (torch.float16, torch.bfloat16)
     cases = PREFILL_CASES[:2] if quick else PREFILL_CASES
@@ -268,13 +275,8 @@ def prefill_point(
     timer = timer or cuda_median_ms
     seq_len = context + new_tokens
     blocks_per_seq = math.ceil(seq_len / BLOCK_SIZE)
-    num_blocks = num_seqs * blocks_per_seq
     generator = torch.Generator(device=device).manual_seed(num_seqs * 7919 + seq_len)
-    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    key_cache = torch.randn(cache_shape, generator=generator, device=device, dtype=dtype)
-    value_cache = torch.randn(cache_shape, generator=generator, device=device, dtype=dtype)
-    block_tables = torch.randperm(num_blocks, generator=generator, device=device).to(torch.int32)
-    block_tables = block_tables.view(num_seqs, blocks_per_seq)  # [num_seqs, blocks_per_seq]
+    key_cache, value_cache, block_tables = scattered_cache(torch, num_seqs, blocks_per_seq, generator, device, dtype)
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * new_tokens
     context_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
     query = torch.randn((num_seqs * new_tokens, NUM_HEADS, HEAD_DIM), generator=generator, device=device, dtype=dtype)

@@ -51,6 +51,14 @@ def parse_host_time_args(parser: argparse.ArgumentParser, argv: list[str] | None
     return args
 
 
+def time_cases(parser: argparse.ArgumentParser, args: argparse.Namespace, cases: dict, time_case) -> dict:
+    """{case: time_case(case)} for the cases --cases names, in that order (one thread)."""
+    import torch
+
+    torch.set_num_threads(1)
+    return {case: time_case(case) for case in chosen_cases(parser, cases, args.cases)}
+
+
 def chosen_cases(parser: argparse.ArgumentParser, cases: dict, names: str) -> list[str]:
     """The comma-separated case names, each one of `cases` (else the parser's error)."""
     chosen = names.split(",")

@@ -80,6 +80,13 @@ def print_rows(title: str, results: dict, width: int) -> None:
         print(f"  {case:{width}s} " + "  ".join(f"{key}={value}" for key, value in row.items()))
 
 
+def report_rows(title: str, results: dict, width: int, out_dir: str | None, benchmark: str, **extra) -> None:
+    """The host-time benchmarks' end: a row per case on stdout, then the record if asked."""
+    print_rows(title, results, width)
+    if out_dir:
+        write_record(out_dir, benchmark, results, **extra)
+
+
 def progress(message: str) -> None:
     """A progress line, on stderr: stdout holds only the report."""
     print(message, file=sys.stderr)

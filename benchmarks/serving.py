@@ -80,6 +80,7 @@ import httpx
 from benchmarks.metrics import latency_summary
 from benchmarks.options import benchmark_parser
 from benchmarks.records import load_average, progress, write_report
+from benchmarks.workloads import Request, Workload, uniform_requests
 
 DEFAULT_SEED = 0
 DEFAULT_RATES = (1.0, 2.0, 4.0)
@@ -109,15 +110,6 @@ CLIENT_LABEL = "load client (this process)"
 # ---------------------------------------------------------------------------- workload
 
 
-@dataclass(frozen=True, slots=True)
-class Workload:
-    num_requests: int
-    min_prompt_len: int
-    max_prompt_len: int
-    min_output_len: int
-    max_output_len: int
-
-
 FULL = Workload(num_requests=32, min_prompt_len=16, max_prompt_len=128, min_output_len=16, max_output_len=96)
 QUICK = Workload(num_requests=6, min_prompt_len=4, max_prompt_len=16, min_output_len=2, max_output_len=8)
 CEILING_WORKLOAD = Workload(num_requests=256, min_prompt_len=16, max_prompt_len=16, min_output_len=256,
@@ -125,22 +117,9 @@ CEILING_WORKLOAD = Workload(num_requests=256, min_prompt_len=16, max_prompt_len=
 WARMUP = Workload(num_requests=2, min_prompt_len=8, max_prompt_len=8, min_output_len=4, max_output_len=4)
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
-    prompt_token_ids: list[int]
-    output_len: int
-
-
 def make_requests(workload: Workload, seed: int) -> list[Request]:
     """Prompt and output lengths uniform on [min, max] (inclusive), random token ids."""
-    rng = random.Random(f"serving-requests-{seed}")
-    requests = []
-    for _ in range(workload.num_requests):
-        prompt_len = rng.randint(workload.min_prompt_len, workload.max_prompt_len)
-        output_len = rng.randint(workload.min_output_len, workload.max_output_len)
-        prompt = [rng.randrange(FIRST_TOKEN_ID, TOKEN_ID_LIMIT) for _ in range(prompt_len)]
-        requests.append(Request(prompt, output_len))
-    return requests
+    return uniform_requests(workload, f"serving-requests-{seed}", FIRST_TOKEN_ID, TOKEN_ID_LIMIT)
 
 
 def arrival_times(num: int, rate: float, seed: int) -> list[float]:

@@ -33,7 +33,6 @@ import io
 import json
 import os
 import pstats
-import random
 import sys
 import tempfile
 import time
@@ -44,6 +43,8 @@ import torch
 
 from benchmarks.options import benchmark_parser
 from benchmarks.records import load_average, progress, write_report
+from benchmarks import workloads
+from benchmarks.workloads import Request, uniform_requests
 from rayserve_paged import LLM, SamplingParams
 from rayserve_paged.models.tiny import SPECIAL_TOKENS, TINY_VOCAB_SIZE, make_tiny_model
 
@@ -57,12 +58,7 @@ TARGET_RATIO_EQUAL = 1.0  # equal lengths
 
 
 @dataclass(frozen=True, slots=True)
-class Workload:
-    num_requests: int
-    min_prompt_len: int
-    max_prompt_len: int
-    min_output_len: int
-    max_output_len: int
+class Workload(workloads.Workload):
     num_sweep_requests: int  # HF batch-size sweep: tokens/s on the first requests only
     model: dict  # config.json overrides of the tiny OPT
 
@@ -115,22 +111,8 @@ QUICK_EQUAL = Workload(
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
-    prompt_token_ids: list[int]
-    output_len: int
-
-
 def make_requests(workload: Workload, seed: int) -> list[Request]:
-    rng = random.Random(f"throughput-{seed}")
-    first = len(SPECIAL_TOKENS)
-    requests = []
-    for _ in range(workload.num_requests):
-        prompt_len = rng.randint(workload.min_prompt_len, workload.max_prompt_len)
-        output_len = rng.randint(workload.min_output_len, workload.max_output_len)
-        prompt = [rng.randrange(first, TINY_VOCAB_SIZE) for _ in range(prompt_len)]
-        requests.append(Request(prompt, output_len))
-    return requests
+    return uniform_requests(workload, f"throughput-{seed}", len(SPECIAL_TOKENS), TINY_VOCAB_SIZE)
 
 
 def kv_cache_gb(workload: Workload, model_dir: str, block_size: int = 16) -> float:

@@ -1,5 +1,6 @@
-"""What the scheduler's state machines share: `self.s` is the scheduler (each machine's
-initialize rule builds it), an abort rule, and the invariants checked after every rule."""
+"""What the scheduler's state machines share: `self.s` is the scheduler, `self.ids` the
+id counter and `self.seqs` every sequence by id (each machine's initialize rule sets them);
+forks, an abort rule, and the invariants checked after every rule."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         request_id = data.draw(st.sampled_from(sorted(self.s.groups)))
         assert self.s.abort(request_id) is not None
         self.on_abort(request_id)
+
+    def _fork(self, group, parent):
+        child = parent.fork(next(self.ids))
+        self.seqs[child.seq_id] = child
+        self.s.fork_seq(group, parent, child)
 
     def on_abort(self, request_id: str) -> None:
         """What a machine notes of an aborted request (nothing, by default)."""

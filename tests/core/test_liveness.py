@@ -105,11 +105,6 @@ class LivenessMachine(SchedulerMachine):
                     seq.status = SequenceStatus.FINISHED_LENGTH
             self.s.free_finished(group)
 
-    def _fork(self, group, parent):
-        child = parent.fork(next(self.ids))
-        self.seqs[child.seq_id] = child
-        self.s.fork_seq(group, parent, child)
-
     @rule(data=st.data())
     def step(self, data):
         self._step(data.draw)

@@ -112,11 +112,6 @@ class StepMachine(SchedulerMachine):
                     seq.status = SequenceStatus.FINISHED_STOPPED
             self.s.free_finished(group)
 
-    def _fork(self, group, parent):
-        child = parent.fork(next(self.ids))
-        self.seqs[child.seq_id] = child
-        self.s.fork_seq(group, parent, child)
-
     @precondition(lambda self: any(g.get_seqs(SequenceStatus.RUNNING) for g in self.s.running))
     @rule(data=st.data())
     def beam_step(self, data):

@@ -35,7 +35,7 @@ from rayserve_paged.ops.triton_backend import (  # noqa: E402
     reshape_and_cache,
 )
 
-from .builders import make_attention_inputs, make_metadata  # noqa: E402
+from .builders import counted, make_attention_inputs, make_metadata  # noqa: E402
 
 if DEVICE == "cpu" and not triton_backend.is_interpreted():
     importlib.reload(triton_kernels)  # something imported the kernels before the variable was set
@@ -750,15 +750,10 @@ def test_layers_share_one_checked_plan_per_step(monkeypatch, generator):
     (the partition buffers reused), and each layer's output and cache match the reference."""
     calls = {"layer": 0, "decode": 0}
 
-    def counted(name, check):
-        def wrapper(*args):
-            calls[name] += 1
-            return check(*args)
-
-        return wrapper
-
-    monkeypatch.setattr(triton_backend, "check_layer_inputs", counted("layer", triton_backend.check_layer_inputs))
-    monkeypatch.setattr(triton_backend, "_check_decode_inputs", counted("decode", triton_backend._check_decode_inputs))
+    monkeypatch.setattr(triton_backend, "check_layer_inputs", counted(calls, "layer", triton_backend.check_layer_inputs))
+    monkeypatch.setattr(
+        triton_backend, "_check_decode_inputs", counted(calls, "decode", triton_backend._check_decode_inputs)
+    )
     backend = TritonBackend()
     batch = make_metadata(prefills=[(0, 5)], decodes=[600, 3], block_size=32, generator=generator, device=DEVICE)
     for step in range(2):
