@@ -23,7 +23,6 @@ once per step), of every other layer, and of a whole step divided by NUM_LAYERS.
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import sys
@@ -33,7 +32,8 @@ from dataclasses import replace
 
 import torch
 
-from benchmarks.records import write_record
+from benchmarks.options import benchmark_parser
+from benchmarks.records import report_rows
 from rayserve_paged.ops.attention import AttentionMetadata
 
 NUM_DECODES = 256
@@ -186,13 +186,14 @@ def time_backend(backend, dtype: torch.dtype, fused: bool, steps: int, warmup: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rayserve-paged bench attention-host", description=__doc__.splitlines()[0])
+    parser = benchmark_parser("rayserve-paged bench attention-host", __doc__.splitlines()[0],
+                              out_help="directory for attention_host.json", quick_help="5 timed steps after 1 (for tests)")
     parser.add_argument("--steps", type=int, default=100, help="timed steps per backend")
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backends", default="triton,torch", help="comma-separated: triton, torch")
-    parser.add_argument("--out", help="directory for attention_host.json")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup = 5, 1
     torch.set_num_threads(1)
     results = {}
     for name in args.backends.split(","):
@@ -201,12 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         backend, dtype, fused, stubs = make_backend(name)
         with patched(*stubs):
             results[name] = time_backend(backend, dtype, fused, args.steps, args.warmup, args.seed)
-    print(f"attention host time, {NUM_DECODES} decodes, {NUM_LAYERS} layers, kernels stubbed (median us)")
-    for name, row in results.items():
-        print(f"  {name:7s} " + "  ".join(f"{key}={value}" for key, value in row.items()))
+    title = f"attention host time, {NUM_DECODES} decodes, {NUM_LAYERS} layers, kernels stubbed (median us)"
+    report_rows(title, results, 7, args.out, "attention-host")
     print(f"  goal: other layers under {TARGET_LAYER_US} us")
-    if args.out:
-        write_record(args.out, "attention-host", results)
     return 0
 
 

@@ -27,7 +27,9 @@ import time
 
 import torch
 
-from benchmarks.records import chosen_cases, host_time_parser, load_module, median_us, print_rows, write_record
+from benchmarks.metrics import median_us
+from benchmarks.options import host_time_parser, parse_host_time_args, time_cases
+from benchmarks.records import load_module, report_rows
 from rayserve_paged.ops.cache_ops import slot_of
 from rayserve_paged.worker.static_decode import DecodeRows, StaticDecode
 
@@ -121,16 +123,15 @@ def main(argv: list[str] | None = None) -> int:
         "python -m benchmarks.decode_inputs_host", __doc__.splitlines()[0], CASES, out_name="decode_inputs_host.json",
         baseline_help="a static_decode.py timed alongside",
     )
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    args = parse_host_time_args(parser, argv)
     baseline = load_module(args.baseline, "static_decode_baseline") if args.baseline else None
-    results = {
-        case: time_case(CASES[case], args.steps, args.warmup, args.seed, baseline)
-        for case in chosen_cases(parser, CASES, args.cases)
-    }
-    print_rows(f"static decode input loading, {NUM_ROWS} rows, block {BLOCK_SIZE} (median us per step)", results, 11)
-    if args.out:
-        write_record(args.out, "decode-inputs-host", results, rows=NUM_ROWS, block_size=BLOCK_SIZE)
+
+    def timed(case: str) -> dict:
+        return time_case(CASES[case], args.steps, args.warmup, args.seed, baseline)
+
+    results = time_cases(parser, args, CASES, timed)
+    title = f"static decode input loading, {NUM_ROWS} rows, block {BLOCK_SIZE} (median us per step)"
+    report_rows(title, results, 11, args.out, "decode-inputs-host", rows=NUM_ROWS, block_size=BLOCK_SIZE)
     return 0
 
 

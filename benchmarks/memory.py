@@ -32,9 +32,7 @@ timed by a step-time model (figures averaged over simulated time).
 
 from __future__ import annotations
 
-import argparse
 import bisect
-import json
 import math
 import os
 import random
@@ -44,16 +42,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from rayserve_paged.core import (
-    BlockManager,
-    PreemptionMode,
-    SamplingParams,
-    Scheduler,
-    SchedulerConfig,
-    Sequence,
-    SequenceGroup,
-    SequenceStatus,
-)
+from benchmarks.options import benchmark_parser
+from benchmarks.records import progress, write_report
+from rayserve_paged.core.block_manager import BlockManager
+from rayserve_paged.core.scheduler import PreemptionMode, Scheduler, SchedulerConfig
+from rayserve_paged.core.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 
 KV_BUDGET_BYTES = 12e9
 KV_BYTES_PER_TOKEN = 800e3  # OPT-13B: 2 (K, V) x 5120 hidden x 40 layers x 2 bytes (fp16)
@@ -680,32 +673,25 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr)  # stderr: stdout holds only the table
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rayserve-paged bench memory", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="directory for memory.json and memory.png")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser = benchmark_parser("rayserve-paged bench memory", __doc__.splitlines()[0], out_required=True,
+                              out_help="directory for memory.json and memory.png", seed=DEFAULT_SEED,
+                              quick_help=f"seconds, for tests ({QUICK_NUM_REQUESTS} requests)")
     parser.add_argument(
         "--num-requests",
         type=int,
         default=None,
         help=f"ShareGPT requests; Alpaca gets {ALPACA_REQUEST_SCALE}x as many (default {DEFAULT_NUM_REQUESTS})",
     )
-    parser.add_argument("--quick", action="store_true", help=f"seconds, for tests ({QUICK_NUM_REQUESTS} requests)")
     args = parser.parse_args(argv)
     num_requests = args.num_requests or (QUICK_NUM_REQUESTS if args.quick else DEFAULT_NUM_REQUESTS)
     if num_requests < 20:
         parser.error("--num-requests must be >= 20")
+    result = run(num_requests, args.seed, args.quick, log=progress)
     os.makedirs(args.out, exist_ok=True)
-    result = run(num_requests, args.seed, args.quick, log=_progress)
-    with open(os.path.join(args.out, "memory.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    plot(result, os.path.join(args.out, "memory.png"))
-    print(format_report(result))
-    print(f"\nwrote {os.path.join(args.out, 'memory.json')} and {os.path.join(args.out, 'memory.png')}")
+    png = os.path.join(args.out, "memory.png")
+    plot(result, png)
+    write_report(args.out, "memory.json", result, format_report, png)
     return 0
 
 

@@ -20,8 +20,6 @@ requests' output tokens / wall seconds of the run).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import random
@@ -31,29 +29,21 @@ import time
 
 import torch
 
+from benchmarks.metrics import percentile
+from benchmarks.options import benchmark_parser
+from benchmarks.records import load_average, write_json
+from benchmarks.throughput import FULL
 from rayserve_paged import LLM, SamplingParams
 from rayserve_paged.models.tiny import SPECIAL_TOKENS, TINY_VOCAB_SIZE, make_tiny_model
-
-from benchmarks.throughput import FULL
 
 FIRST_ARRIVAL_STEP = 4
 LONG_OUTPUT_LEN = 8
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
-
-
 def _summary(values: list[float]) -> dict[str, float]:
-    return {
-        "mean": sum(values) / len(values) if values else float("nan"),
-        "p50": _percentile(values, 50),
-        "p99": _percentile(values, 99),
-    }
+    if not values:
+        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
+    return {"mean": sum(values) / len(values), "p50": percentile(values, 50), "p99": percentile(values, 99)}
 
 
 def make_workload(args) -> tuple[list[tuple[list[int], int]], list[tuple[list[int], int]]]:
@@ -129,16 +119,10 @@ def run_once(model_dir: str, args, chunked: bool, decodes, longs) -> dict:
     }
 
 
-def _loadavg() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rayserve-paged bench mixed", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench-out", help="directory for mixed.json")
+    parser = benchmark_parser("rayserve-paged bench mixed", __doc__.split("\n\n")[0], out_default="bench-out",
+                              out_help="directory for mixed.json",
+                              quick_help="the default tiny OPT and a few short requests (tests)")
     parser.add_argument("--num-decodes", type=int, default=8)
     parser.add_argument("--decode-len", type=int, default=96)
     parser.add_argument("--num-long", type=int, default=3)
@@ -146,8 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-long", type=int, default=2000)
     parser.add_argument("--interval", type=int, default=24, help="engine steps between long arrivals")
     parser.add_argument("--chunk-budget", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="the default tiny OPT and a few short requests (tests)")
     args = parser.parse_args(argv)
     model = FULL.model
     if args.quick:
@@ -156,13 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         args.min_long, args.max_long, args.interval, args.chunk_budget = 60, 80, 2, 32
     torch.set_num_threads(1)
     decodes, longs = make_workload(args)
-    loadavg = {"start": _loadavg()}
+    loadavg = {"start": load_average()}
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-mixed-") as tmp:
         model_dir = str(make_tiny_model("opt", os.path.join(tmp, "opt"), **model))
         for chunked in (True, False):
             runs.append(run_once(model_dir, args, chunked, decodes, longs))
-            loadavg[f"after_{'chunked' if chunked else 'unchunked'}"] = _loadavg()
+            loadavg[f"after_{'chunked' if chunked else 'unchunked'}"] = load_average()
     print(f"{'chunked':>8} {'budget':>6} {'tok/s':>7} | {'TTFT mean':>9} {'p50':>7} {'p99':>7} | "
           f"{'TPOT mean':>9} {'p50':>7} {'p99':>7} | {'ITL p50':>7} {'p99':>7} | {'decode ITL p99':>14}  (ms)")
     for r in runs:
@@ -173,11 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{ms('tpot_s', 'mean'):9.1f} {ms('tpot_s', 'p50'):7.1f} {ms('tpot_s', 'p99'):7.1f} | "
             f"{ms('itl_s', 'p50'):7.1f} {ms('itl_s', 'p99'):7.1f} | {ms('decode_itl_s', 'p99'):14.1f}"
         )
-    print(f"machine: {os.cpu_count()} CPUs, Python {platform.python_version()}, 1-min load average {loadavg}")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "mixed.json")
-    with open(path, "w") as f:
-        json.dump({"args": vars(args), "runs": runs, "loadavg": loadavg}, f, indent=2)
+    print(f"machine: {os.cpu_count()} CPUs, Python {platform.python_version()}, load average {loadavg}")
+    path = write_json(args.out, "mixed.json", {"args": vars(args), "runs": runs, "loadavg": loadavg})
     print(f"wrote {path}")
     return 0
 

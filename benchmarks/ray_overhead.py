@@ -12,13 +12,13 @@ returning the samples) is its control overhead.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import statistics
 import time
-from pathlib import Path
+
+from benchmarks.options import benchmark_parser
+from benchmarks.records import write_json
 
 
 def _requests(num: int, seed: int) -> list[tuple[list[int], int]]:
@@ -109,12 +109,10 @@ def measure(mode: str, config, requests, worker_cpus: float) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="rayserve-paged bench ray-overhead", description=__doc__)
-    parser.add_argument("--out", required=True)
+    parser = benchmark_parser("rayserve-paged bench ray-overhead", __doc__, out_required=True,
+                              out_help="directory for ray_overhead.json", quick_help="6 requests (for tests)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--model", default="tiny-opt")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true")
     parser.add_argument("--max-tp", type=int, default=2, choices=(1, 2), help="largest tensor-parallel size to run")
     parser.add_argument("--worker-cpus", type=float, default=0.5, help="CPUs of each worker actor")
     args = parser.parse_args(argv)
@@ -152,7 +150,5 @@ def main(argv: list[str]) -> int:
             r = results[name]
             print(f"{name:20} {r['steps']:6d} {r['median_step_ms']:15.2f} {r['worker_ms_per_step']:15.2f} "
                   f"{r['overhead_ms_per_step']:17.2f} {r['extra_overhead_ms_per_step']:16.2f}")  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ray_overhead.json").write_text(json.dumps(results, indent=2))
+    write_json(args.out, "ray_overhead.json", results)
     return 0

@@ -1,54 +1,68 @@
-"""What the host-time benchmarks share: their common options, a baseline module loaded from
-a file, and the JSON record each writes (its results, the machine and the load)."""
+"""What every benchmark's JSON goes through: one writer (`write_json`), which adds the
+machine the figures were measured on (`machine`: platform, CPU, load, versions); the
+host-time benchmarks' results record (`write_record`) on top of it; the load average read
+one way (`load_average`); and a baseline module loaded from a file.
+
+Together with benchmarks/metrics.py (percentiles, medians) and benchmarks/options.py (the
+common arguments) this is the harness the benchmarks share; each benchmark file holds only
+its workload, its measurement and its report.
+"""
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
 import platform
-import statistics
 import sys
 
+# packages whose versions a record names, when the benchmark has imported them
+VERSIONED = ("torch", "triton", "transformers", "numpy", "ray", "pydantic", "xgrammar", "rayserve_paged")
 
-def write_record(out_dir: str, benchmark: str, results: dict, **extra) -> str:
-    """Write `<out_dir>/<benchmark with _ for ->.json`; returns its path."""
-    os.makedirs(out_dir, exist_ok=True)
-    record = {
-        "benchmark": benchmark,
-        "machine": platform.platform(),
-        "loadavg": open("/proc/loadavg").read().strip() if os.path.exists("/proc/loadavg") else None,
-        **extra,
-        "results": results,
+
+def load_average() -> list[float] | None:
+    """The 1-, 5- and 15-minute load averages now (None where the system has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def machine() -> dict:
+    """The machine a record was made on: platform, CPU, the load average when it was
+    written, Python and the versions of the packages the benchmark imported."""
+    versions = {"python": platform.python_version()}
+    for name in VERSIONED:
+        module = sys.modules.get(name)  # only what the benchmark imported itself; None: blocked
+        version = getattr(module, "__version__", None) if module is not None else None
+        if version is not None:
+            versions[name] = str(version)
+    return {
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average": load_average(),
+        "versions": versions,
     }
-    path = os.path.join(out_dir, benchmark.replace("-", "_") + ".json")
-    with open(path, "w") as f:
+
+
+def write_json(out_dir, file_name: str, record: dict) -> str:
+    """Write `record` to `out_dir/file_name` (the folder made if needed), with the machine
+    record under "machine" (added to `record` itself too, for the benchmark's own report).
+    The one writer of benchmark JSON; returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    record["machine"] = machine()
+    path = os.path.join(out_dir, file_name)
+    with open(path, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=2)
+        f.write("\n")
     return path
 
 
-def host_time_parser(prog: str, description: str, cases: dict, *, out_name: str, baseline_help: str,
-                     baseline_flag: str = "--baseline") -> argparse.ArgumentParser:
-    """--steps, --warmup, --seed, --cases (comma-separated names of `cases`), the baseline
-    file option and --out."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--steps", type=int, default=300, help="timed steps per case")
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cases", default=",".join(cases), help=f"comma-separated: {', '.join(cases)}")
-    parser.add_argument(baseline_flag, help=baseline_help)
-    parser.add_argument("--out", help=f"directory for {out_name}")
-    return parser
-
-
-def chosen_cases(parser: argparse.ArgumentParser, cases: dict, names: str) -> list[str]:
-    """The comma-separated case names, each one of `cases` (else the parser's error)."""
-    chosen = names.split(",")
-    for name in chosen:
-        if name not in cases:
-            parser.error(f"unknown case {name!r}")
-    return chosen
+def write_record(out_dir: str, benchmark: str, results: dict, **extra) -> str:
+    """`<out_dir>/<benchmark with _ for ->.json`: {"benchmark", **extra, "results"}; its path."""
+    record = {"benchmark": benchmark, **extra, "results": results}
+    return write_json(out_dir, benchmark.replace("-", "_") + ".json", record)
 
 
 def load_module(path: str, name: str):
@@ -60,11 +74,28 @@ def load_module(path: str, name: str):
     return module
 
 
-def median_us(values_ns: list[int]) -> float:
-    return round(statistics.median(values_ns) / 1000, 1)
-
-
 def print_rows(title: str, results: dict, width: int) -> None:
     print(title)
     for case, row in results.items():
         print(f"  {case:{width}s} " + "  ".join(f"{key}={value}" for key, value in row.items()))
+
+
+def report_rows(title: str, results: dict, width: int, out_dir: str | None, benchmark: str, **extra) -> None:
+    """The host-time benchmarks' end: a row per case on stdout, then the record if asked."""
+    print_rows(title, results, width)
+    if out_dir:
+        write_record(out_dir, benchmark, results, **extra)
+
+
+def progress(message: str) -> None:
+    """A progress line, on stderr: stdout holds only the report."""
+    print(message, file=sys.stderr)
+
+
+def write_report(out_dir, file_name: str, record: dict, format_report, *also: str) -> str:
+    """write_json, then the benchmark's report of the record and where it went (`also`:
+    other files the benchmark wrote beside it); the JSON's path."""
+    path = write_json(out_dir, file_name, record)
+    print(format_report(record))
+    print("\nwrote " + " and ".join([path, *also]))
+    return path

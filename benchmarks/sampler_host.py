@@ -33,7 +33,9 @@ import time
 
 import torch
 
-from benchmarks.records import chosen_cases, host_time_parser, load_module, median_us, print_rows, write_record
+from benchmarks.metrics import median_us
+from benchmarks.options import host_time_parser, parse_host_time_args, time_cases
+from benchmarks.records import load_module, report_rows
 from rayserve_paged.core.outputs import NewRequest, StepMessage
 from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.models.sampler import Sampler
@@ -132,16 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         baseline_flag="--baseline-sampler", baseline_help="a sampler.py with the old call shape, timed alongside",
     )
     parser.add_argument("--vocab", type=int, default=256)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    args = parse_host_time_args(parser, argv)
     baseline = load_baseline(args.baseline_sampler) if args.baseline_sampler else None
-    results = {
-        case: time_case(case, args.vocab, args.steps, args.warmup, args.seed, baseline)
-        for case in chosen_cases(parser, CASES, args.cases)
-    }
-    print_rows(f"sampler host time, {NUM_ROWS} rows, vocab {args.vocab} (median us per step)", results, 12)
-    if args.out:
-        write_record(args.out, "sampler-host", results, vocab=args.vocab)
+
+    def timed(case: str) -> dict:
+        return time_case(case, args.vocab, args.steps, args.warmup, args.seed, baseline)
+
+    results = time_cases(parser, args, CASES, timed)
+    title = f"sampler host time, {NUM_ROWS} rows, vocab {args.vocab} (median us per step)"
+    report_rows(title, results, 12, args.out, "sampler-host", vocab=args.vocab)
     return 0
 
 

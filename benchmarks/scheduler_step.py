@@ -28,26 +28,29 @@ collector stays enabled, as in the engine.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import pickle
-import platform
 import random
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from rayserve_paged.core import (
-    BlockManager,
-    SamplingParams,
-    Scheduler,
-    SchedulerConfig,
-    Sequence,
-    SequenceGroup,
-    SequenceStatus,
-)
+if __name__ == "__main__" and not __package__:
+    # Run as a file, maybe against an older checkout of the package on PYTHONPATH: the
+    # harness beside this file (standard library only) is imported from here, the package
+    # from PYTHONPATH.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import benchmarks.metrics, benchmarks.options, benchmarks.records  # noqa: E401, F401
+
+    del sys.path[0]
+
+from benchmarks.metrics import percentile
+from benchmarks.options import benchmark_parser
+from benchmarks.records import write_report
+from rayserve_paged.core.block_manager import BlockManager
+from rayserve_paged.core.scheduler import Scheduler, SchedulerConfig
+from rayserve_paged.core.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 
 BLOCK_SIZE = 16
 NUM_RUNNING = 256
@@ -155,10 +158,6 @@ class StepBench:
         return tuple(timings)
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
-    return sorted_values[round(q * (len(sorted_values) - 1))]
-
-
 def run_case(case: Case, num_rounds: int, num_warmup: int, num_steps: int, seed: int) -> dict:
     """`num_rounds` fresh schedulers (new prompts each), each warmed up then timed for
     `num_steps` steps, so sequences stay near their prompt lengths (prompt + at most
@@ -183,7 +182,7 @@ def run_case(case: Case, num_rounds: int, num_warmup: int, num_steps: int, seed:
         "num_warmup_steps_per_round": num_warmup,
         "num_steps": len(samples),
         "median_us": statistics.median(step_us),
-        "p90_us": _percentile(step_us, 0.9),
+        "p90_us": percentile(step_us, 90),
         "mean_us": statistics.fmean(step_us),
         "min_us": step_us[0],
         "max_us": step_us[-1],
@@ -220,13 +219,9 @@ def run(num_rounds: int, num_warmup: int, num_steps: int, seed: int) -> dict:
             "block_size": BLOCK_SIZE,
             "prompt_len_range": [MIN_PROMPT, MAX_PROMPT],
             "seed": seed,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
             "timed": "Scheduler.schedule() + pickling the step message (median_us); appending one token "
             "to each scheduled sequence (bookkeeping, beside it)",
             "python_loop_ns_per_iteration": python_loop_ns(),
-            "cpu_count": os.cpu_count(),
-            "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         },
     }
 
@@ -243,13 +238,13 @@ def format_report(result: dict) -> str:
             f"{c['p90_us']:9.1f} {c['min_us']:8.1f} {c['median_schedule_us']:9.1f} {c['median_pickle_us']:7.1f} "
             f"{c['median_message_bytes']:7.0f} {c['median_bookkeeping_us']:9.1f} {c['num_steps']:6d}"
         )
-    cfg = result["config"]
+    cfg, machine = result["config"], result["machine"]
     verdict = "PASS" if result["target_met"] else "FAIL"
     lines += [
         "(median us = schedule + pickle; schedule / pickle / bookkeep: medians of each part, in us;",
         " bytes: the pickled step message)",
-        f"machine: {cfg['cpu_count']} CPUs, Python {cfg['python']}, empty Python loop "
-        f"{cfg['python_loop_ns_per_iteration']:.1f} ns/iteration, 1-min load average {cfg['load_average_1min']}",
+        f"machine: {machine['cpu_count']} CPUs, Python {machine['versions']['python']}, empty Python loop "
+        f"{cfg['python_loop_ns_per_iteration']:.1f} ns/iteration, load average {machine['load_average']}",
         "",
         f"[{verdict}] median per step with {NUM_RUNNING} running (decode_256) < "
         f"{result['target_median_us']:.0f} us: {result['median_us_per_step']:.1f} us",
@@ -258,25 +253,19 @@ def format_report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rayserve-paged bench scheduler", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="directory for scheduler.json")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser = benchmark_parser("rayserve-paged bench scheduler", __doc__.splitlines()[0], out_required=True,
+                              out_help="directory for scheduler.json", seed=DEFAULT_SEED,
+                              quick_help="one short round per case (for tests)")
     parser.add_argument("--rounds", type=int, default=None, help="fresh schedulers per case (default 8)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per round (default 250)")
-    parser.add_argument("--quick", action="store_true", help="one short round per case (for tests)")
     args = parser.parse_args(argv)
     num_rounds = args.rounds or (1 if args.quick else 8)
     num_steps = args.steps or (30 if args.quick else 250)
     num_warmup = 5 if args.quick else 50
     if num_steps < 1 or num_rounds < 1:
         parser.error("--steps and --rounds must be >= 1")
-    os.makedirs(args.out, exist_ok=True)
     result = run(num_rounds, num_warmup, num_steps, args.seed)
-    path = os.path.join(args.out, "scheduler.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(format_report(result))
-    print(f"\nwrote {path}")
+    write_report(args.out, "scheduler.json", result, format_report)
     return 0
 
 

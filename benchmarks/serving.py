@@ -64,7 +64,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import random
 import signal
 import socket
@@ -77,6 +76,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
+
+from benchmarks.metrics import latency_summary
+from benchmarks.options import benchmark_parser
+from benchmarks.records import load_average, progress, write_report
+from benchmarks.workloads import Request, Workload, uniform_requests
 
 DEFAULT_SEED = 0
 DEFAULT_RATES = (1.0, 2.0, 4.0)
@@ -106,15 +110,6 @@ CLIENT_LABEL = "load client (this process)"
 # ---------------------------------------------------------------------------- workload
 
 
-@dataclass(frozen=True, slots=True)
-class Workload:
-    num_requests: int
-    min_prompt_len: int
-    max_prompt_len: int
-    min_output_len: int
-    max_output_len: int
-
-
 FULL = Workload(num_requests=32, min_prompt_len=16, max_prompt_len=128, min_output_len=16, max_output_len=96)
 QUICK = Workload(num_requests=6, min_prompt_len=4, max_prompt_len=16, min_output_len=2, max_output_len=8)
 CEILING_WORKLOAD = Workload(num_requests=256, min_prompt_len=16, max_prompt_len=16, min_output_len=256,
@@ -122,22 +117,9 @@ CEILING_WORKLOAD = Workload(num_requests=256, min_prompt_len=16, max_prompt_len=
 WARMUP = Workload(num_requests=2, min_prompt_len=8, max_prompt_len=8, min_output_len=4, max_output_len=4)
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
-    prompt_token_ids: list[int]
-    output_len: int
-
-
 def make_requests(workload: Workload, seed: int) -> list[Request]:
     """Prompt and output lengths uniform on [min, max] (inclusive), random token ids."""
-    rng = random.Random(f"serving-requests-{seed}")
-    requests = []
-    for _ in range(workload.num_requests):
-        prompt_len = rng.randint(workload.min_prompt_len, workload.max_prompt_len)
-        output_len = rng.randint(workload.min_output_len, workload.max_output_len)
-        prompt = [rng.randrange(FIRST_TOKEN_ID, TOKEN_ID_LIMIT) for _ in range(prompt_len)]
-        requests.append(Request(prompt, output_len))
-    return requests
+    return uniform_requests(workload, f"serving-requests-{seed}", FIRST_TOKEN_ID, TOKEN_ID_LIMIT)
 
 
 def arrival_times(num: int, rate: float, seed: int) -> list[float]:
@@ -256,23 +238,6 @@ class StreamTracker:
 
 
 # ---------------------------------------------------------------------------- statistics
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100), linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def latency_summary(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"mean": None, "median": None, "p99": None}
-    return {"mean": sum(values) / len(values), "median": percentile(values, 50), "p99": percentile(values, 99)}
 
 
 def summarize(results: list[RequestResult], duration_s: float) -> dict:
@@ -414,7 +379,7 @@ async def measure_http(base_url: str, model: str | None, requests: list[Request]
             raise RuntimeError(f"warm-up requests failed: {[r.error for r in warmup]}")
         runs = []
         for spec in specs:
-            load_before = os.getloadavg()
+            load_before = load_average()
             cpu_before = cpu_seconds_by_process(cpu_root) if cpu_root is not None else None
             client_cpu = time.process_time()
             results, seconds = await run_load(client, base_url, model, requests, spec, seed, timeout_s)
@@ -422,13 +387,13 @@ async def measure_http(base_url: str, model: str | None, requests: list[Request]
             record = {"name": spec.name, "mode": spec.mode,
                       "request_rate": None if math.isinf(spec.request_rate) else spec.request_rate,
                       "max_concurrency": spec.max_concurrency, **summarize(results, seconds),
-                      "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg())}
+                      "loadavg_before": load_before, "loadavg_after": load_average()}
             if cpu_before is not None:
                 spent = {**cpu_delta(cpu_before, cpu_seconds_by_process(cpu_root)), CLIENT_LABEL: round(client_cpu, 2)}
                 record["cpu_seconds"] = dict(sorted(spent.items(), key=lambda kv: -kv[1]))
             runs.append(record)
             log(f"  {spec.name}: {record['num_completed']}/{record['num_requests']} in {seconds:.1f} s, "
-                f"{record['output_throughput']:.1f} output tok/s, load {os.getloadavg()[0]:.2f}")
+                f"{record['output_throughput']:.1f} output tok/s, load {load_average()[0]:.2f}")
     return model, runs
 
 
@@ -713,7 +678,7 @@ class InProcessEngine:
         return sum(len(o.outputs[0].token_ids) for o in outputs)
 
     def measure(self, requests: list[Request]) -> dict:
-        load_before, cpu0, t0 = os.getloadavg(), time.process_time(), time.perf_counter()
+        load_before, cpu0, t0 = load_average(), time.process_time(), time.perf_counter()
         num_output_tokens = self._generate(requests)
         seconds, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
         return {
@@ -722,8 +687,8 @@ class InProcessEngine:
             "output_throughput": num_output_tokens / seconds,
             "request_throughput": len(requests) / seconds,
             "cpu_seconds": round(cpu_s, 2),  # this process: the engine and its torch threads
-            "loadavg_before": list(load_before),
-            "loadavg_after": list(os.getloadavg()),
+            "loadavg_before": load_before,
+            "loadavg_after": load_average(),
         }
 
 
@@ -776,14 +741,14 @@ def format_table(runs: list[dict]) -> str:
 
 
 def format_report(result: dict) -> str:
-    cfg = result["config"]
+    cfg, machine = result["config"], result["machine"]
     w = cfg["workload"]
     lines = [
         f"{w['num_requests']} requests per run: prompts uniform {w['min_prompt_len']}-{w['max_prompt_len']}, "
         f"max_tokens uniform {w['min_output_len']}-{w['max_output_len']} tokens, greedy, ignore_eos, streamed; "
         f"model {cfg['model']!r} at {cfg['url']}",
-        f"machine: {cfg['cpu_count']} CPUs ({cfg['cpu']}), load average before {_load(cfg['loadavg_before'])}, "
-        f"after {_load(cfg['loadavg_after'])}",
+        f"machine: {machine['cpu_count']} CPUs ({machine['cpu']}), load average before "
+        f"{_load(cfg['loadavg_before'])}, after {_load(cfg['loadavg_after'])}",
         "",
         format_table(result["runs"]),
     ]
@@ -906,7 +871,7 @@ def _launch_config(launch: str, tmp: str, workload: Workload, threads: int, seed
 def run(args, workload: Workload, log=print) -> dict:
     specs = run_specs(args.rate, args.max_concurrency, args.compare_in_process)
     requests = make_requests(workload, args.seed)
-    loadavg_before = os.getloadavg()
+    loadavg_before = load_average()
     in_process_runs, serve_config, model_shape = [], None, None
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         if args.launch is None:
@@ -953,10 +918,8 @@ def run(args, workload: Workload, log=print) -> dict:
         "seed": args.seed,
         "timeout_s": args.timeout,
         "quick": args.quick,
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "loadavg_before": list(loadavg_before),
-        "loadavg_after": list(os.getloadavg()),
+        "loadavg_before": loadavg_before,
+        "loadavg_after": load_average(),
     }  # fmt: skip
     return result
 
@@ -965,12 +928,8 @@ def _measure_in_process(engine: InProcessEngine, requests: list[Request], log) -
     log("  in-process LLM.generate, every request at once ...")
     record = engine.measure(requests)
     log(f"  in-process: {record['seconds']:.1f} s, {record['output_throughput']:.1f} output tok/s, "
-        f"load {os.getloadavg()[0]:.2f}")
+        f"load {load_average()[0]:.2f}")
     return record
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)  # stderr: stdout holds only the report
 
 
 def _positive_rate(text: str) -> float:
@@ -988,21 +947,21 @@ def _env_pair(text: str) -> tuple[str, str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rayserve-paged bench serving", description=__doc__.splitlines()[0])
+    parser = benchmark_parser("rayserve-paged bench serving", __doc__.splitlines()[0], out_required=True,
+                              out_help="directory for serving.json and serving.png", seed=DEFAULT_SEED,
+                              quick_help="seconds, for tests: a few short requests")
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
     target.add_argument("--launch", metavar="CONFIG.yaml",
                         help=f"start Ray + `serve run CONFIG.yaml` here first ('{SMALL_OPT}' / '{CEILING}': a generated "
                              f"model and config; '{CEILING}' defaults to 256 streams of 256 tokens at 16, 64, 256 "
                              "in flight, compared in-process)")
-    parser.add_argument("--out", required=True, help="directory for serving.json and serving.png")
     parser.add_argument("--rate", type=_positive_rate, action="append",
                         help="Poisson request rate in req/s (repeat; 'inf' = all at once)")
     parser.add_argument("--max-concurrency", type=int, action="append",
                         help="a run with this many requests always in flight (repeat)")
     parser.add_argument("--num-requests", type=int, default=None, help=f"per run (default {FULL.num_requests})")
     parser.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--compare-in-process", action="store_true",
                         help="with --launch: the same requests through LLM.generate in this process")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
@@ -1022,7 +981,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per request")
     parser.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for /health")
     parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
-    parser.add_argument("--quick", action="store_true", help="seconds, for tests: a few short requests")
     return parser  # fmt: skip
 
 
@@ -1048,17 +1006,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--num-requests must be >= 1")
         workload = replace(workload, num_requests=args.num_requests)
     os.makedirs(args.out, exist_ok=True)
-    result = run(args, workload, log=_progress)
-    json_path, png_path = os.path.join(args.out, "serving.json"), os.path.join(args.out, "serving.png")
-    with open(json_path, "w") as f:
-        json.dump(result, f, indent=2)
-    plot(result["runs"], png_path)
-    written = [json_path, png_path]
+    result = run(args, workload, log=progress)
+    plots = [os.path.join(args.out, "serving.png")]
+    plot(result["runs"], plots[0])
     if any(r["mode"] == "concurrency" for r in result["runs"]):
-        written.append(os.path.join(args.out, "serving_concurrency.png"))
-        plot_concurrency(result, written[-1])
-    print(format_report(result))
-    print(f"\nwrote {', '.join(written)}")
+        plots.append(os.path.join(args.out, "serving_concurrency.png"))
+        plot_concurrency(result, plots[-1])
+    write_report(args.out, "serving.json", result, format_report, *plots)
     return 0
 
 

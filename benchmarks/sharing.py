@@ -41,8 +41,6 @@ and hidden 64, gave beam savings within 2 points of this one on a smaller sample
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import random
@@ -53,6 +51,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from benchmarks.memory import DATASETS, MAX_SEQ_LEN, Request, sample_requests
+from benchmarks.options import benchmark_parser
+from benchmarks.records import progress, write_report
 from rayserve_paged import LLM, SamplingParams
 from rayserve_paged.core.outputs import SchedulerOutput
 from rayserve_paged.models.tiny import SPECIAL_TOKENS, TINY_VOCAB_SIZE, make_tiny_model
@@ -469,14 +469,9 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr)  # stderr: stdout holds only the table
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rayserve-paged bench sharing", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="directory for sharing.json")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser = benchmark_parser("rayserve-paged bench sharing", __doc__.splitlines()[0], out_required=True,
+                              out_help="directory for sharing.json", seed=DEFAULT_SEED)
     parser.add_argument("--sharegpt-requests", type=int, default=None,
                         help=f"default {DEFAULT_NUM_REQUESTS['sharegpt']} "
                         f"({QUICK_NUM_REQUESTS['sharegpt']} with --quick)")
@@ -486,7 +481,6 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"cap on drawn output lengths (default {DEFAULT_MAX_OUTPUT_LEN}, "
                         f"{QUICK_MAX_OUTPUT_LEN} with --quick)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    parser.add_argument("--quick", action="store_true", help="seconds, for tests")
     args = parser.parse_args(argv)
     defaults = QUICK_NUM_REQUESTS if args.quick else DEFAULT_NUM_REQUESTS
     num_requests = {
@@ -496,13 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     max_output_len = args.max_output_len or (QUICK_MAX_OUTPUT_LEN if args.quick else DEFAULT_MAX_OUTPUT_LEN)
     if min(num_requests.values()) < 1 or max_output_len < 1:
         parser.error("request counts and --max-output-len must be >= 1")
-    os.makedirs(args.out, exist_ok=True)
-    result = run(num_requests, max_output_len, args.seed, args.quick, args.threads, log=_progress)
-    path = os.path.join(args.out, "sharing.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(format_report(result))
-    print(f"\nwrote {path}")
+    result = run(num_requests, max_output_len, args.seed, args.quick, args.threads, log=progress)
+    write_report(args.out, "sharing.json", result, format_report)
     return 0 if not result["consistency_problems"] else 1
 
 

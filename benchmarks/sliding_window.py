@@ -13,13 +13,13 @@ time     one attention layer's decode on the CPU (torch backend: the compiled de
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
 import torch
 
+from benchmarks.options import benchmark_parser
 from benchmarks.records import write_record
 from rayserve_paged.core import BlockManager, SequenceStatus
 from rayserve_paged.core.sequence import Sequence, SequenceGroup, SamplingParams
@@ -72,9 +72,9 @@ def decode_metadata(context_len: int, block_size: int) -> tuple[AttentionMetadat
     return metadata, NUM_SEQS * blocks_per_seq
 
 
-def decode_ms(window: int | None, use_kernel: bool, context_len: int, block_size: int, steps: int) -> float:
+def decode_ms(window: int | None, use_kernel: bool, context_len: int, block_size: int, steps: int, seed: int = 0) -> float:
     metadata, num_blocks = decode_metadata(context_len, block_size)
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     cache_shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
     key_cache = torch.randn(cache_shape, generator=generator)
     value_cache = torch.randn(cache_shape, generator=generator)
@@ -92,12 +92,14 @@ def decode_ms(window: int | None, use_kernel: bool, context_len: int, block_size
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.sliding_window", description=__doc__.splitlines()[0])
+    parser = benchmark_parser("python -m benchmarks.sliding_window", __doc__.splitlines()[0],
+                              out_help="directory for sliding_window.json", quick_help="window 64, 3 timed steps (for tests)")
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=30, help="timed decode steps per configuration")
-    parser.add_argument("--out", help="directory for sliding_window.json")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.window, args.steps = 64, 3
     window, block_size = args.window, args.block_size
     context_len = 4 * window
     results = {"blocks": {}, "decode_ms": {}}
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{HEAD_DIM}, float32, {torch.get_num_threads()} threads: median ms per step")  # fmt: skip
     for path, use_kernel in paths.items():
         for name, w in ((f"window {window}", window), ("no window", None)):
-            ms = decode_ms(w, use_kernel, context_len, block_size, args.steps)
+            ms = decode_ms(w, use_kernel, context_len, block_size, args.steps, args.seed)
             results["decode_ms"][f"{path}, {name}"] = ms
             print(f"  {path:10s} {name:12s} {ms:8.2f}")
     if args.out:

@@ -29,13 +29,15 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.options import benchmark_parser
+from benchmarks.records import load_average, write_report
 
 SUBJECTS = [
     "France", "Japan", "Brazil", "Canada", "Egypt", "India", "Kenya", "Norway",
@@ -170,9 +172,8 @@ def run(num_requests: int, max_tokens: int, threads: int, rounds: int, load: boo
     from rayserve_paged import LLM
     from rayserve_paged.models.tiny import resolve_model
 
-    result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
-              "threads": threads, "num_requests": num_requests, "max_tokens": max_tokens,
-              "loadavg_start": os.getloadavg()}  # fmt: skip
+    result = {"threads": threads, "num_requests": num_requests, "max_tokens": max_tokens,
+              "loadavg_start": load_average()}  # fmt: skip
     if load:
         log("load: project")
         result["load_project"] = _load_in_subprocess("project", threads)
@@ -197,7 +198,7 @@ def run(num_requests: int, max_tokens: int, threads: int, rounds: int, load: boo
         log("http")
         result["http"] = run_http(convs, max_tokens, threads, out_dir / "http-logs")
         result["http_over_hf"] = result["http"]["tokens_per_s"] / _mean(result["hf"])
-    result["loadavg_end"] = os.getloadavg()
+    result["loadavg_end"] = load_average()
     return result
 
 
@@ -206,8 +207,10 @@ def _mean(runs: list[dict]) -> float:
 
 
 def format_report(r: dict) -> str:
+    m = r["machine"]
     lines = [
-        f"SmolLM2-135M-Instruct Q4_1 GGUF, float32 CPU, {r['threads']} torch thread(s); {r['machine']}",
+        f"SmolLM2-135M-Instruct Q4_1 GGUF, float32 CPU, {r['threads']} torch thread(s); {m['cpu']}, "
+        f"{m['cpu_count']} CPUs, torch {m['versions'].get('torch')}",
         f"load average start {r['loadavg_start']}, end {r['loadavg_end']}",
     ]
     if "load_project" in r:
@@ -229,8 +232,9 @@ def format_report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rayserve-paged bench smollm2", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="directory for smollm2.json")
+    parser = benchmark_parser("rayserve-paged bench smollm2", __doc__.splitlines()[0], seed=None,
+                              out_help="directory for smollm2.json",
+                              quick_help="2 requests of 8 tokens, no load-time or HTTP run (seconds)")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     parser.add_argument("--num-requests", type=int, default=NUM_REQUESTS)
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
@@ -244,15 +248,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.out:
         parser.error("--out is required")
+    if args.quick:
+        args.num_requests, args.max_tokens, args.no_load, args.no_http = 2, 8, True, True
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if min(args.rounds, args.num_requests, args.max_tokens, args.threads) < 1:
         parser.error("--rounds, --num-requests, --max-tokens and --threads must be >= 1")
     result = run(args.num_requests, args.max_tokens, args.threads, args.rounds, not args.no_load, not args.no_http, out,
                  log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
-    (out / "smollm2.json").write_text(json.dumps(result, indent=2))
-    print(format_report(result))
-    print(f"\nwrote {out / 'smollm2.json'}")
+    write_report(out, "smollm2.json", result, format_report)
     return 0
 
 

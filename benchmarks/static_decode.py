@@ -2,7 +2,7 @@
 enforce_eager off (decode-only steps padded to a bucket; CUDA graphs where captured) and on
 (every step on its exact batch), interleaved on the same requests.
 
-    python benchmarks/static_decode.py --out DIR [--rounds 3] [--quick] [--device cpu|cuda]
+    python benchmarks/static_decode.py --out DIR [--rounds 3] [--quick] [--seed 0] [--device cpu|cuda]
 
 The workload is `bench throughput`'s uniform case (benchmarks/throughput.py: random-weight
 OPT, 6 layers, hidden 512; prompt and output lengths uniform on 16..256), float32 on CPU
@@ -16,10 +16,7 @@ static path costs there; on CUDA it measures what the graphs gain.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -29,6 +26,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.options import benchmark_parser  # noqa: E402
+from benchmarks.records import write_json  # noqa: E402
 from benchmarks.throughput import FULL, QUICK, kv_cache_gb, make_requests, run_engine  # noqa: E402
 from rayserve_paged import LLM  # noqa: E402
 from rayserve_paged.models.tiny import make_tiny_model  # noqa: E402
@@ -44,17 +43,17 @@ def make_engine(model_dir: str, kv_gb: float, device: str, enforce_eager: bool) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser = benchmark_parser("python benchmarks/static_decode.py", __doc__.splitlines()[0], out_required=True,
+                              out_help="directory for static_decode.json",
+                              quick_help="the tiny model and a few requests (seconds)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="the tiny model and a few requests (seconds)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
     workload = QUICK if args.quick else FULL
-    requests = make_requests(workload, seed=0)
+    requests = make_requests(workload, seed=args.seed)
     rounds = []
     with tempfile.TemporaryDirectory(prefix="static-decode-") as tmp:
         model_dir = str(make_tiny_model("opt", os.path.join(tmp, "opt"), **workload.model))
@@ -83,24 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         runs = dict(static.runs)
     result = {
         "command": " ".join(["python", "benchmarks/static_decode.py", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": _loadavg()},
         "device": args.device, "workload": "quick" if args.quick else "uniform", "num_requests": len(requests),
         "output_tokens": output_tokens, "buckets": buckets, "static_runs": runs, "rounds": rounds,
         "median_static_over_eager": statistics.median(r["static_over_eager"] for r in rounds),
         "median_static_over_eager_cpu": statistics.median(r["static_over_eager_cpu"] for r in rounds),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "static_decode.json").write_text(json.dumps(result, indent=2))
+    path = write_json(args.out, "static_decode.json", result)
     print(f"median static / eager: {result['median_static_over_eager']:.3f} wall, "
-          f"{result['median_static_over_eager_cpu']:.3f} per CPU second; {args.out / 'static_decode.json'}")
+          f"{result['median_static_over_eager_cpu']:.3f} per CPU second; {path}")
     return 0
-
-
-def _loadavg() -> str | None:
-    try:
-        return Path("/proc/loadavg").read_text().strip()
-    except OSError:
-        return None
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ time (cold and cached), and engine tokens/s with 0%, 50% and 100% of a batch con
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import sys
@@ -32,6 +31,7 @@ import time
 import numpy as np
 import torch
 
+from benchmarks.options import benchmark_parser
 from benchmarks.records import write_record
 from rayserve_paged import LLM, SamplingParams, StructuredOutputsParams
 from rayserve_paged.models.sampler import Sampler, SamplingBatch
@@ -162,14 +162,16 @@ def time_batches(llm: LLM, shares: tuple[int, ...], repeats: int, seed: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rayserve-paged bench structured-outputs", description=__doc__.splitlines()[0])
+    parser = benchmark_parser("rayserve-paged bench structured-outputs", __doc__.splitlines()[0],
+                              out_help="directory for structured_outputs.json",
+                              quick_help="the tiny OPT's tokenizer only, 20 mask steps, one batch run (for tests)")
     parser.add_argument("--mask-steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3, help="timed batch runs per share (after one warm-up)")
     parser.add_argument("--models", default="tiny-opt,smollm2", help="tokenizers for the mask and compile figures")
     parser.add_argument("--skip-batch", action="store_true", help="only the mask and compile figures")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="directory for structured_outputs.json")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.models, args.mask_steps, args.repeats = "tiny-opt", 20, 1
     torch.set_num_threads(1)
     np.random.seed(args.seed)
     results: dict = {"mask": {}, "compile": {}, "batch": []}

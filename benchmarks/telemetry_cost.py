@@ -11,13 +11,12 @@ tokens per CPU-second of the engine's process (wall time swings with other load)
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import random
 import statistics
 import time
-from pathlib import Path
+
+from benchmarks.options import benchmark_parser
+from benchmarks.records import load_average, write_json
 
 
 def _run(engine, requests, telemetry, scrape_every: int) -> float:
@@ -40,12 +39,11 @@ def _run(engine, requests, telemetry, scrape_every: int) -> float:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="rayserve-paged bench telemetry", description=__doc__)
-    parser.add_argument("--out", required=True)
+    parser = benchmark_parser("rayserve-paged bench telemetry", __doc__, out_required=True,
+                              out_help="directory for telemetry.json", quick_help="6 requests, one round (for tests)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--scrape-every", type=int, default=10)
-    parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     import torch
 
@@ -54,7 +52,7 @@ def main(argv: list[str]) -> int:
     from rayserve_paged.telemetry import ReplicaTelemetry, TelemetryConfig
 
     torch.set_num_threads(1)
-    rng = random.Random(0)
+    rng = random.Random(args.seed)
     num = 6 if args.quick else args.num_requests
     rounds = 1 if args.quick else args.rounds
     requests = [([rng.randrange(10, 500) for _ in range(rng.randint(16, 128))], rng.randint(16, 96)) for _ in range(num)]
@@ -64,11 +62,11 @@ def main(argv: list[str]) -> int:
     telemetry = ReplicaTelemetry(engine, TelemetryConfig(replica="bench"))
     _run(engine, requests[:4], None, args.scrape_every)  # warm-up
     off, on = [], []
-    load_before = os.getloadavg()
+    load_before = load_average()
     for _ in range(rounds):
         off.append(_run(engine, requests, None, args.scrape_every))
         on.append(_run(engine, requests, telemetry, args.scrape_every))
-    load_after = os.getloadavg()
+    load_after = load_average()
     cost = 1 - statistics.median(on) / statistics.median(off)
     result = {
         "off_output_tokens_per_s": off,
@@ -83,7 +81,5 @@ def main(argv: list[str]) -> int:
         print(f"{i:5d} {a:14.1f} {b:14.1f}")
     print(f"telemetry cost (median on vs off): {cost * 100:.1f}%  [{'PASS' if cost < 0.03 else 'FAIL'}] target < 3%")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "telemetry.json").write_text(json.dumps(result, indent=2))
+    write_json(args.out, "telemetry.json", result)
     return 0

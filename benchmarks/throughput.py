@@ -28,14 +28,11 @@ machine the engine / HF ratio per CPU second is the steadier figure.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import json
 import os
-import platform
 import pstats
-import random
 import sys
 import tempfile
 import time
@@ -44,6 +41,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from benchmarks.options import benchmark_parser
+from benchmarks.records import load_average, progress, write_report
+from benchmarks import workloads
+from benchmarks.workloads import Request, uniform_requests
 from rayserve_paged import LLM, SamplingParams
 from rayserve_paged.models.tiny import SPECIAL_TOKENS, TINY_VOCAB_SIZE, make_tiny_model
 
@@ -57,12 +58,7 @@ TARGET_RATIO_EQUAL = 1.0  # equal lengths
 
 
 @dataclass(frozen=True, slots=True)
-class Workload:
-    num_requests: int
-    min_prompt_len: int
-    max_prompt_len: int
-    min_output_len: int
-    max_output_len: int
+class Workload(workloads.Workload):
     num_sweep_requests: int  # HF batch-size sweep: tokens/s on the first requests only
     model: dict  # config.json overrides of the tiny OPT
 
@@ -115,22 +111,8 @@ QUICK_EQUAL = Workload(
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
-    prompt_token_ids: list[int]
-    output_len: int
-
-
 def make_requests(workload: Workload, seed: int) -> list[Request]:
-    rng = random.Random(f"throughput-{seed}")
-    first = len(SPECIAL_TOKENS)
-    requests = []
-    for _ in range(workload.num_requests):
-        prompt_len = rng.randint(workload.min_prompt_len, workload.max_prompt_len)
-        output_len = rng.randint(workload.min_output_len, workload.max_output_len)
-        prompt = [rng.randrange(first, TINY_VOCAB_SIZE) for _ in range(prompt_len)]
-        requests.append(Request(prompt, output_len))
-    return requests
+    return uniform_requests(workload, f"throughput-{seed}", len(SPECIAL_TOKENS), TINY_VOCAB_SIZE)
 
 
 def kv_cache_gb(workload: Workload, model_dir: str, block_size: int = 16) -> float:
@@ -295,7 +277,7 @@ def run(quick: bool, seed: int, threads: int, hf_batch_size: int | None, num_req
 
 def run_case(workload: Workload, seed: int, threads: int, hf_batch_size: int | None, profile_path: str | None,
              log: Callable[[str], None] = print, target_ratio: float = TARGET_RATIO) -> dict:
-    loadavg_before = _loadavg()
+    loadavg_before = load_average()
     torch.set_num_threads(threads)
     requests = make_requests(workload, seed)
     num_output_tokens = sum(r.output_len for r in requests)
@@ -320,9 +302,9 @@ def run_case(workload: Workload, seed: int, threads: int, hf_batch_size: int | N
                 sweep[b] = subset_tokens / timing.seconds
                 log(f"  hf sweep: batch {b:3d}: {sweep[b]:8.1f} output tokens/s ({len(subset)} requests)")
             hf_batch_size = max(sweep, key=sweep.get)
-        loadavg = {"hf_start": _loadavg()}
+        loadavg = {"hf_start": load_average()}
         hf_timing, hf_tokens = run_hf(hf, requests, hf_batch_size)
-        loadavg["hf_end"] = _loadavg()
+        loadavg["hf_end"] = load_average()
         log(f"  hf batch {hf_batch_size}: {hf_timing.seconds:.1f} s ({hf_timing.cpu_seconds:.1f} CPU s)")
         del hf
 
@@ -331,9 +313,9 @@ def run_case(workload: Workload, seed: int, threads: int, hf_batch_size: int | N
         if torch.get_num_threads() != threads:
             raise RuntimeError(f"torch threads {torch.get_num_threads()} != {threads}")
         run_engine(llm, warmup)
-        loadavg["engine_start"] = _loadavg()
+        loadavg["engine_start"] = load_average()
         engine_timing, engine_tokens = run_engine(llm, requests)
-        loadavg["engine_end"] = _loadavg()
+        loadavg["engine_end"] = load_average()
         counters = llm.engine.scheduler.counters
         log(f"  engine: {engine_timing.seconds:.1f} s ({engine_timing.cpu_seconds:.1f} CPU s)")
         profile = profile_summary = None
@@ -377,9 +359,6 @@ def run_case(workload: Workload, seed: int, threads: int, hf_batch_size: int | N
             "engine": {**engine_config, "num_gpu_blocks": num_gpu_blocks},
             "hf": {"transformers": _transformers_version(), "decoding": "greedy, min_new_tokens = max_new_tokens",
                    "padding": "left", "order": "request order, static batches"},
-            "torch": torch.__version__,
-            "cpu": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
             "loadavg_before": loadavg_before,
             "loadavg": loadavg,
         },
@@ -400,13 +379,6 @@ def _transformers_version() -> str:
     import transformers
 
     return transformers.__version__
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
-    except OSError:
-        return None
 
 
 def format_report(result: dict) -> str:
@@ -459,14 +431,10 @@ def format_case(result: dict) -> list[str]:
     return lines
 
 
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr)  # stderr: stdout holds only the table
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rayserve-paged bench throughput", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="directory for throughput.json")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser = benchmark_parser("rayserve-paged bench throughput", __doc__.splitlines()[0], out_required=True,
+                              out_help="directory for throughput.json", seed=DEFAULT_SEED,
+                              quick_help="seconds, for tests (tiny model, a few requests)")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                         help=f"torch intra-op threads for both systems (default {DEFAULT_THREADS})")
     parser.add_argument("--num-requests", type=int, default=None,
@@ -476,7 +444,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help=f"then run the engine on the first {NUM_PROFILE_REQUESTS} requests under cProfile; "
                         "top functions by cumulative time -> engine_profile.txt")
-    parser.add_argument("--quick", action="store_true", help="seconds, for tests (tiny model, a few requests)")
     args = parser.parse_args(argv)
     if args.num_requests is not None and args.num_requests < 1:
         parser.error("--num-requests must be >= 1")
@@ -485,12 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     profile_path = os.path.join(args.out, "engine_profile.txt") if args.profile else None
     result = run(args.quick, args.seed, args.threads, args.hf_batch_size, args.num_requests, profile_path,
-                 log=_progress)
-    path = os.path.join(args.out, "throughput.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(format_report(result))
-    print(f"\nwrote {path}" + (f" and {profile_path}" if profile_path else ""))
+                 log=progress)
+    write_report(args.out, "throughput.json", result, format_report, *filter(None, [profile_path]))
     return 0
 
 

@@ -78,20 +78,18 @@ class FreeBlockQueue:
 
     def append(self, block: PhysicalBlock) -> None:
         """Most recently freed: evicted last."""
-        last = self._tail.prev_free
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
-        self.num_blocks += 1
+        self._link_after(self._tail.prev_free, block)
 
     def appendleft(self, block: PhysicalBlock) -> None:
         """Holds nothing worth keeping: handed out first."""
-        first = self._head.next_free
-        first.prev_free = block
-        block.next_free = first
-        block.prev_free = self._head
-        self._head.next_free = block
+        self._link_after(self._head, block)
+
+    def _link_after(self, prev: PhysicalBlock, block: PhysicalBlock) -> None:
+        after = prev.next_free
+        prev.next_free = block
+        block.prev_free = prev
+        block.next_free = after
+        after.prev_free = block
         self.num_blocks += 1
 
     def popleft(self) -> PhysicalBlock:

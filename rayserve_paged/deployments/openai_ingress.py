@@ -188,17 +188,11 @@ class _RequestBodyMiddleware:
                 is_complete = True  # the client left
             return message
 
-        is_started = False
-
-        async def tracking_send(message) -> None:
-            nonlocal is_started
-            is_started = is_started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked = _TrackedSend(send)
         try:
-            await self.app(scope, bounded_receive, tracking_send)
+            await self.app(scope, bounded_receive, tracked)
         except RequestBodyRefused as exc:  # read outside a route's body parsing
-            if is_started:
+            if tracked.is_started:
                 raise
             await exc.error.response()(scope, receive, send)
 
@@ -212,20 +206,14 @@ class _InternalErrorMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        is_started = False
-
-        async def tracking_send(message) -> None:
-            nonlocal is_started
-            is_started = is_started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked = _TrackedSend(send)
         try:
-            await self.app(scope, receive, tracking_send)
+            await self.app(scope, receive, tracked)
         except ClientDisconnect:
             raise  # the client left: nothing to answer, nothing went wrong here
         except Exception:
             logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
-            if is_started:
+            if tracked.is_started:
                 raise
             await internal_error().response()(scope, receive, send)
 
@@ -238,6 +226,19 @@ def routing_session(header: str | None, user: str | None) -> str | None:
     if not value:
         return None
     return hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+class _TrackedSend:
+    """An ASGI `send` that knows whether the response has started (then an error can no
+    longer be answered with a response of its own)."""
+
+    def __init__(self, send) -> None:
+        self.send = send
+        self.is_started = False
+
+    async def __call__(self, message) -> None:
+        self.is_started = self.is_started or message["type"] == "http.response.start"
+        await self.send(message)
 
 
 def _route_path(scope) -> str:

@@ -256,9 +256,14 @@ class EngineFrontend:
 
     async def close(self) -> None:
         if self._pump is not None:
-            self._pump.cancel()
-            try:
-                await self._pump
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._pump)
             self._pump = None
+
+
+async def cancel_and_wait(task: asyncio.Task) -> None:
+    """Cancel `task` and return once it has ended."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass

@@ -143,8 +143,13 @@ class OutputProcessor:
             return None
         if request.params.use_beam_search:
             self._apply_beam(choice, request.params, delta)
-            return None
-        return self._apply_tokens(choice, request.params, delta)
+        elif (stop := self._apply_tokens(choice, request.params, delta)) is not None:
+            return stop
+        # what the engine says of the choice after this step: its logprob, and its end
+        choice.cumulative_logprob = delta.cumulative_logprob
+        if delta.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+        return None
 
     def _new_choice(self, request: _Request, index: int) -> _Choice:
         params = request.params
@@ -161,11 +166,11 @@ class OutputProcessor:
         choice.text = self.detokenizer.decode(choice.token_ids, params.skip_special_tokens)
         if isinstance(delta.stop_reason, str) and delta.stop_reason in params.stop:
             _cut_at_stop(choice, params, delta.stop_reason)
-        _end_step(choice, delta)
 
     def _apply_tokens(self, choice: _Choice, params: SamplingParams, delta) -> tuple[int, str] | None:
         """Sampling: the step's new tokens, decoded one by one; the first stop string that
-        ends in the new text ends the choice there (the rest of the step is dropped)."""
+        ends in the new text ends the choice there (the rest of the step is dropped), and
+        is returned with the choice's index."""
         for i, token_id in enumerate(delta.token_ids):
             choice.token_ids.append(token_id)
             if choice.logprobs is not None and delta.top_logprobs is not None:
@@ -178,15 +183,7 @@ class OutputProcessor:
             if params.stop and (stop := _find_stop(choice, params, before)) is not None:
                 choice.cumulative_logprob = delta.cumulative_logprob
                 return choice.index, stop
-        _end_step(choice, delta)
         return None
-
-
-def _end_step(choice: _Choice, delta) -> None:
-    """What the engine says of the choice after this step: its logprob, and its end."""
-    choice.cumulative_logprob = delta.cumulative_logprob
-    if delta.finish_reason is not None:
-        choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 def find_stop(text: str, stops: list[str], before: int) -> tuple[str, int] | None:

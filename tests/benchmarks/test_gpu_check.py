@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu_check
+from benchmarks import gpu_check, gpu_e2e, gpu_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -120,9 +120,9 @@ def test_bring_wheels_reports_what_stays_missing(tmp_path):
 
 
 def test_memcheck_is_skipped_with_its_reason_and_runs_under_the_sanitizer(tmp_path, monkeypatch):
-    assert "no CUDA device" in gpu_check.memcheck_skip_reason(False, "/usr/local/cuda/bin/compute-sanitizer")
-    assert "compute-sanitizer not found" in gpu_check.memcheck_skip_reason(True, None)
-    assert gpu_check.memcheck_skip_reason(True, "/x/compute-sanitizer") is None
+    assert "no CUDA device" in gpu_kernels.memcheck_skip_reason(False, "/usr/local/cuda/bin/compute-sanitizer")
+    assert "compute-sanitizer not found" in gpu_kernels.memcheck_skip_reason(True, None)
+    assert gpu_kernels.memcheck_skip_reason(True, "/x/compute-sanitizer") is None
     # found on PATH, else in $CUDA_HOME/bin
     tool = tmp_path / "cuda" / "bin" / "compute-sanitizer"
     tool.parent.mkdir(parents=True)
@@ -130,11 +130,11 @@ def test_memcheck_is_skipped_with_its_reason_and_runs_under_the_sanitizer(tmp_pa
     tool.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
-    assert gpu_check.find_compute_sanitizer() == str(tool)
+    assert gpu_kernels.find_compute_sanitizer() == str(tool)
     monkeypatch.delenv("CUDA_HOME")
     if not any(Path("/usr/local").glob("cuda*/bin/compute-sanitizer")):
-        assert gpu_check.find_compute_sanitizer() is None
-    result = gpu_check.run_memcheck(str(tool), quick=False)
+        assert gpu_kernels.find_compute_sanitizer() is None
+    result = gpu_kernels.run_memcheck(str(tool), quick=False)
     assert result["clean"] and result["sanitizer_errors"] == 0 and result["summary"] == "1 passed in 0.1s"
     assert result["command"].startswith(f"{tool} --tool memcheck --error-exitcode 1")
     assert result["command"].endswith("tests/ops/test_triton.py -q -p no:cacheprovider -m quick")
@@ -142,7 +142,7 @@ def test_memcheck_is_skipped_with_its_reason_and_runs_under_the_sanitizer(tmp_pa
 
 @pytest.mark.parametrize("num_seqs, blocks_per_seq, expected", [(1, 128, 129), (8, 3, 25)])
 def test_profile_caches_hold_block_zero_plus_every_table(num_seqs, blocks_per_seq, expected):
-    assert gpu_check.profile_cache_blocks(num_seqs, blocks_per_seq) == expected
+    assert gpu_e2e.profile_cache_blocks(num_seqs, blocks_per_seq) == expected
 
 
 def test_runner_greedy_refuses_tables_past_the_cache():
@@ -151,7 +151,7 @@ def test_runner_greedy_refuses_tables_past_the_cache():
         shape = (128, 16, 1, 8)
 
     with pytest.raises(ValueError, match="need 129 cache blocks"):
-        gpu_check.runner_greedy(None, [(Cache(), Cache())], [[7] * 2047], 1, 16, 128)
+        gpu_e2e.runner_greedy(None, [(Cache(), Cache())], [[7] * 2047], 1, 16, 128)
     Cache.shape = (129, 16, 1, 8)
     with pytest.raises(ValueError, match="2049 tokens do not fit 128 blocks of 16"):
-        gpu_check.runner_greedy(None, [(Cache(), Cache())], [[7] * 2048], 2, 16, 128)
+        gpu_e2e.runner_greedy(None, [(Cache(), Cache())], [[7] * 2048], 2, 16, 128)

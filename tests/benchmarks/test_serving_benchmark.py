@@ -14,6 +14,7 @@ import time
 import pytest
 
 from benchmarks import serving
+from benchmarks.metrics import latency_summary, percentile
 from benchmarks.serving import (
     QUICK,
     RequestResult,
@@ -23,9 +24,7 @@ from benchmarks.serving import (
     Workload,
     arrival_times,
     cpu_delta,
-    latency_summary,
     make_requests,
-    percentile,
     summarize,
 )
 from rayserve_paged import cli

@@ -56,12 +56,18 @@ def test_append_takes_a_new_block_only_when_the_last_is_full():
     assert bm.usage().gpu_used == 4
 
 
-def test_fork_shares_blocks_and_copy_on_write_copies_only_the_last():
-    bm = BlockManager(16, 12, 4, enable_prefix_caching=False)
+def forked_pair(num_cpu: int):
+    """A 40-token request admitted to a pool of 12 GPU blocks (no prefix cache), forked
+    once: (bm, group, parent, child), the two sharing blocks 0, 1, 2."""
+    bm = BlockManager(16, 12, num_cpu, enable_prefix_caching=False)
     group = make_group("a", 40)
     admit(bm, group)
-    parent = group.seqs[0]
     (child,) = fork_group_direct(bm, group, 1)
+    return bm, group, group.seqs[0], child
+
+
+def test_fork_shares_blocks_and_copy_on_write_copies_only_the_last():
+    bm, group, parent, child = forked_pair(num_cpu=4)
     assert [bm.gpu.blocks[b].ref_count for b in (0, 1, 2)] == [2, 2, 2]
     assert bm.usage().gpu_used == 3
     # the parent writes token 41 into shared block 2: copy it to block 3 first
@@ -276,11 +282,7 @@ def test_watermark_holds_back_admissions_but_never_refuses_what_the_pool_holds()
 
 
 def test_swap_out_and_in_map_each_shared_block_once():
-    bm = BlockManager(16, 12, 8, enable_prefix_caching=False)
-    group = make_group("a", 40)
-    admit(bm, group)
-    parent = group.seqs[0]
-    (child,) = fork_group_direct(bm, group, 1)
+    bm, group, parent, child = forked_pair(num_cpu=8)
     decode(bm, parent)  # parent: [0, 1, 3], child: [0, 1, 2]
     assert bm.can_swap_out(group)
     mapping = bm.swap_out(group)

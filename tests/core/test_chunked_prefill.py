@@ -5,7 +5,7 @@ from __future__ import annotations
 from rayserve_paged.core import SequenceStatus
 
 from .invariants import check_scheduler
-from .worlds import fork_group, make_group, make_world, run_step
+from .worlds import finish, fork_group, make_group, make_world, run_step
 from .views import groups
 
 
@@ -75,9 +75,7 @@ def _preempted_mid_prefill(mode):
 def test_a_partly_prefilled_request_preempted_by_recompute_starts_over_from_its_cached_blocks():
     s, bm, b = _preempted_mid_prefill("recompute")
     assert b.seqs[0].status is SequenceStatus.WAITING and b.seqs[0].num_computed_tokens == 0
-    a = s.groups["a"]
-    a.seqs[0].status = SequenceStatus.FINISHED_STOPPED
-    s.free_finished(a)
+    finish(s, s.groups["a"])
     # b's two computed full blocks (tokens 0-31) are still cached: it restarts at 32
     assert work(step(s)) == [("b", 32, 8, True)]
 
@@ -85,9 +83,7 @@ def test_a_partly_prefilled_request_preempted_by_recompute_starts_over_from_its_
 def test_a_partly_prefilled_request_swapped_out_resumes_where_it_stopped():
     s, bm, b = _preempted_mid_prefill("swap")
     assert b.seqs[0].status is SequenceStatus.SWAPPED and b.seqs[0].num_computed_tokens == 32
-    a = s.groups["a"]
-    a.seqs[0].status = SequenceStatus.FINISHED_STOPPED
-    s.free_finished(a)
+    finish(s, s.groups["a"])
     out = step(s)
     assert work(out) == [("b", 32, 8, True)] and len(out.message.blocks_to_swap_in) + len(out.message.blocks_to_copy) <= 3
     assert work(step(s)) == [("b", 40, 1, True)]

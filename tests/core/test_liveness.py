@@ -15,26 +15,20 @@ import itertools
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, rule
 
-from rayserve_paged.core import (
-    BlockManager,
-    SamplingParams,
-    Scheduler,
-    SchedulerConfig,
-    Sequence,
-    SequenceGroup,
-    SequenceStatus,
-)
+from rayserve_paged.core import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 
 from .invariants import check_scheduler
+from .machines import SchedulerMachine
 from .test_properties import ShadowKV
 from .views import groups
+from .worlds import make_world
 
 MAX_MODEL_LEN = 64
 
 
-class LivenessMachine(RuleBasedStateMachine):
+class LivenessMachine(SchedulerMachine):
     @initialize(
         block_size=st.sampled_from([8, 16, 32]),
         extra_blocks=st.integers(0, 6),
@@ -47,14 +41,13 @@ class LivenessMachine(RuleBasedStateMachine):
     )
     def setup(self, block_size, extra_blocks, num_cpu, mode, chunked, budget, watermark, caching):
         num_gpu = -(-MAX_MODEL_LEN // block_size) + extra_blocks  # from exactly max_model_len up
-        bm = BlockManager(block_size, num_gpu, num_cpu, watermark=watermark, enable_prefix_caching=caching)
         if not chunked:
             budget = MAX_MODEL_LEN
-        config = SchedulerConfig(
-            max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN,
-            preemption_mode=mode, enable_chunked_prefill=chunked,
+        self.s, _ = make_world(
+            num_gpu, num_cpu, block_size, watermark=watermark, caching=caching, max_num_seqs=8,
+            max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN, preemption_mode=mode,
+            enable_chunked_prefill=chunked,
         )
-        self.s = Scheduler(config, bm)
         self.shadow = ShadowKV(block_size)
         self.ids = itertools.count()
         self.seqs: dict[int, Sequence] = {}
@@ -112,26 +105,12 @@ class LivenessMachine(RuleBasedStateMachine):
                     seq.status = SequenceStatus.FINISHED_LENGTH
             self.s.free_finished(group)
 
-    def _fork(self, group, parent):
-        child = parent.fork(next(self.ids))
-        self.seqs[child.seq_id] = child
-        self.s.fork_seq(group, parent, child)
-
     @rule(data=st.data())
     def step(self, data):
         self._step(data.draw)
 
-    @precondition(lambda self: self.s.groups)
-    @rule(data=st.data())
-    def abort(self, data):
-        request_id = data.draw(st.sampled_from(sorted(self.s.groups)))
-        assert self.s.abort(request_id) is not None
+    def on_abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
-
-    @invariant()
-    def consistent(self):
-        if hasattr(self, "s"):
-            check_scheduler(self.s)
 
     def teardown(self):
         if not hasattr(self, "s"):

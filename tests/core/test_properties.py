@@ -13,20 +13,14 @@ import itertools
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, precondition, rule
 
-from rayserve_paged.core import (
-    BlockManager,
-    SamplingParams,
-    Scheduler,
-    SchedulerConfig,
-    Sequence,
-    SequenceGroup,
-    SequenceStatus,
-)
+from rayserve_paged.core import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 
 from .invariants import check_scheduler
+from .machines import SchedulerMachine
 from .views import groups
+from .worlds import make_world
 
 PREFIXES = [list(range(10, 50)), list(range(60, 75)), [5] * 33]
 
@@ -70,7 +64,7 @@ class ShadowKV:
                 assert read == seq.token_ids[:end], f"seq {ss.seq_id} reads {read} != {seq.token_ids[:end]}"
 
 
-class SchedulerMachine(RuleBasedStateMachine):
+class StepMachine(SchedulerMachine):
     @initialize(
         block_size=st.sampled_from([4, 16]),
         num_gpu=st.integers(6, 24),
@@ -79,9 +73,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
     )
     def setup(self, block_size, num_gpu, num_cpu, mode, caching):
-        bm = BlockManager(block_size, num_gpu, num_cpu, watermark=0.0, enable_prefix_caching=caching)
-        config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128, preemption_mode=mode)
-        self.s = Scheduler(config, bm)
+        self.s, _ = make_world(
+            num_gpu, num_cpu, block_size, caching=caching,
+            max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128, preemption_mode=mode,
+        )  # fmt: skip
         self.shadow = ShadowKV(block_size)
         self.ids = itertools.count()
         self.seqs: dict[int, Sequence] = {}
@@ -117,11 +112,6 @@ class SchedulerMachine(RuleBasedStateMachine):
                     seq.status = SequenceStatus.FINISHED_STOPPED
             self.s.free_finished(group)
 
-    def _fork(self, group, parent):
-        child = parent.fork(next(self.ids))
-        self.seqs[child.seq_id] = child
-        self.s.fork_seq(group, parent, child)
-
     @precondition(lambda self: any(g.get_seqs(SequenceStatus.RUNNING) for g in self.s.running))
     @rule(data=st.data())
     def beam_step(self, data):
@@ -136,17 +126,6 @@ class SchedulerMachine(RuleBasedStateMachine):
             loser.status = SequenceStatus.FINISHED_STOPPED
             self.s.free_finished(group)
 
-    @precondition(lambda self: self.s.groups)
-    @rule(data=st.data())
-    def abort(self, data):
-        request_id = data.draw(st.sampled_from(sorted(self.s.groups)))
-        assert self.s.abort(request_id) is not None
-
-    @invariant()
-    def consistent(self):
-        if hasattr(self, "s"):
-            check_scheduler(self.s)
-
     def teardown(self):
         if not hasattr(self, "s"):
             return
@@ -158,10 +137,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert usage.gpu_free + usage.gpu_cached == usage.gpu_total
 
 
-SchedulerMachine.TestCase.settings = settings(
+StepMachine.TestCase.settings = settings(
     max_examples=150,
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-TestScheduler = SchedulerMachine.TestCase
+TestScheduler = StepMachine.TestCase

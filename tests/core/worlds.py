@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import itertools
 
-from rayserve_paged.core import (
-    BlockManager,
-    SamplingParams,
-    Scheduler,
-    SchedulerConfig,
-    Sequence,
-    SequenceGroup,
-    SequenceStatus,
-)
+from rayserve_paged.core.block_manager import BlockManager
+from rayserve_paged.core.scheduler import Scheduler, SchedulerConfig
+from rayserve_paged.core.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 
 from .views import groups
 

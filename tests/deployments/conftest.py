@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import json
 
 import httpx
@@ -42,14 +43,33 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture
-async def engine_client(engine):
-    client = InProcessEngineClient(engine, MODEL)
+@contextlib.asynccontextmanager
+async def idle_client(engine, **options):
+    """An InProcessEngineClient over `engine` (`options`: its stream intervals), closed at
+    the end; every test leaves the engine idle with all KV blocks free."""
+    client = InProcessEngineClient(engine, MODEL, **options)
     yield client
     await client.close()
-    # every test leaves the engine idle with all KV blocks free
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_gpu_blocks() == engine.block_manager.gpu.num_blocks
+
+
+def asgi_client(app, **kwargs) -> httpx.AsyncClient:
+    """An HTTP client calling the ASGI app in this process."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def app_http(client, engine):
+    """HTTP to the OpenAI app over `client`."""
+    async with asgi_client(create_openai_app(client, engine.tokenizer, MODEL)) as http:
+        yield http
+
+
+@pytest.fixture
+async def engine_client(engine):
+    async with idle_client(engine) as client:
+        yield client
 
 
 @pytest.fixture
@@ -59,7 +79,7 @@ def app(engine_client, engine):
 
 @pytest.fixture
 async def http(app):
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+    async with asgi_client(app) as client:
         yield client
 
 

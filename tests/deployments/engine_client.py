@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rayserve_paged.engine.frontend import EngineFrontend
+from rayserve_paged.engine.frontend import EngineFrontend, cancel_and_wait
 from rayserve_paged.engine.llm_engine import LLMEngine
 from rayserve_paged.telemetry import ReplicaTelemetry, TelemetryConfig
 
@@ -63,11 +63,7 @@ class InProcessCore:
 
     async def close(self) -> None:
         if self._stepper is not None:
-            self._stepper.cancel()
-            try:
-                await self._stepper
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._stepper)
             self._stepper = None
 
 

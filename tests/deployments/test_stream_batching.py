@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
 
 from rayserve_paged.core.sequence import SamplingParams
-from rayserve_paged.deployments.openai_ingress import create_openai_app
 from rayserve_paged.engine.frontend import DeltaBuffer, EngineFrontend
 from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
-from tests.deployments.conftest import MODEL, parse_sse
+from tests.deployments.conftest import MODEL, app_http, idle_client, parse_sse
 from tests.deployments.engine_client import InProcessEngineClient
 from tests.deployments import test_streaming as streaming
 from tests.deployments.test_structured_outputs import MESSAGES, TOOLS
@@ -28,18 +26,14 @@ SETTINGS = [(1, 0.0), (1, 20.0), (4, 20.0), (1, NEVER), (4, NEVER)]  # (stream_i
 @pytest.fixture(params=SETTINGS, ids=lambda s: f"interval{s[0]}-{s[1]:g}ms")
 async def batching_client(request, engine):
     stream_interval, ms = request.param
-    client = InProcessEngineClient(engine, MODEL, stream_interval=stream_interval, stream_batching_interval_ms=ms)
-    yield client
-    await client.close()
-    assert not engine.has_unfinished_requests()
-    assert engine.block_manager.num_free_gpu_blocks() == engine.block_manager.gpu.num_blocks
+    async with idle_client(engine, stream_interval=stream_interval, stream_batching_interval_ms=ms) as client:
+        yield client
 
 
 @pytest.fixture
 async def batching_http(batching_client, engine):
-    app = create_openai_app(batching_client, engine.tokenizer, MODEL)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-        yield client
+    async with app_http(batching_client, engine) as http:
+        yield http
 
 
 async def test_streamed_completion_and_chat_equal_the_whole_ones(batching_http):

@@ -4,14 +4,11 @@ logprobs, stop strings, usage), and a finish is never held back."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from rayserve_paged.core.sequence import SamplingParams
-from rayserve_paged.deployments.openai_ingress import create_openai_app
 from rayserve_paged.engine.frontend import EngineFrontend
-from tests.deployments.conftest import MODEL
-from tests.deployments.engine_client import InProcessEngineClient
+from tests.deployments.conftest import app_http, idle_client
 from tests.deployments.test_streaming import PROMPT, assert_streamed_completion_equals_the_whole_one
 
 pytestmark = pytest.mark.anyio
@@ -21,18 +18,14 @@ INTERVAL = 4
 
 @pytest.fixture
 async def interval_client(engine):
-    client = InProcessEngineClient(engine, MODEL, stream_interval=INTERVAL)
-    yield client
-    await client.close()
-    assert not engine.has_unfinished_requests()
-    assert engine.block_manager.num_free_gpu_blocks() == engine.block_manager.gpu.num_blocks
+    async with idle_client(engine, stream_interval=INTERVAL) as client:
+        yield client
 
 
 @pytest.fixture
 async def interval_http(interval_client, engine):
-    app = create_openai_app(interval_client, engine.tokenizer, MODEL)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-        yield client
+    async with app_http(interval_client, engine) as http:
+        yield http
 
 
 async def test_deltas_carry_interval_tokens_and_the_first_comes_alone(interval_client, engine):

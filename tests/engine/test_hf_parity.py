@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.gpu_e2e import PROMPTS  # the GPU check runs the same prompts against HF
 from rayserve_paged import LLM, SamplingParams
 
 from .conftest import hf_generate
-
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog",
-    "Paged attention keeps the cache in blocks",
-    "Hello",
-    "A much longer prompt that runs across more than one block of sixteen tokens, "
-    "so that the block tables of this batch have different lengths and shapes",
-]
 
 
 def _engine(path, **options):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from rayserve_paged.ops.attention import PAD_SLOT, AttentionMetadata
+from rayserve_paged.ops.cache_ops import slot_of
 
 
 @dataclass(slots=True)
@@ -135,7 +136,17 @@ def new_token_slots(batch: PagedBatch) -> list[int]:
 
 
 def slots_of(table: list[int], positions, block_size: int) -> list[int]:
-    return [table[p // block_size] * block_size + p % block_size for p in positions]
+    return [slot_of(table, p, block_size) for p in positions]
+
+
+def counted(calls: dict[str, int], name: str, fn):
+    """`fn`, counting its calls in calls[name] (for monkeypatching a check)."""
+
+    def wrapper(*args):
+        calls[name] += 1
+        return fn(*args)
+
+    return wrapper
 
 
 def _padded_tables(tables: list[list[int]], device) -> torch.Tensor:

@@ -21,19 +21,11 @@ from hypothesis import strategies as st
 from rayserve_paged.ops import TorchReferenceBackend, cpu_decode, reshape_and_cache
 
 from .builders import make_attention_inputs, make_metadata
-from .test_reference import dense_attention, generator, run_case  # noqa: F401  (generator: a fixture)
+from .test_reference import dense_attention, run_case
 
 requires_compiler = pytest.mark.skipif(cpu_decode.compiler() is None, reason="needs a C++ compiler")
 
 PATHS = {"kernel": True, "torch_path": False}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 def check_matches_dense(batch, output, expected, atol=1e-5):

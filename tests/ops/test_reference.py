@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
-import zlib
 
 import pytest
 import torch
@@ -27,24 +26,9 @@ from rayserve_paged.ops import (
 )
 from rayserve_paged.ops.cache_ops import contiguous_runs
 
-from .builders import make_attention_inputs, make_metadata, new_token_slots
+from .builders import counted, make_attention_inputs, make_metadata, new_token_slots
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add spin-waiting on a shared 2-core machine."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
-@pytest.fixture
-def generator(request) -> torch.Generator:
-    """A fresh generator per test, seeded from the test id (different for every parameter set)."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def randn(generator, *shape, dtype=torch.float32) -> torch.Tensor:
@@ -659,15 +643,9 @@ def test_checks_run_once_per_step_not_per_layer(generator, monkeypatch):
 
     calls = {"step": 0, "layer": 0}
 
-    def counted(name, check):
-        def wrapper(*args):
-            calls[name] += 1
-            return check(*args)
-
-        return wrapper
-
-    monkeypatch.setattr(paged_attention, "check_step_metadata", counted("step", paged_attention.check_step_metadata))
-    monkeypatch.setattr(paged_attention, "check_layer_inputs", counted("layer", paged_attention.check_layer_inputs))
+    step_check, layer_check = paged_attention.check_step_metadata, paged_attention.check_layer_inputs
+    monkeypatch.setattr(paged_attention, "check_step_metadata", counted(calls, "step", step_check))
+    monkeypatch.setattr(paged_attention, "check_layer_inputs", counted(calls, "layer", layer_check))
     batch = make_metadata(**CASES["mixed"], block_size=16, generator=generator)
     layers = _layers(batch, generator, num_layers=4)
     backend = TorchReferenceBackend()

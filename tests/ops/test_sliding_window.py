@@ -15,20 +15,11 @@ import torch
 from rayserve_paged.ops import TorchReferenceBackend, cpu_decode
 
 from .builders import make_attention_inputs, make_metadata
-from .test_reference import generator  # noqa: F401  (a fixture)
 
 PATHS = {"cpu_kernel": True, "torch_path": False}
 HEADS = [(4, 4), (8, 2), (8, 1)]  # GQA group sizes 1, 4, 8
 # prefills (context_len, new tokens) and decodes (context_len), across and inside windows
 CASE = dict(prefills=[(0, 30), (21, 6), (3, 2)], decodes=[0, 4, 37, 70])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 def dense_windowed_attention(inputs, batch, scale, window, soft_cap) -> torch.Tensor:

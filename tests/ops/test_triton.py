@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import zlib
 
 import torch
 
@@ -36,7 +35,7 @@ from rayserve_paged.ops.triton_backend import (  # noqa: E402
     reshape_and_cache,
 )
 
-from .builders import make_attention_inputs, make_metadata  # noqa: E402
+from .builders import counted, make_attention_inputs, make_metadata  # noqa: E402
 
 if DEVICE == "cpu" and not triton_backend.is_interpreted():
     importlib.reload(triton_kernels)  # something imported the kernels before the variable was set
@@ -48,21 +47,6 @@ DTYPES = list(TOLERANCES)
 BLOCK_SIZES = [8, 16, 32]
 HEADS = [(4, 4), (4, 2), (8, 2)]  # (num_heads, num_kv_heads): GQA ratios 1, 2, 4
 HEAD_DIMS = [64, 80, 96, 128, 256]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add spin-waiting on a shared 2-core machine."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
-@pytest.fixture
-def generator(request) -> torch.Generator:
-    """A fresh generator per test, seeded from the test id (different for every parameter set)."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -725,26 +709,26 @@ def once(torch_module, fn, *, repeats):
 
 
 def test_gpu_check_parses_arguments_and_counts_bytes_and_flops(tmp_path):
-    from benchmarks import gpu_check
+    from benchmarks import gpu_check, gpu_kernels
 
     args = gpu_check.parse_args([str(tmp_path), "--quick"])
     assert args.out_dir == tmp_path and args.quick and not args.skip_tests
     # K and V of 512 tokens x 8 kv heads x 128 lanes x 2 bytes, query + output, table row + length
-    assert gpu_check.decode_bytes(1, 512, 2) == 2 * 512 * 8 * 128 * 2 + 2 * 32 * 128 * 2 + 32 * 4 + 4
-    assert gpu_check.prefill_flops(1, 0, 4) == 4 * 32 * 128 * (1 + 2 + 3 + 4)
-    assert gpu_check.prefill_flops(2, 3, 2) == 2 * 4 * 32 * 128 * (4 + 5)
+    assert gpu_kernels.decode_bytes(1, 512, 2) == 2 * 512 * 8 * 128 * 2 + 2 * 32 * 128 * 2 + 32 * 4 + 4
+    assert gpu_kernels.prefill_flops(1, 0, 4) == 4 * 32 * 128 * (1 + 2 + 3 + 4)
+    assert gpu_kernels.prefill_flops(2, 3, 2) == 2 * 4 * 32 * 128 * (4 + 5)
 
 
 def test_gpu_check_measurement_code_runs_on_this_device():
     """The GPU-only measurement paths, on tiny shapes with a stand-in timer: the paged
     results must agree with the dense SDPA the script compares against."""
-    from benchmarks import gpu_check
+    from benchmarks import gpu_check, gpu_kernels
 
-    decode = gpu_check.decode_point(torch, torch.float32, 2, 40, repeats=1, device=DEVICE, timer=once)
-    assert decode["variant"] == "single" and decode["bytes"] == gpu_check.decode_bytes(2, 40, 4)
+    decode = gpu_kernels.decode_point(torch, torch.float32, 2, 40, repeats=1, device=DEVICE, timer=once)
+    assert decode["variant"] == "single" and decode["bytes"] == gpu_kernels.decode_bytes(2, 40, 4)
     assert decode["max_abs_diff_vs_dense"] < 1e-4
     for context in (0, 16):
-        prefill = gpu_check.prefill_point(torch, torch.float32, 2, context, 8, repeats=1, device=DEVICE, timer=once)
+        prefill = gpu_kernels.prefill_point(torch, torch.float32, 2, context, 8, repeats=1, device=DEVICE, timer=once)
         assert "dense_error" not in prefill and prefill["max_abs_diff_vs_dense"] < 1e-4
     report = {
         "environment": {"torch": "x", "triton": "y", "device": "GPU"}, "quick": False, "skipped": {}, "errors": {},
@@ -766,15 +750,10 @@ def test_layers_share_one_checked_plan_per_step(monkeypatch, generator):
     (the partition buffers reused), and each layer's output and cache match the reference."""
     calls = {"layer": 0, "decode": 0}
 
-    def counted(name, check):
-        def wrapper(*args):
-            calls[name] += 1
-            return check(*args)
-
-        return wrapper
-
-    monkeypatch.setattr(triton_backend, "check_layer_inputs", counted("layer", triton_backend.check_layer_inputs))
-    monkeypatch.setattr(triton_backend, "_check_decode_inputs", counted("decode", triton_backend._check_decode_inputs))
+    monkeypatch.setattr(triton_backend, "check_layer_inputs", counted(calls, "layer", triton_backend.check_layer_inputs))
+    monkeypatch.setattr(
+        triton_backend, "_check_decode_inputs", counted(calls, "decode", triton_backend._check_decode_inputs)
+    )
     backend = TritonBackend()
     batch = make_metadata(prefills=[(0, 5)], decodes=[600, 3], block_size=32, generator=generator, device=DEVICE)
     for step in range(2):

@@ -20,18 +20,11 @@ from rayserve_paged.worker.kv_sizing import kv_cache_budget_bytes
 from rayserve_paged.worker.model_runner import ModelRunner
 from rayserve_paged.worker.static_decode import StaticDecode, decode_buckets, decode_rows
 from tests.core.views import GroupView, SeqView
+from tests.models.conftest import one_torch_thread  # noqa: F401  (an autouse fixture)
 
 BLOCK_SIZE = 8
 MAX_MODEL_LEN = 128
 PREFIX = 2 * BLOCK_SIZE  # tokens of the shared prompt prefix: two full blocks
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -24,14 +24,7 @@ from rayserve_paged.deployments.protocol import (
     DeltaMessage,
 )
 from rayserve_paged.deployments.serving.logprobs import chat_logprobs
-from rayserve_paged.deployments.serving.pipeline import (
-    ChoiceProgress,
-    GenerationPipeline,
-    Prompt,
-    check_fits,
-    reasons_json,
-    width_field,
-)
+from rayserve_paged.deployments.serving.pipeline import ChoiceProgress, GenerationPipeline, Prompt, reasons_json
 from rayserve_paged.deployments.sse import EventFrame, EventStreamResponse, json_response, json_value
 from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
 from rayserve_paged.engine.tool_calls import (
@@ -59,12 +52,11 @@ class ChatServing:
         pipeline = self.pipeline
         info, params = await pipeline.begin(request)
         params = _with_forced_tool_calls(request, params)
-        if admission is not None:
-            admission.reserve_sequences(1, params.best_of, width_field(request))
+        pipeline.reserve(admission, request, 1, params)
         tools = self._tool_mode(request)
         prompt = await pipeline.in_pool(lambda: self.render(request))
         max_tokens_field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        check_fits(prompt.token_ids, params.max_tokens, info, "messages", max_tokens_field)
+        pipeline.check_fits(prompt.token_ids, params.max_tokens, info, "messages", max_tokens_field)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         request_ids = [f"{response_id}-0"]
         if request.stream:

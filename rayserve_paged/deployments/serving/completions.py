@@ -13,14 +13,7 @@ from rayserve_paged.deployments.admission import Admission
 from rayserve_paged.deployments.errors import bad_request
 from rayserve_paged.deployments.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from rayserve_paged.deployments.serving.logprobs import completion_logprobs
-from rayserve_paged.deployments.serving.pipeline import (
-    ChoiceProgress,
-    GenerationPipeline,
-    Prompt,
-    check_fits,
-    reasons_json,
-    width_field,
-)
+from rayserve_paged.deployments.serving.pipeline import ChoiceProgress, GenerationPipeline, Prompt, reasons_json
 from rayserve_paged.deployments.sse import EventFrame, EventStreamResponse, json_response, json_value
 from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
 
@@ -35,11 +28,10 @@ class CompletionServing:
         if request.echo and request.logprobs is not None:
             raise bad_request("echo: cannot be combined with logprobs (prompt logprobs are not computed)")
         texts = _prompt_list(request.prompt)
-        if admission is not None:
-            admission.reserve_sequences(len(texts), params.best_of, "prompt" if len(texts) > 1 else width_field(request))
+        pipeline.reserve(admission, request, len(texts), params)
         prompts = await pipeline.in_pool(lambda: [self._prompt(p) for p in texts])
         for prompt in prompts:
-            check_fits(prompt.token_ids, params.max_tokens, info, "prompt", "max_tokens")
+            pipeline.check_fits(prompt.token_ids, params.max_tokens, info, "prompt", "max_tokens")
         response_id = f"cmpl-{uuid.uuid4().hex}"
         request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         if request.stream:

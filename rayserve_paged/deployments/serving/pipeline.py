@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
+from rayserve_paged.deployments.admission import Admission
 from rayserve_paged.deployments.errors import (
     OpenAIError,
     bad_request,
@@ -130,6 +131,38 @@ class GenerationPipeline:
         self.check_model(request.model)
         info = await self.model_info()
         return info, sampling_params(request, info)
+
+    def reserve(
+        self, admission: Admission | None, request: CompletionRequest | ChatCompletionRequest, num_prompts: int,
+        params: SamplingParams,
+    ) -> None:  # fmt: skip
+        """The request's sequences (prompts x best_of) against the replica's limit; an
+        overload names the field that set their number."""
+        if admission is not None:
+            field = "prompt" if num_prompts > 1 else _width_field(request)
+            admission.reserve_sequences(num_prompts, params.best_of, field)
+
+    @staticmethod
+    def check_fits(token_ids: list[int], max_tokens: int | None, info: dict, prompt_field: str, max_field: str) -> None:
+        """The prompt's token ids are in the vocabulary, and prompt + max_tokens fit the
+        model's context; else a 400 naming `prompt_field` or `max_field`."""
+        vocab_size = info.get("vocab_size")
+        if vocab_size is not None:
+            bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise bad_request(f"{prompt_field}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        max_model_len = info["max_model_len"]
+        num_prompt = len(token_ids)
+        if num_prompt >= max_model_len:
+            raise bad_request(
+                f"{prompt_field}: the prompt has {num_prompt} tokens, leaving no room to generate within "
+                f"this model's maximum context length of {max_model_len} tokens"
+            )
+        if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+            raise bad_request(
+                f"{max_field}: this model's maximum context length is {max_model_len} tokens and the prompt has "
+                f"{num_prompt}, so at most {max_model_len - num_prompt} can be generated (asked for {max_tokens})"
+            )
 
     # ---------------------------------------------------------------- model info, health
 
@@ -388,7 +421,7 @@ def engine_renames(request: CompletionRequest | ChatCompletionRequest) -> dict[s
     return renames
 
 
-def width_field(request: CompletionRequest | ChatCompletionRequest) -> str:
+def _width_field(request: CompletionRequest | ChatCompletionRequest) -> str:
     """The field that set how many sequences each prompt starts."""
     return "best_of" if request.best_of is not None else "n"
 
@@ -398,26 +431,6 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, info: di
         return to_sampling_params(request, int(info.get("max_logprobs", 0)))
     except SamplingParamsError as exc:
         raise bad_request(str(exc)) from None
-
-
-def check_fits(token_ids: list[int], max_tokens: int | None, info: dict, prompt_field: str, max_field: str) -> None:
-    vocab_size = info.get("vocab_size")
-    if vocab_size is not None:
-        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"{prompt_field}: token id {bad} is outside the vocabulary [0, {vocab_size})")
-    max_model_len = info["max_model_len"]
-    num_prompt = len(token_ids)
-    if num_prompt >= max_model_len:
-        raise bad_request(
-            f"{prompt_field}: the prompt has {num_prompt} tokens, leaving no room to generate within "
-            f"this model's maximum context length of {max_model_len} tokens"
-        )
-    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
-        raise bad_request(
-            f"{max_field}: this model's maximum context length is {max_model_len} tokens and the prompt has "
-            f"{num_prompt}, so at most {max_model_len - num_prompt} can be generated (asked for {max_tokens})"
-        )
 
 
 def _check_served(result: RequestOutput) -> None:

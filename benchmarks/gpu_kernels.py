@@ -1,0 +1,373 @@
+"""gpu_check's kernel check: the Triton tests (compiled on the GPU, interpreted on CPU), the
+memcheck run, the copy bandwidth and paged decode / prefill attention timed against dense
+SDPA. benchmarks/gpu_check.py runs it; its docstring has the plan."""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# wall-clock guards of the test runs (seconds): killed after these
+TESTS_TIMEOUT_S = {"quick": 150, "full": 200}
+MEMCHECK_TIMEOUT_S = {"quick": 60, "full": 60}
+CUDA = "cuda:0"  # every device this check hands the project's code names its index
+DECODE_BATCHES = (1, 16, 64, 256)
+DECODE_CONTEXTS = (512, 2048, 8192)
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+PREFILL_CASES = ((1, 0, 2048), (8, 0, 512), (4, 1024, 512), (16, 0, 128))  # (num_seqs, context, new tokens)
+
+
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def expired(self) -> bool:
+        return time.monotonic() > self.end
+
+
+# ---------------------------------------------------------------------------- tests
+
+
+TRITON_TESTS = [sys.executable, "-m", "pytest", "tests/ops/test_triton.py", "-q", "-p", "no:cacheprovider"]
+
+
+def run_tests(has_cuda: bool, quick: bool) -> dict:
+    device = "cuda" if has_cuda else "cpu"
+    command = TRITON_TESTS + (["-m", "quick"] if quick else [])
+    result = _run_pytest(command, device, TESTS_TIMEOUT_S["quick" if quick else "full"])
+    del result["output"]
+    return result | {"device": device, "interpreter": not has_cuda}
+
+
+def find_compute_sanitizer() -> str | None:
+    """compute-sanitizer on PATH, in $CUDA_HOME/bin or in a /usr/local/cuda*/bin; None if absent."""
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    folders = [Path(os.environ["CUDA_HOME"]) / "bin"] if os.environ.get("CUDA_HOME") else []
+    folders += sorted(Path("/usr/local").glob("cuda*/bin"))
+    return next((str(folder / "compute-sanitizer") for folder in folders if (folder / "compute-sanitizer").is_file()), None)
+
+
+def memcheck_skip_reason(has_cuda: bool, sanitizer: str | None) -> str | None:
+    """Why the memcheck step cannot run here; None when it can."""
+    if not has_cuda:
+        return "no CUDA device: compute-sanitizer has nothing to check"
+    if sanitizer is None:
+        return "compute-sanitizer not found (looked on PATH, in $CUDA_HOME/bin and /usr/local/cuda*/bin)"
+    return None
+
+
+def run_memcheck(sanitizer: str, quick: bool) -> dict:
+    """The `quick` Triton tests (one per kernel path, small shapes; the kernels compiled by
+    the tests step come from Triton's cache) under compute-sanitizer's memcheck: any
+    out-of-bounds or misaligned access fails the step."""
+    command = [sanitizer, "--tool", "memcheck", "--error-exitcode", "1", "--print-limit", "20",
+               "--target-processes", "all"] + TRITON_TESTS + ["-m", "quick"]
+    result = _run_pytest(command, "cuda", MEMCHECK_TIMEOUT_S["quick" if quick else "full"])
+    errors = re.findall(r"ERROR SUMMARY: (\d+) error", result.pop("output"))
+    return result | {"sanitizer_errors": int(errors[-1]) if errors else None, "clean": result["returncode"] == 0}
+
+
+def _run_pytest(command: list[str], device: str, timeout: float) -> dict:
+    env = os.environ | {"RAYSERVE_PAGED_TRITON_TEST_DEVICE": device}
+    started = time.monotonic()
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in result.stdout.strip().splitlines()  # pytest's last line: "N passed ... in S s"
+             if re.search(r"\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s", line)]
+    summary = lines[-1] if lines else (result.stdout.strip().splitlines() or [""])[-1]
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}
+    if result.returncode != 0:
+        print(result.stdout[-4000:], result.stderr[-2000:], sep="\n")
+    return {
+        "command": " ".join(command[1:] if command[0] == sys.executable else command), "returncode": result.returncode,
+        "summary": summary, "counts": counts, "seconds": round(time.monotonic() - started, 1),
+        "output": result.stdout + result.stderr,
+    }
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+def cuda_median_ms(torch, fn, *, repeats: int, warmup: int = 3) -> dict:
+    """Median ms of `fn` replayed from a CUDA graph (eager if capture fails), and eager."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    eager_ms = _median_ms(torch, fn, repeats)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        return {"ms": _median_ms(torch, graph.replay, repeats), "eager_ms": eager_ms, "timing": "cuda_graph"}
+    except Exception as error:  # noqa: BLE001 - fall back to eager timing, and say so
+        torch.cuda.synchronize()
+        return {"ms": eager_ms, "eager_ms": eager_ms, "timing": f"eager ({type(error).__name__})"}
+
+
+def _median_ms(torch, fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(torch, num_bytes: int = 2 * 2**30) -> dict:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    timed = cuda_median_ms(torch, lambda: dst.copy_(src), repeats=20)
+    gbps = 2 * num_bytes / (timed["ms"] * 1e-3) / 1e9  # read + write
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"bytes": num_bytes, "ms": timed["ms"], "gbps": gbps, "note": "GB/s counts bytes read + written"}
+
+
+# ---------------------------------------------------------------------------- decode
+
+
+def decode_bytes(batch: int, context: int, element_size: int, *, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
+                 head_dim=HEAD_DIM, block_size=BLOCK_SIZE) -> int:
+    """Bytes a decode step must move: each sequence's K and V, its query and output, its
+    block table row and length."""
+    kv = 2 * context * num_kv_heads * head_dim * element_size
+    query_and_out = 2 * num_heads * head_dim * element_size
+    table = math.ceil(context / block_size) * 4 + 4
+    return batch * (kv + query_and_out + table)
+
+
+def decode_benchmark(torch, quick: bool, copy_gbps: float | None, deadline: Deadline) -> list[dict]:
+    dtypes = (torch.float16,) if quick else (torch.float16, torch.bfloat16)
+    batches = (1, 64) if quick else DECODE_BATCHES
+    contexts = (512, 8192) if quick else DECODE_CONTEXTS
+    rows = []
+    for dtype in dtypes:
+        for batch in batches:
+            for context in contexts:
+                if deadline.expired():
+                    rows.append({"dtype": str(dtype), "batch": batch, "context": context, "skipped": "time budget"})
+                    continue
+                row = decode_point(torch, dtype, batch, context, repeats=10 if quick else 20)
+                if copy_gbps:
+                    row["fraction_of_copy_bandwidth"] = row["gbps"] / copy_gbps
+                rows.append(row)
+                print(f"  decode {row['dtype']} batch {batch} context {context}: {row['ms']:.4f} ms "
+                      f"{row['gbps']:.0f} GB/s ({row['variant']}), dense {row.get('dense_ms', float('nan')):.4f} ms",
+                      flush=True)
+    return rows
+
+
+def decode_point(torch, dtype, batch: int, context: int, *, repeats: int, device=CUDA, timer=None) -> dict:
+    """One decode measurement. `device` and `timer` exist so the CPU tests can run this
+    code under the interpreter with a stand-in timer."""
+    import torch.nn.functional as F
+
+    from rayserve_paged.ops.triton_backend import NOMINAL_NUM_SMS, choose_decode_variant, paged_decode_attention
+
+    timer = timer or cuda_median_ms
+    blocks_per_seq = math.ceil(context / BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq
+    generator = torch.Generator(device=device).manual_seed(batch * 100_003 + context)
+    key_cache, value_cache, block_tables = scattered_cache(torch, batch, blocks_per_seq, generator, device, dtype)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query = torch.randn((batch, NUM_HEADS, HEAD_DIM), generator=generator, device=device, dtype=dtype)
+    out = torch.empty_like(query)
+    scale = HEAD_DIM**-0.5
+    is_cuda = torch.device(device).type == "cuda"
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if is_cuda else NOMINAL_NUM_SMS
+    rule = choose_decode_variant(batch, NUM_KV_HEADS, context, num_sms)
+
+    def paged(variant):
+        return lambda: paged_decode_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, context, scale, out=out, variant=variant
+        )
+
+    timings = {variant: timer(torch, paged(variant), repeats=repeats) for variant in ("single", "partitioned")}
+    num_bytes = decode_bytes(batch, context, query.element_size())
+    row = {
+        "dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": context, "variant": rule,
+        "ms": timings[rule]["ms"], "eager_ms": timings[rule]["eager_ms"], "timing": timings[rule]["timing"],
+        "single_ms": timings["single"]["ms"], "partitioned_ms": timings["partitioned"]["ms"],
+        "bytes": num_bytes, "gbps": num_bytes / (timings[rule]["ms"] * 1e-3) / 1e9,
+    }
+    row["rule_picked_faster"] = timings[rule]["ms"] <= min(t["ms"] for t in timings.values()) * 1.02
+    # the same K/V laid out contiguously: [batch, num_kv_heads, context, head_dim]
+    index = block_tables.long()
+    dense_k = key_cache[index].reshape(batch, -1, NUM_KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2).contiguous()
+    dense_v = value_cache[index].reshape(batch, -1, NUM_KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2).contiguous()
+    grouped_query = query.view(batch, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, HEAD_DIM)  # heads folded as rows
+
+    def dense():
+        return F.scaled_dot_product_attention(grouped_query, dense_k, dense_v, scale=scale)
+
+    dense_timing = timer(torch, dense, repeats=repeats)
+    row |= {"dense_ms": dense_timing["ms"], "paged_over_dense": row["ms"] / dense_timing["ms"]}
+    paged(rule)()
+    row["max_abs_diff_vs_dense"] = float((out.view_as(grouped_query).float() - dense().float()).abs().max())
+    del key_cache, value_cache, dense_k, dense_v, block_tables, query, out
+    free_memory(torch)
+    return row
+
+
+# ---------------------------------------------------------------------------- prefill
+
+
+def scattered_cache(torch, num_seqs: int, blocks_per_seq: int, generator, device, dtype):
+    """Random K and V caches of num_seqs x blocks_per_seq blocks, and block tables that
+    scatter each sequence over the pool, as after a while of serving (drawn from
+    `generator` in this order)."""
+    num_blocks = num_seqs * blocks_per_seq
+    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    key_cache = torch.randn(cache_shape, generator=generator, device=device, dtype=dtype)
+    value_cache = torch.randn(cache_shape, generator=generator, device=device, dtype=dtype)
+    block_tables = torch.randperm(num_blocks, generator=generator, device=device).to(torch.int32)
+    return key_cache, value_cache, block_tables.view(num_seqs, blocks_per_seq)  # tables [num_seqs, blocks_per_seq]
+
+
+def prefill_benchmark(torch, quick: bool, deadline: Deadline) -> list[dict]:
+    dtypes = (torch.float16,) if quick else (torch.float16, torch.bfloat16)
+    cases = PREFILL_CASES[:2] if quick else PREFILL_CASES
+    rows = []
+    for dtype in dtypes:
+        for num_seqs, context, new_tokens in cases:
+            if deadline.expired():
+                rows.append({"dtype": str(dtype), "num_seqs": num_seqs, "skipped": "time budget"})
+                continue
+            row = prefill_point(torch, dtype, num_seqs, context, new_tokens, repeats=10 if quick else 20)
+            rows.append(row)
+            print(f"  prefill {row['dtype']} {num_seqs} x ({context} + {new_tokens}): {row['ms']:.3f} ms "
+                  f"{row['tflops']:.1f} TFLOP/s", flush=True)
+    return rows
+
+
+def prefill_flops(num_seqs: int, context: int, new_tokens: int, num_heads=NUM_HEADS, head_dim=HEAD_DIM) -> int:
+    """2 matmuls x 2 flops per multiply-add over the visible (query, key) pairs."""
+    visible = new_tokens * context + new_tokens * (new_tokens + 1) // 2
+    return 4 * num_seqs * num_heads * head_dim * visible
+
+
+def prefill_point(
+    torch, dtype, num_seqs: int, context: int, new_tokens: int, *, repeats: int, device=CUDA, timer=None
+) -> dict:
+    import torch.nn.functional as F
+
+    from rayserve_paged.ops.triton_backend import paged_prefill_attention
+
+    timer = timer or cuda_median_ms
+    seq_len = context + new_tokens
+    blocks_per_seq = math.ceil(seq_len / BLOCK_SIZE)
+    generator = torch.Generator(device=device).manual_seed(num_seqs * 7919 + seq_len)
+    key_cache, value_cache, block_tables = scattered_cache(torch, num_seqs, blocks_per_seq, generator, device, dtype)
+    query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * new_tokens
+    context_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
+    query = torch.randn((num_seqs * new_tokens, NUM_HEADS, HEAD_DIM), generator=generator, device=device, dtype=dtype)
+    out = torch.empty_like(query)
+    scale = HEAD_DIM**-0.5
+
+    def paged():
+        return paged_prefill_attention(
+            query, key_cache, value_cache, block_tables, query_start_loc, context_lens, new_tokens, scale, out=out
+        )
+
+    timing = timer(torch, paged, repeats=repeats)
+    flops = prefill_flops(num_seqs, context, new_tokens)
+    row = {
+        "dtype": str(dtype).removeprefix("torch."), "num_seqs": num_seqs, "context": context, "new_tokens": new_tokens,
+        "ms": timing["ms"], "eager_ms": timing["eager_ms"], "timing": timing["timing"],
+        "tflops": flops / (timing["ms"] * 1e-3) / 1e12,
+    }
+    # dense: SDPA over contiguous [num_seqs, heads, len, head_dim], K/V repeated to every query head
+    group = NUM_HEADS // NUM_KV_HEADS
+    index = block_tables.long()
+    dense_k = key_cache[index].reshape(num_seqs, -1, NUM_KV_HEADS, HEAD_DIM)[:, :seq_len].transpose(1, 2)
+    dense_v = value_cache[index].reshape(num_seqs, -1, NUM_KV_HEADS, HEAD_DIM)[:, :seq_len].transpose(1, 2)
+    dense_k = dense_k.repeat_interleave(group, dim=1).contiguous()  # [num_seqs, heads, seq_len, head_dim]
+    dense_v = dense_v.repeat_interleave(group, dim=1).contiguous()
+    dense_q = query.view(num_seqs, new_tokens, NUM_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    try:
+        if context == 0:
+            def dense():
+                return F.scaled_dot_product_attention(dense_q, dense_k, dense_v, is_causal=True, scale=scale)
+        else:
+            from torch.nn.attention.bias import causal_lower_right
+
+            bias = causal_lower_right(new_tokens, seq_len)
+
+            def dense():
+                return F.scaled_dot_product_attention(dense_q, dense_k, dense_v, attn_mask=bias, scale=scale)
+
+        dense_timing = timer(torch, dense, repeats=repeats)
+        row |= {"dense_ms": dense_timing["ms"], "paged_over_dense": timing["ms"] / dense_timing["ms"]}
+        paged()
+        expected = dense().transpose(1, 2).reshape_as(out)
+        row["max_abs_diff_vs_dense"] = float((out.float() - expected.float()).abs().max())
+    except Exception as error:  # noqa: BLE001 - the paged figures stand without the comparison
+        row["dense_error"] = f"{type(error).__name__}: {error}"
+    del key_cache, value_cache, dense_k, dense_v
+    free_memory(torch)
+    return row
+
+
+def free_memory(torch) -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def report_lines(report: dict) -> list[str]:
+    """The summary table's lines of the kernel check's sections."""
+    lines = []
+    tests = report.get("tests")
+    if tests:
+        where = "CPU, Triton interpreter" if tests["interpreter"] else "GPU, compiled"
+        lines.append(f"tests             {tests['summary']} ({where}{', -m quick' if report['quick'] else ''})")
+    memcheck = report.get("memcheck")
+    if memcheck:
+        verdict = "clean" if memcheck["clean"] else f"FAILED ({memcheck['sanitizer_errors']} errors reported)"
+        lines.append(f"memcheck          {verdict}: {memcheck['summary']} (compute-sanitizer, -m quick)")
+    copy = report.get("copy_bandwidth")
+    if copy:
+        gib = copy["bytes"] / 2**30
+        lines.append(f"copy bandwidth    {copy['gbps']:.0f} GB/s (read + write, {gib:.0f} GiB tensor)")
+    decode = [row for row in report.get("decode", []) if "ms" in row]
+    if decode:
+        lines.append(
+            "decode            dtype     batch context rule picks        ms    GB/s  %copy  paged/dense"
+            "  single_ms  partitioned_ms"
+        )
+        for row in decode:
+            fraction = row.get("fraction_of_copy_bandwidth")
+            lines.append(
+                f"                  {row['dtype']:<9} {row['batch']:>5} {row['context']:>7} {row['variant']:<11}"
+                f" {row['ms']:>8.4f} {row['gbps']:>7.0f} {100 * fraction if fraction else float('nan'):>5.1f}%"
+                f" {row.get('paged_over_dense', float('nan')):>12.2f} {row['single_ms']:>10.4f}"
+                f" {row['partitioned_ms']:>15.4f}"
+            )
+    prefill = [row for row in report.get("prefill", []) if "ms" in row]
+    if prefill:
+        lines.append("prefill           dtype     seqs context   new       ms  TFLOP/s  paged/dense")
+        for row in prefill:
+            lines.append(
+                f"                  {row['dtype']:<9} {row['num_seqs']:>4} {row['context']:>7} {row['new_tokens']:>5}"
+                f" {row['ms']:>8.3f} {row['tflops']:>8.1f} {row.get('paged_over_dense', float('nan')):>8.2f}"
+            )
+    return lines

@@ -1,0 +1,32 @@
+"""What the scheduler's state machines share: `self.s` is the scheduler, `self.ids` the
+id counter and `self.seqs` every sequence by id (each machine's initialize rule sets them);
+forks, an abort rule, and the invariants checked after every rule."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from .invariants import check_scheduler
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @precondition(lambda self: self.s.groups)
+    @rule(data=st.data())
+    def abort(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.s.groups)))
+        assert self.s.abort(request_id) is not None
+        self.on_abort(request_id)
+
+    def _fork(self, group, parent):
+        child = parent.fork(next(self.ids))
+        self.seqs[child.seq_id] = child
+        self.s.fork_seq(group, parent, child)
+
+    def on_abort(self, request_id: str) -> None:
+        """What a machine notes of an aborted request (nothing, by default)."""
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "s"):
+            check_scheduler(self.s)
