@@ -32,6 +32,7 @@ only; recompute starts from a whole table again.
 A request's `cache_salt` keys its first block's hash (the parent key of block 0 is derived
 from the salt instead of "no parent"), so its whole chain is found only by requests with
 the same salt: prefix reuse, and the timing and `cached_tokens` it shows, stay within them.
+A request's LoRA adapter keys it the same way (with the salt, when both are set).
 
 Prefix-cache registration happens when a full block is scheduled to be computed, so a
 request admitted later in the same step may already share it. The model runner guarantees
@@ -58,11 +59,20 @@ def default_block_hash(parent_key: int | None, token_ids: tuple[int, ...]) -> in
     return hash((-1 if parent_key is None else parent_key, token_ids))
 
 
-def salt_key(cache_salt: str | None) -> int | None:
-    """The parent key of a salted chain's first block (None: unsalted). A hit also needs
-    the block's parent to be the very block before it, so a salted first block is never
-    taken as a later block of another chain, nor the other way round."""
+def salt_key(cache_salt: str | None, lora_id: int = 0) -> int | None:
+    """The parent key of a salted chain's first block (None: unsalted, base model). A hit
+    also needs the block's parent to be the very block before it, so a salted first block is
+    never taken as a later block of another chain, nor the other way round. A request's
+    LoRA adapter salts its chain the same way: the same prompt on two adapters (or on an
+    adapter and the base model) shares no block, since its K/V differ."""
+    if lora_id:
+        return hash(("lora", lora_id, cache_salt))
     return None if cache_salt is None else hash(("cache_salt", cache_salt))
+
+
+def group_root_key(group: SequenceGroup) -> int | None:
+    """The parent key of the group's first block: its cache salt and its adapter."""
+    return salt_key(group.sampling_params.cache_salt, group.lora_id)
 
 
 class AllocStatus(enum.Enum):
@@ -377,7 +387,7 @@ class BlockManager:
         """
         seqs = group.get_seqs(SequenceStatus.WAITING)
         first = seqs[0]
-        root_key = salt_key(group.sampling_params.cache_salt)
+        root_key = group_root_key(group)
         hits = [self._match_prefix(first.token_ids, root_key)]
         num_shared = first.num_prompt_tokens // self.block_size if len(seqs) > 1 else 0
         total = self._num_blocks_for(len(first))
@@ -405,7 +415,7 @@ class BlockManager:
         """Give the group's waiting sequences block tables; sets their computed-token counts
         (the prefix-cache hits). Blocks cover every token: a chunked prefill needs no more."""
         seqs, hits, num_shared, _ = self._plan(group)
-        root_key = salt_key(group.sampling_params.cache_salt)
+        root_key = group_root_key(group)
         if root_key is not None:
             self._salt_keys.update((seq.seq_id, root_key) for seq in seqs)
         for seq_hits in hits:  # every hit is taken before any allocation may evict one
