@@ -60,8 +60,9 @@ class PeftAdapter:
     tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]  # checkpoint module -> (A [r, in], B [out, r])
 
 
-def read_peft_adapter(path: str | Path, max_lora_rank: int) -> PeftAdapter:
-    """Read and check a PEFT LoRA directory; raises LoRAError naming what is wrong."""
+def read_peft_adapter(path: str | Path, max_lora_rank: int, known_targets: set[str] | None = None) -> PeftAdapter:
+    """Read and check a PEFT LoRA directory (its target_modules among `known_targets`, when
+    given); raises LoRAError naming what is wrong."""
     from safetensors.torch import load_file
 
     where = Path(path)
@@ -81,6 +82,8 @@ def read_peft_adapter(path: str | Path, max_lora_rank: int) -> PeftAdapter:
     targets = config.get("target_modules")
     if not targets or not isinstance(targets, (str, list)):
         raise LoRAError(f"adapter {path}: target_modules must be a list of module names or a pattern")
+    if known_targets is not None and isinstance(targets, list):
+        _check_targets(path, targets, known_targets)
     try:
         raw = load_file(str(weights_file))
     except Exception as exc:  # safetensors raises its own error types for a damaged file
@@ -152,6 +155,14 @@ def target_names(model: nn.Module) -> set[str]:
     return {n for n in names if n not in fused or n in packed} | {hf for hf, (t, _) in packed.items() if t in names}
 
 
+def _check_targets(path, targets, known: set[str]) -> None:
+    unknown = sorted(set(targets) - known)
+    if unknown:
+        raise LoRAError(
+            f"adapter {path}: target module {unknown[0]!r} is unknown to this model (supported: {', '.join(sorted(known))})"
+        )
+
+
 def _num_pieces(layer: LinearBase) -> int:
     return len(layer.shard_ids) if layer.shard_ids is not None else 1
 
@@ -164,12 +175,7 @@ def shard_adapter(
     for an unknown target module or a shape that does not fit the layer."""
     known = target_names(model)
     if isinstance(adapter.target_modules, tuple):
-        unknown = sorted(set(adapter.target_modules) - known)
-        if unknown:
-            raise LoRAError(
-                f"adapter {adapter.path}: target module {unknown[0]!r} is unknown to this model "
-                f"(supported: {', '.join(sorted(known))})"
-            )
+        _check_targets(adapter.path, adapter.target_modules, known)
     layers = lora_layers(model)
     rank, width = adapter.rank, max_lora_rank
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -222,7 +228,7 @@ def _shard_pair(layer: LinearBase, a: torch.Tensor, b: torch.Tensor, shard_id) -
 
 def check_adapter(model: nn.Module, path: str | Path, max_lora_rank: int) -> PeftAdapter:
     """Read the adapter and fit it to the model (a skeleton will do); raises LoRAError."""
-    adapter = read_peft_adapter(path, max_lora_rank)
+    adapter = read_peft_adapter(path, max_lora_rank, target_names(model))
     shard_adapter(model, adapter, max_lora_rank)
     return adapter
 
@@ -303,7 +309,8 @@ class LoRAPool:
             self._cpu.move_to_end(lora_id)
             self.counters.num_cpu_hits += 1
             return cached[1]
-        shards = shard_adapter(self.model, read_peft_adapter(path, self.max_lora_rank), self.max_lora_rank)
+        adapter = read_peft_adapter(path, self.max_lora_rank, target_names(self.model))
+        shards = shard_adapter(self.model, adapter, self.max_lora_rank)
         self.counters.num_disk_loads += 1
         self._cpu[lora_id] = (path, shards)
         self._cpu.move_to_end(lora_id)
