@@ -237,21 +237,34 @@ def check_adapter(model: nn.Module, path: str | Path, max_lora_rank: int) -> Pef
 
 
 class LoRABatch:
-    """The step's token -> adapter slot map, shared by every LoRA layer of one model."""
+    """The step's token -> adapter slot map, shared by every LoRA layer of one model: on
+    CUDA the slots [T] for the Triton kernels (ops/triton_lora.py), on the CPU the tokens
+    grouped by slot (ops/lora.py), built once per step."""
 
     def __init__(self) -> None:
         self.is_active = False
         self.segments: Segments = []
+        self.token_slots: torch.Tensor | None = None  # [T] int32, CUDA only
 
-    def set_step(self, token_slots: list[int] | None, device: torch.device) -> None:
+    def set_step(self, token_slots: list[int] | None, device: torch.device | str) -> None:
         """token_slots: per token in packing order, its row's slot (-1: base); None: all base."""
-        self.segments = lora_segments(token_slots, device) if token_slots else []
-        self.is_active = bool(self.segments)
+        self.clear()
+        if not token_slots or max(token_slots) < 0:
+            return
+        self.is_active = True
+        if torch.device(device).type == "cuda":
+            self.token_slots = torch.tensor(token_slots, dtype=torch.int32).to(device, non_blocking=True)
+        else:
+            self.segments = lora_segments(token_slots, device)
 
     def clear(self) -> None:
-        self.is_active, self.segments = False, []
+        self.is_active, self.segments, self.token_slots = False, [], None
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.token_slots is not None:
+            from rayserve_paged.ops.triton_lora import lora_add
+
+            return lora_add(y, x, a, b, self.token_slots)
         return add_lora_segments(y, x, a, b, self.segments)
 
 
