@@ -25,6 +25,7 @@ BENCHMARKS = {
     "smollm2": "benchmarks.smollm2",
     "structured-outputs": "benchmarks.structured_outputs",
     "quantized": "benchmarks.quantized",
+    "lora": "benchmarks.lora",
 }
 
 DEMO_QUESTIONS = [
