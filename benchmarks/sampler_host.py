@@ -4,7 +4,7 @@ One step of NUM_ROWS running decodes, one sequence per request, parameters cache
 request (the worker keeps them), logits [NUM_ROWS, vocab] float32 on CPU. Timed per step
 (time.perf_counter_ns, after warm-up), Python's garbage collector enabled:
 
-    build   worker/sampling_inputs.batch_from_step(step message, rows of the worker's
+    build   worker/input_batch.InputBatch.sampling_batch(step message, rows of the worker's
             persistent batch, where each request's row template is cached)
     sample  Sampler(logits, batch)
     total   both
@@ -38,7 +38,6 @@ from rayserve_paged.core.outputs import NewRequest, StepMessage
 from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.models.sampler import Sampler
 from rayserve_paged.worker.input_batch import InputBatch
-from rayserve_paged.worker.sampling_inputs import batch_from_step
 
 NUM_ROWS = 256
 EOS = (2,)
@@ -105,7 +104,7 @@ def time_case(case: str, vocab: int, steps: int, warmup: int, seed: int, baselin
     build_ns, total_ns, before_ns = [], [], []
     for step in range(warmup + steps):
         start = time.perf_counter_ns()
-        batch = batch_from_step(msg, state.rows(msg))
+        batch = state.sampling_batch(msg, state.rows(msg))
         built = time.perf_counter_ns()
         out = sampler(logits, batch)
         done = time.perf_counter_ns()

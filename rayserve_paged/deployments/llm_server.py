@@ -23,7 +23,6 @@ import asyncio
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import ray
 from ray.exceptions import RayActorError
@@ -39,6 +38,7 @@ from rayserve_paged.deployments.fleet_metrics import (
     FleetMetricsCache,
     scheduler_actor_name,
 )
+from rayserve_paged.deployments.tokenizer_pool import TokenizerPool
 from rayserve_paged.engine.frontend import STREAM_BATCHING_INTERVAL_MS, EngineFrontend, EngineUnavailable
 from rayserve_paged.engine.llm_engine import RequestError
 from rayserve_paged.engine.outputs import RequestOutput
@@ -46,8 +46,6 @@ from rayserve_paged.engine.ray_executor import scheduler_actor_options, show_inf
 from rayserve_paged.engine.scheduler_actor import SchedulerActor
 
 logger = logging.getLogger(__name__)
-
-TOKENIZER_THREADS = 2  # prompt tokenization and chat templates, off the event loop
 
 
 def as_sampling_params(params: SamplingParams | dict | None) -> SamplingParams:
@@ -106,6 +104,9 @@ class ActorCore:
 
 
 class LLMServer:
+    """One replica: the EngineClient (engine/protocol.py) its own OpenAI app and the handle
+    API call, over an EngineFrontend and the replica's SchedulerActor."""
+
     def __init__(
         self,
         engine_config: EngineConfig | dict,
@@ -142,7 +143,7 @@ class LLMServer:
         self.frontend = EngineFrontend(
             ActorCore(self.actor), self.tokenizer, stream_interval, stream_batching_interval_ms
         )
-        self._tokenize_pool = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self.tokenizer_pool = TokenizerPool()  # the HTTP routes' and the handle API's
 
     def __serve_build_asgi_app__(self):
         """Serve's late-bound ingress (`serve.ingress()(LLMServer)` in build_app): the
@@ -151,7 +152,9 @@ class LLMServer:
 
         http = dict(self._http)
         served_model_name = http.pop("served_model_name", None) or self.config.model
-        return create_openai_app(self, self.tokenizer, served_model_name, self._api_key, **http)
+        return create_openai_app(
+            self, self.tokenizer, served_model_name, self._api_key, tokenizer_pool=self.tokenizer_pool, **http
+        )
 
     # ------------------------------------------------------------------ handle API
 
@@ -179,9 +182,10 @@ class LLMServer:
             yield out
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`, computed in the replica's tokenizer thread pool."""
-        encode = lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)  # noqa: E731
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, encode)
+        """Token ids of `text`, computed in the replica's tokenizer pool."""
+        return await self.tokenizer_pool.run(
+            lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        )
 
     async def _prompt(self, prompt) -> tuple[str | None, list[int]]:
         text, token_ids = _split_prompt(prompt)

@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP front end: FastAPI routes over an engine client.
 
-    HTTP ──> create_openai_app(client, tokenizer, ...)   validate, tokenize, SSE, errors
-                 │ EngineClient: generate / generate_stream / abort / model_info
+    HTTP ──> create_openai_app(client, tokenizer, ...)   middleware, errors; the routes in
+                 │                                     serving/ (one module per route family)
+                 │ EngineClient (engine/protocol.py): generate / generate_stream / abort / model_info
                  ▼
              LLMServer (the replica this app runs in: deployments/llm_server.py)  in production
              an EngineFrontend over an in-process engine                          in tests
 
-Prompts are tokenized here (in a thread pool, off the event loop), so usage
+Prompts are tokenized here (in the replica's tokenizer pool, off the event loop), so usage
 counts and context-length errors are exact before the engine sees a request; the engine
 receives token ids. Streams read deltas: each SSE event carries what one engine step (or,
 for a slow client, several) added to one request.
@@ -72,7 +73,12 @@ from rayserve_paged.deployments.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from rayserve_paged.deployments.serving import MAX_TOKENIZER_QUEUE, EngineClient, OpenAIServing
+from rayserve_paged.deployments.serving.chat import ChatServing
+from rayserve_paged.deployments.serving.completions import CompletionServing
+from rayserve_paged.deployments.serving.pipeline import MAX_TOKENIZER_QUEUE, GenerationPipeline
+from rayserve_paged.deployments.serving.tokenization import TokenizationServing
+from rayserve_paged.deployments.tokenizer_pool import TokenizerPool
+from rayserve_paged.engine.protocol import EngineClient
 from rayserve_paged.telemetry import PROMETHEUS_CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
@@ -238,12 +244,17 @@ def create_openai_app(
     enable_prompt_tokens_details: bool = False,
     open_paths: Iterable[str] = DEFAULT_OPEN_PATHS,
     tool_call_parser: str | None = None,
+    tokenizer_pool: TokenizerPool | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible FastAPI app over `client` (docs/API.md describes the API).
-    With `api_key`, every route but `open_paths` requires it."""
-    serving = OpenAIServing(
-        client, tokenizer, served_model_name, max_tokenizer_queue, enable_prompt_tokens_details, tool_call_parser
+    With `api_key`, every route but `open_paths` requires it. Tokenizer work runs in
+    `tokenizer_pool` (the replica's; a pool of its own when None)."""
+    serving = GenerationPipeline(
+        client, tokenizer, served_model_name, max_tokenizer_queue, enable_prompt_tokens_details, tokenizer_pool
     )
+    chat = ChatServing(serving, tool_call_parser)
+    completion = CompletionServing(serving)
+    tokenization = TokenizationServing(serving, chat)
     app = FastAPI(
         title="rayserve-paged",
         summary="OpenAI-compatible LLM serving with PagedAttention on Ray Serve",
@@ -273,19 +284,19 @@ def create_openai_app(
 
     @app.post("/v1/completions", response_model=None, responses={200: {"model": CompletionResponse}})
     async def completions(request: CompletionRequest, http: Request) -> Response:
-        return await serving.create_completion(request, http.scope.get(SCOPE_KEY))
+        return await completion.create_completion(request, http.scope.get(SCOPE_KEY))
 
     @app.post("/v1/chat/completions", response_model=None, responses={200: {"model": ChatCompletionResponse}})
     async def chat_completions(request: ChatCompletionRequest, http: Request) -> Response:
-        return await serving.create_chat_completion(request, http.scope.get(SCOPE_KEY))
+        return await chat.create_chat_completion(request, http.scope.get(SCOPE_KEY))
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
-        return await serving.tokenize(request)
+        return await tokenization.tokenize(request)
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
-        return await serving.detokenize(request)
+        return await tokenization.detokenize(request)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

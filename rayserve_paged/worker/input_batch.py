@@ -10,13 +10,17 @@ step's new tokens once (core/outputs.py StepMessage); the worker keeps the rest:
 Forks copy the parent's state on the worker (n > 1, beam search); nothing of a sequence's
 history travels again. A request's state leaves with `finished_request_ids`, a sequence's
 with `freed_seq_ids`; `num_requests` / `num_seqs` are zero once every request has ended.
+Each step's sampler batch is built here too (`sampling_batch`), from the rows' state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from rayserve_paged.core.outputs import StepMessage
 from rayserve_paged.core.sequence import SamplingParams
-from rayserve_paged.worker.sampling_inputs import RowTemplate, row_template
+from rayserve_paged.models.sampler import SamplingBatch
+from rayserve_paged.worker.sampling_inputs import RowTemplate, row_template, sampling_batch, unpack_step_bitmasks
 
 
 class RequestState:
@@ -114,3 +118,29 @@ class InputBatch:
             return [seqs[seq_id] for seq_id in msg.seq_ids]
         except KeyError as e:
             return [self._seq(e.args[0])]  # raises StepStateError, naming the sequence
+
+    def sampling_batch(self, msg: StepMessage, rows: Sequence[SeqState]) -> SamplingBatch:
+        """The batch for a step's sampled rows, in row order, from this state (`rows[i]` is
+        the state of the message's row i, as `rows(msg)` gives)."""
+        unsampled = set(msg.unsampled_seq_ids)
+        first_step = set(msg.first_step_seq_ids)
+        starts = msg.start_positions
+        counts = msg.num_query_tokens
+        batch_rows = []
+        append = batch_rows.append
+        for i, seq in enumerate(rows):
+            seq_id = seq.seq_id
+            if unsampled and seq_id in unsampled:
+                continue
+            request = seq.request
+            t = request.template
+            num_prompt = request.num_prompt_tokens
+            if first_step and seq_id in first_step:
+                append((t, seq_id, 0, starts[i] + counts[i] - num_prompt, t.num_first_draws, seq.history, num_prompt))
+            else:
+                append((t, seq_id, seq.sample_index, starts[i] + counts[i] - num_prompt, 1, seq.history, num_prompt))
+        if not msg.bitmask_seq_ids:
+            return sampling_batch(batch_rows)
+        row_of = {row[1]: i for i, row in enumerate(batch_rows)}
+        bitmask_rows = [row_of[seq_id] for seq_id in msg.bitmask_seq_ids]
+        return sampling_batch(batch_rows, bitmask_rows, unpack_step_bitmasks(msg))

@@ -18,7 +18,6 @@ from rayserve_paged.models.lora import LoRAPool
 from rayserve_paged.models.sampler import Sampler, SamplerOutput
 from rayserve_paged.ops.attention import AttentionMetadata
 from rayserve_paged.worker.input_batch import InputBatch, SeqState
-from rayserve_paged.worker.sampling_inputs import batch_from_step
 from rayserve_paged.worker.static_decode import StaticDecode, decode_rows, rope_lens_of
 
 
@@ -169,7 +168,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))  # [num_sampled, vocab]
         if self.sampler is None:
             return None
-        return self.sampler(logits, batch_from_step(msg, rows))
+        return self.sampler(logits, self.batch.sampling_batch(msg, rows))
 
 
 def _record_computed(msg: StepMessage, rows: list[SeqState]) -> None:

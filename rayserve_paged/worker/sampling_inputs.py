@@ -1,8 +1,9 @@
 """Per-row sampling facts -> the sampler's `SamplingBatch`, cheaply.
 
 A request's SamplingParams become a `RowTemplate` once, when the request arrives; the
-caller keeps it with the request (the worker's persistent batch, worker/input_batch.py). Each step
-then only gathers, per logits row, the template and the row's own indices:
+persistent batch (worker/input_batch.py, which imports this module, never the reverse)
+keeps it with the request. Each step it then only gathers, per logits row, the template
+and the row's own indices (`InputBatch.sampling_batch`):
 
     (template, seq_id, sample_index, output_index, num_draws, history or None, num_prompt_tokens)
 
@@ -14,16 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from rayserve_paged.core.outputs import StepMessage
 from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.models.sampler import RowPenalty, SamplingBatch
-
-if TYPE_CHECKING:
-    from rayserve_paged.worker.input_batch import SeqState
 
 
 @dataclass(slots=True, frozen=True, eq=False)
@@ -97,33 +94,6 @@ def sampling_batch(
         seq_ids, temperatures, top_ks, top_ps, min_ps, seeds, sample_indices, output_indices, num_draws,
         beam_widths, logprobs, penalties, logit_bias, banned_tokens, bitmask_rows, bitmask,
     )
-
-
-def batch_from_step(msg: StepMessage, rows: Sequence[SeqState]) -> SamplingBatch:
-    """The batch for a step's sampled rows, in row order, from the persistent batch's state
-    (`rows[i]` is the state of the message's row i)."""
-    unsampled = set(msg.unsampled_seq_ids)
-    first_step = set(msg.first_step_seq_ids)
-    starts = msg.start_positions
-    counts = msg.num_query_tokens
-    batch_rows = []
-    append = batch_rows.append
-    for i, seq in enumerate(rows):
-        seq_id = seq.seq_id
-        if unsampled and seq_id in unsampled:
-            continue
-        request = seq.request
-        t = request.template
-        num_prompt = request.num_prompt_tokens
-        if first_step and seq_id in first_step:
-            append((t, seq_id, 0, starts[i] + counts[i] - num_prompt, t.num_first_draws, seq.history, num_prompt))
-        else:
-            append((t, seq_id, seq.sample_index, starts[i] + counts[i] - num_prompt, 1, seq.history, num_prompt))
-    if not msg.bitmask_seq_ids:
-        return sampling_batch(batch_rows)
-    row_of = {row[1]: i for i, row in enumerate(batch_rows)}
-    bitmask_rows = [row_of[seq_id] for seq_id in msg.bitmask_seq_ids]
-    return sampling_batch(batch_rows, bitmask_rows, unpack_step_bitmasks(msg))
 
 
 def unpack_step_bitmasks(msg: StepMessage) -> torch.Tensor:

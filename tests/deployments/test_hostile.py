@@ -153,7 +153,7 @@ async def test_a_text_the_tokenizer_cannot_encode_is_a_400_naming_the_field(http
 async def test_unknown_field_names_are_logged_escaped_cut_and_few(http, caplog):
     """A field name is the client's text: a newline in it cannot forge a log line, a long one
     cannot make a long line, many cannot make many (one WARNING per request, bounded)."""
-    from rayserve_paged.deployments.serving import MAX_LOGGED_FIELD_CHARS, MAX_LOGGED_FIELDS
+    from rayserve_paged.deployments.serving.pipeline import MAX_LOGGED_FIELD_CHARS, MAX_LOGGED_FIELDS
 
     forged = "x\n2026-01-01 INFO rayserve_paged: admin logged in"
     huge = "y" * 100_000

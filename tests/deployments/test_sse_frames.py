@@ -13,7 +13,8 @@ from rayserve_paged.deployments.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from rayserve_paged.deployments.serving import chat_choice_json, completion_choice_json
+from rayserve_paged.deployments.serving.chat import chat_choice_json
+from rayserve_paged.deployments.serving.completions import completion_choice_json
 from rayserve_paged.deployments.sse import EventFrame, sse_event
 
 TEXTS = ["", " plain", 'quote " and \\ slash /', "line\nbreak\ttab\r\b\f", "\x00\x01\x1f\x7f", "é 日本語 😀 👩‍👩‍👧",

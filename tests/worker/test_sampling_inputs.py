@@ -9,7 +9,7 @@ from rayserve_paged.core.outputs import NewRequest, StepMessage
 from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.models.sampler import Sampler
 from rayserve_paged.worker.input_batch import InputBatch
-from rayserve_paged.worker.sampling_inputs import batch_from_step, row_template, sampling_batch
+from rayserve_paged.worker.sampling_inputs import row_template, sampling_batch
 
 EOS = (2,)
 
@@ -17,7 +17,7 @@ EOS = (2,)
 def _step(batch: InputBatch, msg: StepMessage):
     """Apply the message to the worker's batch and build the sampler's batch for its rows."""
     batch.apply(msg)
-    return batch_from_step(msg, batch.rows(msg))
+    return batch.sampling_batch(msg, batch.rows(msg))
 
 
 def _decodes(seq_ids, start):

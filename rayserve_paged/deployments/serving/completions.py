@@ -1,0 +1,127 @@
+"""/v1/completions over the generation pipeline: one engine request per prompt, `echo`,
+completions logprobs, and the streamed choices."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi.responses import Response
+
+from rayserve_paged.deployments.admission import Admission
+from rayserve_paged.deployments.errors import bad_request
+from rayserve_paged.deployments.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from rayserve_paged.deployments.serving.logprobs import completion_logprobs
+from rayserve_paged.deployments.serving.pipeline import (
+    ChoiceProgress,
+    GenerationPipeline,
+    Prompt,
+    check_fits,
+    reasons_json,
+    width_field,
+)
+from rayserve_paged.deployments.sse import EventFrame, EventStreamResponse, json_response, json_value
+from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
+
+
+class CompletionServing:
+    def __init__(self, pipeline: GenerationPipeline) -> None:
+        self.pipeline = pipeline
+
+    async def create_completion(self, request: CompletionRequest, admission: Admission | None = None) -> Response:
+        pipeline = self.pipeline
+        info, params = await pipeline.begin(request)
+        if request.echo and request.logprobs is not None:
+            raise bad_request("echo: cannot be combined with logprobs (prompt logprobs are not computed)")
+        texts = _prompt_list(request.prompt)
+        if admission is not None:
+            admission.reserve_sequences(len(texts), params.best_of, "prompt" if len(texts) > 1 else width_field(request))
+        prompts = await pipeline.in_pool(lambda: [self._prompt(p) for p in texts])
+        for prompt in prompts:
+            check_fits(prompt.token_ids, params.max_tokens, info, "prompt", "max_tokens")
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
+        if request.stream:
+            first, outputs = await pipeline.open_stream(request, prompts, params, request_ids)
+            events = self._events(request, prompts, first, outputs, response_id)
+            return EventStreamResponse(events, outputs)
+        results = await pipeline.generate_body(request, prompts, params, request_ids)
+        choices = [
+            self._choice(request, prompt, out, index * request.n + out.index)
+            for index, (prompt, result) in enumerate(zip(prompts, results))
+            for out in result.outputs
+        ]
+        body = CompletionResponse(
+            id=response_id, model=pipeline.served_model_name, choices=choices, usage=pipeline.usage(prompts, results)
+        )
+        return json_response(body)
+
+    def _prompt(self, prompt: str | list[int]) -> Prompt:
+        if isinstance(prompt, str):
+            return Prompt(prompt, self.pipeline.encode(prompt, "prompt"))
+        return Prompt(None, list(prompt))
+
+    def _echo_text(self, request: CompletionRequest, prompt: Prompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return self.pipeline.tokenizer.decode(prompt.token_ids, skip_special_tokens=request.skip_special_tokens)
+
+    def _choice(self, request: CompletionRequest, prompt: Prompt, out: CompletionOutput, index: int) -> CompletionChoice:
+        text = self._echo_text(request, prompt) + out.text if request.echo else out.text
+        logprobs = None
+        if request.logprobs is not None and out.logprobs is not None:
+            logprobs, _ = completion_logprobs(self.pipeline.token_texts, out.token_ids, out.logprobs, 0)
+        return CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason, stop_reason=out.stop_reason
+        )
+
+    def _events(
+        self,
+        request: CompletionRequest,
+        prompts: list[Prompt],
+        first: tuple[int, RequestOutput],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        response_id: str,
+    ) -> AsyncIterator[str]:
+        frame = EventFrame(response_id, "text_completion", int(time.time()), self.pipeline.served_model_name)
+
+        def to_choice(index: int, out: CompletionOutput, state: ChoiceProgress) -> str:
+            return self._delta(request, prompts[index], out, state, index * request.n + out.index)
+
+        return self.pipeline.stream_events(request, prompts, first, outputs, to_choice, frame.event)
+
+    def _delta(
+        self, request: CompletionRequest, prompt: Prompt, out: CompletionOutput, state: ChoiceProgress, choice_index: int
+    ) -> str:
+        text = out.text
+        if not state.is_started:
+            state.is_started = True
+            if request.echo:
+                text = self._echo_text(request, prompt) + text
+        logprobs = None
+        if request.logprobs is not None and out.logprobs is not None and out.token_ids:
+            logprobs, state.text_offset = completion_logprobs(
+                self.pipeline.token_texts, out.token_ids, out.logprobs, state.text_offset
+            )
+        state.num_tokens += len(out.token_ids)
+        if logprobs is not None:
+            return CompletionChoice(
+                index=choice_index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+            ).model_dump_json()
+        return completion_choice_json(choice_index, text, out.finish_reason, out.stop_reason)
+
+
+def completion_choice_json(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> str:
+    """A streamed CompletionChoice without logprobs, as pydantic writes it."""
+    return f'{{"index":{index},"text":{json_value(text)},"logprobs":null,{reasons_json(finish_reason, stop_reason)}'
+
+
+def _prompt_list(prompt: str | list) -> list[str | list[int]]:
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)

@@ -1,0 +1,441 @@
+"""The generation pipeline every route family shares: validate -> tokenize (the replica's
+thread pool) -> engine requests -> the response body or its SSE events. The engine client
+streams deltas; each event carries what one engine step (or, for a slow client, several)
+added to one request.
+
+Invariant: every engine request an HTTP request starts is either seen finished or
+aborted when that HTTP request ends, however it ends (error, client disconnect,
+cancellation). The generators that own engine requests abort them in `finally`, from a
+shielded task, so a cancelled HTTP task still gets its aborts through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+
+from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
+from rayserve_paged.deployments.errors import (
+    OpenAIError,
+    bad_request,
+    engine_unavailable,
+    internal_error,
+    overloaded,
+    to_openai_error,
+)
+from rayserve_paged.deployments.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+    constraint_field_names,
+    requested_constraint,
+    to_sampling_params,
+)
+from rayserve_paged.deployments.serving.logprobs import TokenTexts
+from rayserve_paged.deployments.sse import SSE_DONE, json_value, sse_event
+from rayserve_paged.deployments.tokenizer_pool import TokenizerPool
+from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
+from rayserve_paged.engine.protocol import EngineClient
+from rayserve_paged.engine.tool_calls import ToolCallStream
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 10.0
+MAX_TOKENIZER_QUEUE = 64  # tokenizer jobs queued or running; more are answered 503
+MAX_LOGGED_FIELDS = 8  # unknown field names one log line names
+MAX_LOGGED_FIELD_CHARS = 64  # of each name, once escaped
+
+
+@dataclass(slots=True)
+class Prompt:
+    text: str | None  # as the client sent it (None: token ids were sent)
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class ChoiceProgress:
+    """What a stream has sent of one choice."""
+
+    num_tokens: int = 0
+    text_offset: int = 0
+    is_started: bool = False
+    held: list[str] = dataclasses.field(default_factory=list)  # tool_choice "required": the calls' text so far
+    tool_stream: ToolCallStream | None = None  # tool_choice "auto": what the parser holds back
+    call_id: str = ""  # a named tool choice's call, streamed as its arguments grow
+
+
+# (prompt index, output, its progress) -> one streamed choice's JSON
+ToChoice = Callable[[int, CompletionOutput, ChoiceProgress], str]
+
+
+class GenerationPipeline:
+    """What the route families share: the engine client, the tokenizer and its pool, model
+    info, engine requests and the SSE body."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer,
+        served_model_name: str,
+        max_tokenizer_queue: int = MAX_TOKENIZER_QUEUE,
+        enable_prompt_tokens_details: bool = False,
+        tokenizer_pool: TokenizerPool | None = None,
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.max_tokenizer_queue = max_tokenizer_queue
+        # usage.prompt_tokens_details.cached_tokens tells whether someone sent a prefix
+        # before: reported only when the operator turns it on (docs/DEPLOY.md, section 10)
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
+        self.token_texts = TokenTexts(tokenizer)
+        self.tokenizer_pool = tokenizer_pool or TokenizerPool()
+        self._info: dict | None = None
+        self._background: set[asyncio.Task] = set()  # detached aborts, referenced until done
+
+    @property
+    def num_tokenizer_jobs(self) -> int:
+        return self.tokenizer_pool.num_jobs
+
+    async def in_pool(self, fn):
+        """Tokenizer work (encoding, chat templates) off the event loop, in a bounded queue:
+        a job past `max_tokenizer_queue` is a 503 + Retry-After, never a wait."""
+        if self.num_tokenizer_jobs >= self.max_tokenizer_queue:
+            raise overloaded(
+                f"the server is overloaded: {self.num_tokenizer_jobs} tokenizer jobs are queued on this replica "
+                f"(the limit is {self.max_tokenizer_queue}); retry later"
+            )
+        return await self.tokenizer_pool.run(fn)
+
+    def encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; a text the tokenizer refuses (a ValueError, such as a
+        UnicodeError, or a TypeError) is the client's 400 naming `field`: validation lets no
+        such text through, this is the last guard. Anything else is the server's 500."""
+        try:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        except (ValueError, TypeError) as exc:
+            logger.warning("tokenization of %s failed: %s", field, type(exc).__name__)
+            raise bad_request(f"{field}: the text cannot be tokenized ({type(exc).__name__})", param=field) from None
+
+    async def begin(self, request: CompletionRequest | ChatCompletionRequest) -> tuple[dict, SamplingParams]:
+        """What every generation request checks first: the model it names, then its
+        sampling parameters against the model's limits. (info, params)."""
+        log_unknown_fields(request)
+        self.check_model(request.model)
+        info = await self.model_info()
+        return info, sampling_params(request, info)
+
+    # ---------------------------------------------------------------- model info, health
+
+    async def model_info(self) -> dict:
+        if self._info is None:
+            try:
+                self._info = await self.client.model_info()
+            except Exception as exc:
+                logger.warning("engine model_info failed: %r", exc)
+                raise engine_unavailable("the engine is not available") from exc
+        return self._info
+
+    async def is_healthy(self) -> bool:
+        try:
+            await asyncio.wait_for(self.client.model_info(), HEALTH_TIMEOUT_S)
+        except Exception as exc:
+            logger.warning("health check failed: %r", exc)
+            return False
+        return True
+
+    async def models(self) -> ModelList:
+        return ModelList(data=[await self._model_card()])
+
+    async def model(self, name: str) -> ModelCard:
+        self.check_model(name)
+        return await self._model_card()
+
+    async def _model_card(self) -> ModelCard:
+        info = await self.model_info()
+        return ModelCard(id=self.served_model_name, max_model_len=info.get("max_model_len"))
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served_model_name:
+            raise OpenAIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.served_model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    # ---------------------------------------------------------------- the two answers
+
+    async def generate_body(
+        self, request: CompletionRequest | ChatCompletionRequest, prompts: list[Prompt], params: SamplingParams,
+        request_ids: list[str],
+    ) -> list[RequestOutput]:  # fmt: skip
+        """The finished results of a non-streamed request; an engine error is the client's
+        error naming the field it wrote."""
+        try:
+            return await self._generate_outputs(prompts, params, request_ids)
+        except Exception as exc:
+            raise to_openai_error(exc, engine_renames(request)) from exc
+
+    async def open_stream(
+        self, request: CompletionRequest | ChatCompletionRequest, prompts: list[Prompt], params: SamplingParams,
+        request_ids: list[str],
+    ) -> tuple[tuple[int, RequestOutput], AsyncIterator[tuple[int, RequestOutput]]]:  # fmt: skip
+        """The first output and the rest of a streamed request: the first is awaited before
+        any byte is sent, so a request the engine rejects is an HTTP error, not an error
+        event inside a 200 stream."""
+        outputs = self._stream_outputs(prompts, params, request_ids)
+        try:
+            return await anext(outputs), outputs
+        except BaseException as exc:
+            await outputs.aclose()
+            if isinstance(exc, StopAsyncIteration):
+                raise internal_error() from None
+            if isinstance(exc, Exception):
+                raise to_openai_error(exc, engine_renames(request)) from exc
+            raise
+
+    async def stream_events(
+        self,
+        request: CompletionRequest | ChatCompletionRequest,
+        prompts: list[Prompt],
+        first: tuple[int, RequestOutput],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        to_choice: ToChoice,
+        chunk,
+        preamble: Iterable[str] = (),
+    ) -> AsyncIterator[str]:
+        """The SSE body both routes share: the preamble, one event per engine output (one
+        request's step, or several steps a slow client had not read yet), the usage event
+        when asked, then [DONE]; an engine failure mid-stream becomes an error event."""
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        progress: dict[int, ChoiceProgress] = {}  # by choice index across prompts
+        cached: dict[int, int] = {}  # prefix-cache hits by prompt
+
+        def events(index: int, result: RequestOutput) -> Iterable[str]:
+            cached[index] = max(cached.get(index, 0), result.num_cached_tokens)
+            states = (progress.setdefault(index * request.n + out.index, ChoiceProgress()) for out in result.outputs)
+            choices = [to_choice(index, out, state) for out, state in zip(result.outputs, states)]
+            if choices:
+                yield chunk(choices, None)
+
+        try:
+            for event in preamble:
+                yield event
+            for event in events(*first):
+                yield event
+            async for index, result in outputs:
+                for event in events(index, result):
+                    yield event
+            if include_usage:
+                num_cached = sum(cached.values()) if self.enable_prompt_tokens_details else None
+                num_completion = sum(state.num_tokens for state in progress.values())
+                yield chunk([], UsageInfo.of(_num_prompt_tokens(prompts), num_completion, num_cached))
+            yield SSE_DONE
+        except Exception as exc:
+            yield sse_event(ErrorResponse(error=to_openai_error(exc, engine_renames(request)).info))
+            yield SSE_DONE
+        finally:
+            await outputs.aclose()
+
+    def usage(self, prompts: list[Prompt], results: list[RequestOutput]) -> UsageInfo:
+        num_completion = sum(len(out.token_ids) for result in results for out in result.outputs)
+        num_cached = sum(r.num_cached_tokens for r in results) if self.enable_prompt_tokens_details else None
+        return UsageInfo.of(_num_prompt_tokens(prompts), num_completion, num_cached)
+
+    # ---------------------------------------------------------------- engine requests
+
+    async def _generate_outputs(
+        self, prompts: list[Prompt], params: SamplingParams, request_ids: list[str]
+    ) -> list[RequestOutput]:
+        """One engine request per prompt, concurrently; all aborted if any fails or we are cancelled."""
+        tasks = [
+            asyncio.ensure_future(self.client.generate(prompt.token_ids, params, request_id))
+            for prompt, request_id in zip(prompts, request_ids)
+        ]
+        try:
+            results = await asyncio.gather(*tasks)
+            for result in results:
+                _check_served(result)
+            return results
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await self._abort(request_ids)
+            raise
+
+    async def _stream_outputs(
+        self, prompts: list[Prompt], params: SamplingParams, request_ids: list[str]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, delta) from all prompts' streams as they come.
+
+        One prompt is read directly (the client's buffer coalesces what a slow reader has
+        not read yet); several are pumped by a task each into one bounded queue. When this
+        generator ends (done, error, closed or cancelled) every request not seen finished
+        is aborted.
+        """
+        unfinished = set(request_ids)
+        if len(prompts) == 1:
+            stream = self.client.generate_stream(prompts[0].token_ids, params, request_ids[0])
+            try:
+                async for item in stream:
+                    _check_served(item)
+                    if item.finished:
+                        unfinished.clear()
+                    yield 0, item
+            finally:
+                if unfinished:
+                    await self._abort(unfinished)
+                await stream.aclose()
+            return
+        # bounded: a pump waits for a slow reader, and meanwhile the client's own buffer
+        # coalesces that prompt's steps (the engine never waits)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(prompts))
+
+        async def pump(index: int, prompt: Prompt, request_id: str) -> None:
+            try:
+                async for result in self.client.generate_stream(prompt.token_ids, params, request_id):
+                    await queue.put((index, result))
+            except Exception as exc:
+                await queue.put((index, exc))
+            else:
+                await queue.put((index, None))  # this stream has ended
+
+        pumps = [asyncio.ensure_future(pump(i, p, r)) for i, (p, r) in enumerate(zip(prompts, request_ids))]
+        try:
+            num_open = len(pumps)
+            while num_open:
+                index, item = await queue.get()
+                if item is None:
+                    num_open -= 1
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                _check_served(item)
+                if item.finished:
+                    unfinished.discard(item.request_id)
+                yield index, item
+        finally:
+            for task in pumps:
+                task.cancel()
+            if unfinished:
+                await self._abort(unfinished)
+
+    async def _abort(self, request_ids: Iterable[str]) -> None:
+        """Abort from a task of its own: when the caller is being cancelled (client gone),
+        the shield is cancelled but the aborts still run to the end."""
+        task = asyncio.ensure_future(self._abort_all(list(request_ids)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            pass  # the caller's own cancellation is already propagating
+
+    async def _abort_all(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            try:
+                await self.client.abort(request_id)
+            except Exception as exc:
+                logger.warning("abort of %s failed: %r", request_id, exc)
+
+
+# ---------------------------------------------------------------- request checks
+
+def log_unknown_fields(request: CompletionRequest | ChatCompletionRequest) -> None:
+    """Unknown fields are ignored, as vLLM's server does; the log says which, in one line
+    of bounded length: names are the client's text, so each is escaped (a newline cannot
+    forge a log line) and cut, and at most MAX_LOGGED_FIELDS are named."""
+    unknown = request.unknown_fields()
+    if not unknown:
+        return
+    names = sorted(unknown)
+    shown = ", ".join(_loggable(name) for name in names[:MAX_LOGGED_FIELDS])
+    more = f" (and {len(names) - MAX_LOGGED_FIELDS} more)" if len(names) > MAX_LOGGED_FIELDS else ""
+    logger.warning("ignored %d unknown request fields: %s%s", len(names), shown, more)
+
+
+def _loggable(name: str) -> str:
+    """ASCII only, control characters and non-ASCII as backslash escapes, at most
+    MAX_LOGGED_FIELD_CHARS characters (a cut name ends with "...")."""
+    escaped = name.encode("unicode_escape").decode("ascii")
+    if len(escaped) > MAX_LOGGED_FIELD_CHARS:
+        return escaped[: MAX_LOGGED_FIELD_CHARS - 3] + "..."
+    return escaped
+
+
+def engine_renames(request: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
+    """Engine error field -> the request field the client wrote."""
+    renames = {"prompt_token_ids": "prompt"}
+    if isinstance(request, ChatCompletionRequest):
+        renames = {"prompt_token_ids": "messages", "prompt": "messages", "logprobs": "top_logprobs"}
+    if request.best_of is None:
+        renames["best_of"] = "n"
+    try:
+        _, field = requested_constraint(request)
+    except SamplingParamsError:
+        field = ""
+    if field:
+        renames.update(constraint_field_names(field))
+    elif isinstance(request, ChatCompletionRequest) and request.tool_choice not in (None, "none", "auto"):
+        renames.update(constraint_field_names("tools"))
+    return renames
+
+
+def width_field(request: CompletionRequest | ChatCompletionRequest) -> str:
+    """The field that set how many sequences each prompt starts."""
+    return "best_of" if request.best_of is not None else "n"
+
+
+def sampling_params(request: CompletionRequest | ChatCompletionRequest, info: dict) -> SamplingParams:
+    try:
+        return to_sampling_params(request, int(info.get("max_logprobs", 0)))
+    except SamplingParamsError as exc:
+        raise bad_request(str(exc)) from None
+
+
+def check_fits(token_ids: list[int], max_tokens: int | None, info: dict, prompt_field: str, max_field: str) -> None:
+    vocab_size = info.get("vocab_size")
+    if vocab_size is not None:
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"{prompt_field}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    max_model_len = info["max_model_len"]
+    num_prompt = len(token_ids)
+    if num_prompt >= max_model_len:
+        raise bad_request(
+            f"{prompt_field}: the prompt has {num_prompt} tokens, leaving no room to generate within "
+            f"this model's maximum context length of {max_model_len} tokens"
+        )
+    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+        raise bad_request(
+            f"{max_field}: this model's maximum context length is {max_model_len} tokens and the prompt has "
+            f"{num_prompt}, so at most {max_model_len - num_prompt} can be generated (asked for {max_tokens})"
+        )
+
+
+def _check_served(result: RequestOutput) -> None:
+    if result.error is not None:  # the engine ignored the request (a ValueError: answered 400)
+        raise ValueError(f"prompt: {result.error}")
+
+
+def _num_prompt_tokens(prompts: list[Prompt]) -> int:
+    return sum(len(p.token_ids) for p in prompts)
+
+
+# ---------------------------------------------------------------- streamed choices, as pydantic writes them
+
+_UNFINISHED = '"finish_reason":null,"stop_reason":null}'
+
+
+def reasons_json(finish_reason: str | None, stop_reason: int | str | None) -> str:
+    """The closing `"finish_reason":..,"stop_reason":..}` of a streamed choice."""
+    if finish_reason is None and stop_reason is None:  # every event but a choice's last
+        return _UNFINISHED
+    return f'"finish_reason":{json_value(finish_reason)},"stop_reason":{json_value(stop_reason)}}}'

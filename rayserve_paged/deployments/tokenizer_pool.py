@@ -1,0 +1,27 @@
+"""The replica's tokenizer threads: prompt encoding and chat templates run here, off the
+event loop. One pool per replica, shared by the HTTP routes and the handle API, so the
+number of threads and the count of queued jobs are those of the replica."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+TOKENIZER_THREADS = 2
+
+
+class TokenizerPool:
+    def __init__(self, num_threads: int = TOKENIZER_THREADS) -> None:
+        self.num_jobs = 0  # queued or running (a job outlives a caller that left)
+        self._executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="tokenize")
+
+    async def run(self, fn):
+        """`fn()` in a pool thread; its result (or exception) once done."""
+        loop = asyncio.get_running_loop()
+        self.num_jobs += 1
+        job = self._executor.submit(fn)
+        job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._job_done))
+        return await asyncio.wrap_future(job)
+
+    def _job_done(self) -> None:
+        self.num_jobs -= 1
