@@ -40,6 +40,10 @@ class LoRARequest:
             raise ValueError("lora_path: must be a non-empty string")
 
 
+class UnknownLoRAError(ValueError):
+    """A request names a LoRA adapter the engine does not hold (the server's 404)."""
+
+
 @dataclass(slots=True)
 class LoRASlotCounters:
     num_loads: int = 0  # adapters put into a slot

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.block_manager import BlockManager
-from rayserve_paged.core.lora import LoRARequest, LoRASlots
+from rayserve_paged.core.lora import LoRARequest, LoRASlots, UnknownLoRAError
 from rayserve_paged.core.outputs import SchedulerOutput
 from rayserve_paged.core.scheduler import Scheduler, SchedulerConfig
 from rayserve_paged.core.sequence import (
@@ -192,6 +192,12 @@ class LLMEngine:
             lora_id = next(self._lora_ids)
         return self.add_lora(LoRARequest(name, lora_id, str(path)))
 
+    def lora_by_name(self, name: str) -> LoRARequest:
+        lora = self.loras.get(name)
+        if lora is None:
+            raise UnknownLoRAError(f"model: the model {name!r} does not exist (no LoRA adapter of that name is loaded)")
+        return lora
+
     def remove_lora(self, name: str) -> bool:
         """Forget an adapter: new requests cannot name it; requests running with it finish."""
         return self.loras.pop(name, None) is not None
@@ -208,16 +214,19 @@ class LLMEngine:
         sampling_params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> None:
-        """Queue a request (on `lora_request`'s adapter, registered now if it is new);
-        raises RequestError / SamplingParamsError / LoRAError for bad input."""
+        """Queue a request (on `lora_request`'s adapter, registered now if it is new, or on
+        the registered adapter of that name); raises RequestError / SamplingParamsError /
+        LoRAError for bad input, UnknownLoRAError for an adapter name not registered."""
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise RequestError("prompt: give a string or prompt_token_ids")
             prompt_token_ids = self.encode(prompt)
         self._validate(request_id, prompt_token_ids, sampling_params)
-        if lora_request is not None:
+        if isinstance(lora_request, str):
+            lora_request = self.lora_by_name(lora_request)
+        elif lora_request is not None:
             lora_request = self.add_lora(lora_request)
         seq = Sequence(next(self._seq_ids), prompt_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
