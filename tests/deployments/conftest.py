@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import json
 
 import httpx
@@ -42,14 +43,21 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture
-async def engine_client(engine):
+@contextlib.asynccontextmanager
+async def in_process_client(engine: LLMEngine):
+    """An InProcessEngineClient over `engine`; the test must leave the engine idle with
+    all KV blocks free."""
     client = InProcessEngineClient(engine, MODEL)
     yield client
     await client.close()
-    # every test leaves the engine idle with all KV blocks free
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_gpu_blocks() == engine.block_manager.gpu.num_blocks
+
+
+@pytest.fixture
+async def engine_client(engine):
+    async with in_process_client(engine) as client:
+        yield client
 
 
 @pytest.fixture

@@ -14,8 +14,7 @@ from rayserve_paged import LLM, LoRARequest, SamplingParams
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.deployments.openai_ingress import create_openai_app
 from rayserve_paged.engine.llm_engine import LLMEngine
-from tests.deployments.conftest import MAX_MODEL_LEN, MODEL, assert_openai_error
-from tests.deployments.engine_client import InProcessEngineClient
+from tests.deployments.conftest import MAX_MODEL_LEN, MODEL, assert_openai_error, in_process_client
 from tests.peft_adapters import write_adapter
 
 pytestmark = pytest.mark.anyio
@@ -57,10 +56,8 @@ def offline_texts(tiny_opt_path, adapters) -> dict:
 
 @pytest.fixture
 async def lora_client(lora_engine):
-    client = InProcessEngineClient(lora_engine, MODEL)
-    yield client
-    await client.close()
-    assert not lora_engine.has_unfinished_requests()
+    async with in_process_client(lora_engine) as client:
+        yield client
     for name in list(lora_engine.loras):  # back to the start-up adapters
         if name != "a0":
             lora_engine.remove_lora(name)
