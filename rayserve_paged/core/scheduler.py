@@ -10,7 +10,9 @@ Each step has one token budget (`max_num_batched_tokens`):
   2. prefill  running groups with prompt tokens left get the next chunk, FCFS.
   3. swap in  bring swapped groups back in FCFS order, unless this step preempted.
   4. admit    waiting groups in FCFS order (their first chunk) under the budgets and the
-              watermark, unless anything is swapped or this step preempted.
+              watermark, unless anything is swapped or this step preempted; a group whose
+              LoRA adapter can get no device slot waits, and the queue behind it
+              (core/lora.py: pins, eviction, the slot deltas of the step message).
 
 Queues are ordered by arrival: `running` oldest first (the tail is the next victim),
 `swapped` and `waiting` oldest first (the head is the next to come back).

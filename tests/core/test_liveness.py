@@ -1,12 +1,14 @@
 """Liveness as a property: random mixes of single requests, parallel samples (n / best_of)
 and beam-like groups, in pools from exactly one max_model_len sequence up, block sizes
-8/16/32, every preemption mode, CPU pools from 0 blocks, chunked prefill on or off, aborts.
+8/16/32, every preemption mode, CPU pools from 0 blocks, chunked prefill on or off, aborts,
+and requests on four LoRA adapters competing for one or two device slots (or no LoRA).
 
 After every step: the blocks are accounted for exactly (the invariants); while any request
 is unfinished the step scheduled something (bound: 1 step: the oldest running group always
 runs, else the head of swapped or waiting does); nothing is refused as "never fits"; every
 request whose parameters reached the workers is later in their finished list. At the end
-every request has ended (within a bounded number of steps) and both pools are empty.
+every request has ended (within a bounded number of steps), both pools are empty and no
+adapter slot is pinned; throughout, the pins are exactly the running and swapped groups'.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ from rayserve_paged.core import (
     SequenceStatus,
 )
 
+from rayserve_paged.core.lora import LoRARequest, LoRASlots
+
 from .invariants import check_scheduler
 from .test_properties import ShadowKV
 
 MAX_MODEL_LEN = 64
+LORAS = [LoRARequest(f"lora-{i}", i, f"/adapters/{i}") for i in range(1, 5)]
 
 
 class LivenessMachine(RuleBasedStateMachine):
@@ -43,8 +48,9 @@ class LivenessMachine(RuleBasedStateMachine):
         budget=st.sampled_from([8, 16, 64]),
         watermark=st.sampled_from([0.0, 0.1]),
         caching=st.booleans(),
+        max_loras=st.sampled_from([0, 1, 2]),
     )
-    def setup(self, block_size, extra_blocks, num_cpu, mode, chunked, budget, watermark, caching):
+    def setup(self, block_size, extra_blocks, num_cpu, mode, chunked, budget, watermark, caching, max_loras):
         num_gpu = -(-MAX_MODEL_LEN // block_size) + extra_blocks  # from exactly max_model_len up
         bm = BlockManager(block_size, num_gpu, num_cpu, watermark=watermark, enable_prefix_caching=caching)
         if not chunked:
@@ -53,7 +59,7 @@ class LivenessMachine(RuleBasedStateMachine):
             max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN,
             preemption_mode=mode, enable_chunked_prefill=chunked,
         )
-        self.s = Scheduler(config, bm)
+        self.s = Scheduler(config, bm, LoRASlots(max_loras) if max_loras else None)
         self.shadow = ShadowKV(block_size)
         self.ids = itertools.count()
         self.seqs: dict[int, Sequence] = {}
@@ -66,8 +72,9 @@ class LivenessMachine(RuleBasedStateMachine):
         kind=st.sampled_from(["single", "n", "best_of", "beam"]),
         width=st.integers(2, 3),
         max_tokens=st.integers(1, 40),
+        adapter=st.integers(0, 4),
     )
-    def add(self, prompt, kind, width, max_tokens):
+    def add(self, prompt, kind, width, max_tokens, adapter):
         seq = Sequence(next(self.ids), prompt)
         self.seqs[seq.seq_id] = seq
         index = next(self.ids)
@@ -79,7 +86,8 @@ class LivenessMachine(RuleBasedStateMachine):
             params = SamplingParams(n=1, best_of=width, max_tokens=max_tokens)
         else:
             params = SamplingParams(n=width, use_beam_search=True, temperature=0.0, max_tokens=max_tokens)
-        self.s.add_group(SequenceGroup(f"r{index}", [seq], params, float(index), index))
+        lora = LORAS[adapter - 1] if adapter and self.s.lora_slots is not None else None
+        self.s.add_group(SequenceGroup(f"r{index}", [seq], params, float(index), index, lora))
 
     def _step(self, draw):
         had_work = self.s.has_unfinished_groups()
@@ -131,6 +139,20 @@ class LivenessMachine(RuleBasedStateMachine):
     def consistent(self):
         if hasattr(self, "s"):
             check_scheduler(self.s)
+            self._check_lora_pins()
+
+    def _check_lora_pins(self):
+        slots = self.s.lora_slots
+        if slots is None:
+            return
+        pinned = [g for g in self.s.groups.values() if g.has_lora_slot]
+        assert all(g in self.s.running or g in self.s.swapped for g in pinned)
+        assert all(g.has_lora_slot for g in (*self.s.running, *self.s.swapped) if g.lora_request and not g.is_finished())
+        counts: dict[int, int] = {}
+        for g in pinned:
+            counts[g.lora_id] = counts.get(g.lora_id, 0) + 1
+        assert counts == slots.num_pins
+        assert len(slots.slot_of) <= slots.max_loras and set(slots.num_pins) <= set(slots.slot_of)
 
     def teardown(self):
         if not hasattr(self, "s"):
@@ -150,6 +172,7 @@ class LivenessMachine(RuleBasedStateMachine):
         assert sorted(self.released) == sorted(self.params_sent), "workers would keep ended requests' params"
         usage = self.s.block_manager.usage()
         assert usage.gpu_used == 0 and usage.cpu_used == 0, usage
+        assert self.s.lora_slots is None or self.s.lora_slots.num_pins == {}
 
 
 LivenessMachine.TestCase.settings = settings(
