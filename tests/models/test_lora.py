@@ -99,3 +99,32 @@ def test_a_rank_holds_its_shard_of_the_adapter(tiny_checkpoint, adapters):
         f"model.layers.{i}.{m}" for i in range(2)
         for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     )  # fmt: skip
+
+
+FAMILY_TARGETS = {
+    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],  # q/k/v biases
+    "gemma2": ["q_proj", "v_proj", "o_proj", "down_proj"],  # soft-caps, norm offsets
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],  # fused in the checkpoint: one A per module
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_TARGETS))
+def test_decoder_families_equal_peft(family, tmp_path, hf_model):
+    """The families on the decoder skeleton take adapters on the same layers (Phi-3's fused
+    modules split into the pieces of our fused layers, sharing their A)."""
+    from .families import write_family_checkpoint
+
+    path = str(write_family_checkpoint(family, tmp_path / family))
+    adapter = str(write_adapter(path, tmp_path / "lora", family, FAMILY_TARGETS[family], 8, 16, seed=4))
+    config = get_model_config(path)
+    model = load_model(path)
+    pool = LoRAPool(model, max_loras=1, max_lora_rank=8, max_cpu_loras=1)
+    pool.activate(0, 1, adapter)
+    runner = PagedRunner(model, config.num_layers, config.num_kv_heads, config.head_dim)
+    prompts = [(0, PROMPTS[0]), (2, PROMPTS[2])]  # the first on the adapter, the second on the base model
+    pool.batch.set_step([0] * len(PROMPTS[0]) + [-1] * len(PROMPTS[2]), "cpu")
+    logits = runner.step(prompts, all_logits=True)
+    n = len(PROMPTS[0])
+    torch.testing.assert_close(logits[:n], hf_logits(peft_model(path, adapter), PROMPTS[0]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[n:], hf_logits(hf_model(path), PROMPTS[2]), atol=1e-4, rtol=1e-4)
+    assert (logits[:n] - hf_logits(hf_model(path), PROMPTS[0])).abs().max() > 0.1
