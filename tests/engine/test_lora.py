@@ -160,6 +160,23 @@ def test_four_adapters_in_two_slots(tiny_paths, adapters, expected, tmp_path):
     alone = llm.generate([PROMPTS[0]], _greedy(), lora_request=loras["a3"], use_tqdm=False)
     assert _tokens(alone) == _tokens(outputs[3:])
     assert (slots.counters.num_loads, slots.counters.num_evictions) == (4, 2)  # a3 was resident
+    # a0 again: it takes a2's slot (released before a3's) and, the CPU cache holding the
+    # last two adapters read (a2, a3), is read from disk again
+    again = llm.generate([PROMPTS[0]], _greedy(), lora_request=loras["a0"], use_tqdm=False)
+    assert _tokens(again) == [expected[arch, "a0"][0]]
+    assert (slots.counters.num_loads, slots.counters.num_evictions) == (5, 3) and slots.slot_of == {1: 0, 4: 1}
+    assert (pool.counters.num_disk_loads, pool.counters.num_cpu_hits) == (5, 0)
+
+
+def test_the_cpu_cache_refills_evicted_slots(tiny_paths, adapters):
+    arch = "llama"
+    llm = _llm(tiny_paths[arch], max_loras=1, max_cpu_loras=3)
+    loras = _requests(adapters[arch])
+    for name in ["a0", "a1", "a2", "a0", "a1"]:  # one slot: every switch is a slot load
+        llm.generate([PROMPTS[1]], _greedy(), lora_request=loras[name], use_tqdm=False)
+    slots, pool = llm.engine.lora_slots, llm.engine.executor.worker.runner.lora
+    assert (slots.counters.num_loads, slots.counters.num_evictions) == (5, 4)
+    assert (pool.counters.num_disk_loads, pool.counters.num_cpu_hits) == (3, 2)
 
 
 def test_lora_modules_register_at_start(tiny_paths, adapters, expected):
