@@ -158,9 +158,13 @@ def target_names(model: nn.Module) -> set[str]:
 def _check_targets(path, targets, known: set[str]) -> None:
     unknown = sorted(set(targets) - known)
     if unknown:
-        raise LoRAError(
-            f"adapter {path}: target module {unknown[0]!r} is unknown to this model (supported: {', '.join(sorted(known))})"
-        )
+        raise _unknown_target(path, unknown[0], known)
+
+
+def _unknown_target(path, module: str, known: set[str]) -> LoRAError:
+    return LoRAError(
+        f"adapter {path}: target module {module!r} is unknown to this model (supported: {', '.join(sorted(known))})"
+    )
 
 
 def _num_pieces(layer: LinearBase) -> int:
@@ -184,10 +188,7 @@ def shard_adapter(
         layer_name = target[0].rpartition(".")[0] if target is not None else None
         layer = layers.get(layer_name)
         if layer is None:
-            raise LoRAError(
-                f"adapter {adapter.path}: target module {module!r} is unknown to this model "
-                f"(supported: {', '.join(sorted(known))})"
-            )
+            raise _unknown_target(adapter.path, module, known)
         shard_id = target[1]
         out_rows, in_cols = layer.weight_shape  # this rank's
         if layer_name not in out:
