@@ -45,7 +45,6 @@ from rayserve_paged.deployments.tokenizer_pool import TokenizerPool
 from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
 from rayserve_paged.engine.protocol import EngineClient
 from rayserve_paged.engine.tool_calls import ToolCallStream
-from rayserve_paged.models.lora import LoRAError
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +209,8 @@ class GenerationPipeline:
         try:
             await self.client.load_lora_adapter(name, request.lora_path)
         except ValueError as exc:
+            from rayserve_paged.models.lora import LoRAError  # torch: not at import (the app imports no torch)
+
             cause = getattr(exc, "cause", None)  # through Ray: the engine's own exception
             cause = cause if isinstance(cause, ValueError) else exc
             param = "lora_path" if isinstance(cause, LoRAError) else "lora_name"
