@@ -187,6 +187,13 @@ class AppArgs(EngineConfig):
         return data
 
     @model_validator(mode="after")
+    def _check_lora_names(self) -> AppArgs:
+        served = self.served_model_name or self.model
+        if served in self.lora_modules:
+            raise ValueError(f"lora_modules: adapter name {served!r} is the served model's name")
+        return self
+
+    @model_validator(mode="after")
     def _check_fleet_options(self) -> AppArgs:
         if self.scale_down_kv_usage is not None and self.scale_down_kv_usage >= self.target_kv_usage:
             raise ValueError(
