@@ -3,7 +3,8 @@
     python benchmarks/gpu_check.py OUT_DIR [--quick] [--skip-tests] [--skip-e2e] [--cpu-backend B] [--wheels DIR]
 
 With CUDA (sized for one H200, under 8 minutes; --quick does less of each):
-  tests    pytest tests/ops/test_triton.py compiled on the GPU (RAYSERVE_PAGED_TRITON_TEST_DEVICE=cuda)
+  tests    pytest tests/ops/test_triton.py (attention) and tests/ops/test_triton_lora.py (the LoRA
+           kernels) compiled on the GPU (RAYSERVE_PAGED_TRITON_TEST_DEVICE=cuda)
   memcheck the `quick` Triton tests (small shapes) once more under `compute-sanitizer --tool memcheck`
            (skipped, and said so, where compute-sanitizer or CUDA is absent)
   copy     device-to-device copy bandwidth of a 2 GiB tensor (bytes read + written per second):
@@ -85,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, help="directory for gpu_check.json")
     parser.add_argument("--quick", action="store_true", help="fewer tests, shapes, repeats and layers")
-    parser.add_argument("--skip-tests", action="store_true", help="do not run tests/ops/test_triton.py")
+    parser.add_argument("--skip-tests", action="store_true", help="do not run the Triton kernel tests")
     parser.add_argument("--skip-e2e", action="store_true", help="do not run the end-to-end comparison")
     parser.add_argument(
         "--cpu-backend", choices=("triton", "torch"), default="triton",

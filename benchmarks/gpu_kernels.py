@@ -37,7 +37,10 @@ class Deadline:
 # ---------------------------------------------------------------------------- tests
 
 
-TRITON_TESTS = [sys.executable, "-m", "pytest", "tests/ops/test_triton.py", "-q", "-p", "no:cacheprovider"]
+TRITON_TESTS = [
+    sys.executable, "-m", "pytest", "tests/ops/test_triton.py", "tests/ops/test_triton_lora.py", "-q", "-p",
+    "no:cacheprovider",
+]  # fmt: skip
 
 
 def run_tests(has_cuda: bool, quick: bool) -> dict:

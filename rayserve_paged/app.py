@@ -38,6 +38,11 @@ class AppArgs(EngineConfig):
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None, description="Reads tool calls out of tool_choice 'auto' outputs (as vllm serve --tool-call-parser)."
     )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; behind the API "
+        "key; as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING). Each call changes the replica that answers it only.",
+    )
     unauthenticated_paths: list[str] = Field(
         default_factory=lambda: list(DEFAULT_OPEN_PATHS),
         description=f"Routes that need no API key when {API_KEY_ENV} is set (as vLLM protects only /v1).",
@@ -213,6 +218,13 @@ class AppArgs(EngineConfig):
         return data
 
     @model_validator(mode="after")
+    def _check_lora_names(self) -> AppArgs:
+        served = self.served_model_name or self.model
+        if served in self.lora_modules:
+            raise ValueError(f"lora_modules: adapter name {served!r} is the served model's name")
+        return self
+
+    @model_validator(mode="after")
     def _check_fleet_options(self) -> AppArgs:
         if self.scale_down_kv_usage is not None and self.scale_down_kv_usage >= self.target_kv_usage:
             raise ValueError(
@@ -337,6 +349,7 @@ def build_app(args: AppArgs | dict):
         "require_api_key": args.require_api_key,
         "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
         "tool_call_parser": args.tool_call_parser,
+        "allow_runtime_lora_updating": args.allow_runtime_lora_updating,
     }
     server_kwargs = {
         "scheduler_cpus": args.scheduler_cpus,

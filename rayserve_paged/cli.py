@@ -26,6 +26,7 @@ BENCHMARKS = {
     "smollm2": "benchmarks.smollm2",
     "structured-outputs": "benchmarks.structured_outputs",
     "quantized": "benchmarks.quantized",
+    "lora": "benchmarks.lora",
 }
 
 DEMO_QUESTIONS = [

@@ -86,6 +86,20 @@ class EngineConfig(BaseModel):
         ),
     )
 
+    enable_lora: bool = Field(
+        False,
+        description="Serve LoRA adapters (PEFT format) over the base model, many per batch (implied by lora_modules).",
+    )
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters to register at start-up: name (what a request's `model` says) -> PEFT directory.",
+    )
+    max_loras: int = Field(1, ge=1, description="Adapters resident on the device at once (slots in every layer).")
+    max_lora_rank: int = Field(16, ge=1, le=64, description="Largest adapter rank r; the slots are this wide.")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="Adapters kept in CPU memory, least recently used evicted (default: max_loras)."
+    )
+
     @model_validator(mode="after")
     def _check_lengths(self) -> EngineConfig:
         if (
@@ -98,7 +112,20 @@ class EngineConfig(BaseModel):
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when enable_chunked_prefill is off"
             )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        bad = next((name for name in self.lora_modules if not name or name == self.model), None)
+        if bad is not None:
+            raise ValueError(f"lora_modules: adapter name {bad!r} must be non-empty and differ from the model's")
         return self
+
+    @property
+    def is_lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    @property
+    def resolved_max_cpu_loras(self) -> int:
+        return max(self.max_cpu_loras or self.max_loras, self.max_loras)
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:

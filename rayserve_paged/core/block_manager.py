@@ -32,6 +32,7 @@ only; recompute starts from a whole table again.
 A request's `cache_salt` keys its first block's hash (the parent key of block 0 is derived
 from the salt instead of "no parent"), so its whole chain is found only by requests with
 the same salt: prefix reuse, and the timing and `cached_tokens` it shows, stay within them.
+A request's LoRA adapter keys it the same way (with the salt, when both are set).
 
 Prefix-cache registration happens when a full block is scheduled to be computed, so a
 request admitted later in the same step may already share it. The model runner guarantees
@@ -59,32 +60,48 @@ def default_block_hash(parent_key: int | None, token_ids: tuple[int, ...]) -> in
     return hash((-1 if parent_key is None else parent_key, token_ids))
 
 
-def salt_key(cache_salt: str | None) -> int | None:
-    """The parent key of a salted chain's first block (None: unsalted). A hit also needs
-    the block's parent to be the very block before it, so a salted first block is never
-    taken as a later block of another chain, nor the other way round.
+def salt_key(cache_salt: str | None, lora_id: int = 0) -> int | None:
+    """The parent key of a salted chain's first block (None: unsalted, base model). A hit
+    also needs the block's parent to be the very block before it, so a salted first block is
+    never taken as a later block of another chain, nor the other way round. A request's
+    LoRA adapter salts its chain the same way: the same prompt on two adapters (or on an
+    adapter and the base model) shares no block, since its K/V differ.
 
     The same in every process (a digest, not `hash()` of a string, which each process
     seeds differently): a fleet's router computes the keys its replicas hold."""
-    if cache_salt is None:
+    if cache_salt is None and not lora_id:
         return None
-    digest = hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=8, person=b"cache_salt")
+    if lora_id:
+        digest = hashlib.blake2b(digest_size=8, person=b"lora")
+        digest.update(lora_id.to_bytes(8, "little", signed=True))
+        digest.update(b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8", "surrogatepass"))
+    else:
+        digest = hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=8, person=b"cache_salt")
     return int.from_bytes(digest.digest(), "little", signed=True)
 
 
 def prefix_block_keys(
-    token_ids: list[int], block_size: int, cache_salt: str | None = None, hash_fn: HashFn = default_block_hash
+    token_ids: list[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    hash_fn: HashFn = default_block_hash,
+    lora_id: int = 0,
 ) -> list[int]:
     """The prefix-cache keys of the full blocks a request's prompt would look up at
     admission (as `BlockManager._match_prefix` walks them: tokens[:-1]), first block first.
-    Equal in every process for the same tokens and salt (token tuples hash alike
+    Equal in every process for the same tokens, salt and adapter (token tuples hash alike
     everywhere), so a key names one cached chain on whichever replica holds it."""
     keys: list[int] = []
-    parent_key = salt_key(cache_salt)
+    parent_key = salt_key(cache_salt, lora_id)
     for i in range((len(token_ids) - 1) // block_size):
         parent_key = hash_fn(parent_key, tuple(token_ids[i * block_size : (i + 1) * block_size]))
         keys.append(parent_key)
     return keys
+
+
+def group_root_key(group: SequenceGroup) -> int | None:
+    """The parent key of the group's first block: its cache salt and its adapter."""
+    return salt_key(group.sampling_params.cache_salt, group.lora_id)
 
 
 class AllocStatus(enum.Enum):
@@ -405,7 +422,7 @@ class BlockManager:
         """
         seqs = group.get_seqs(SequenceStatus.WAITING)
         first = seqs[0]
-        root_key = salt_key(group.sampling_params.cache_salt)
+        root_key = group_root_key(group)
         hits = [self._match_prefix(first.token_ids, root_key)]
         num_shared = first.num_prompt_tokens // self.block_size if len(seqs) > 1 else 0
         total = self._num_blocks_for(len(first))
@@ -433,7 +450,7 @@ class BlockManager:
         """Give the group's waiting sequences block tables; sets their computed-token counts
         (the prefix-cache hits). Blocks cover every token: a chunked prefill needs no more."""
         seqs, hits, num_shared, _ = self._plan(group)
-        root_key = salt_key(group.sampling_params.cache_salt)
+        root_key = group_root_key(group)
         if root_key is not None:
             self._salt_keys.update((seq.seq_id, root_key) for seq in seqs)
         for seq_hits in hits:  # every hit is taken before any allocation may evict one

@@ -44,6 +44,7 @@ class NewRequest:
     # the whole prompt, only when sampling needs the token history (penalties) and the
     # first chunk may not carry all of it (a prefix-cache hit); else None
     prompt_token_ids: list[int] | None = None
+    lora_id: int = 0  # its LoRA adapter (0: the base model); its slot is in lora_slot_updates
 
 
 @compact_pickle
@@ -53,7 +54,7 @@ class StepMessage:
     worker): fork (the parents exist before anything ends), free ended sequences, forget
     finished requests (with their sequences), add new requests (an id that ended may come
     back as a new request in the same step: forgotten first), update block tables; then
-    swap out, swap in, copy; then run the rows."""
+    swap out, swap in, copy; load the changed LoRA slots; then run the rows."""
 
     finished_request_ids: list[str] = field(default_factory=list)
     new_requests: list[NewRequest] = field(default_factory=list)
@@ -78,6 +79,9 @@ class StepMessage:
     # little-endian int32 words, bit j of word w set = token 32 * w + j allowed
     bitmask_seq_ids: list[int] = field(default_factory=list)
     token_bitmasks: bytes = b""
+    # LoRA adapter slots that changed (core/lora.py): (slot, adapter id, PEFT directory),
+    # applied before the rows; a row's slot is its request's adapter's
+    lora_slot_updates: list[tuple[int, int, str]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -99,6 +103,7 @@ class StepMessage:
             or self.first_step_seq_ids
             or self.bitmask_seq_ids
             or self.token_bitmasks
+            or self.lora_slot_updates
         )
 
     @property

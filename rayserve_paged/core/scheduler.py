@@ -10,7 +10,9 @@ Each step has one token budget (`max_num_batched_tokens`):
   2. prefill  running groups with prompt tokens left get the next chunk, FCFS.
   3. swap in  bring swapped groups back in FCFS order, unless this step preempted.
   4. admit    waiting groups in FCFS order (their first chunk) under the budgets and the
-              watermark, unless anything is swapped or this step preempted.
+              watermark, unless anything is swapped or this step preempted; a group whose
+              LoRA adapter can get no device slot waits, and the queue behind it
+              (core/lora.py: pins, eviction, the slot deltas of the step message).
 
 Queues are ordered by arrival: `running` oldest first (the tail is the next victim),
 `swapped` and `waiting` oldest first (the head is the next to come back).
@@ -28,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from rayserve_paged.core.block_manager import AllocStatus, BlockManager
+from rayserve_paged.core.lora import LoRASlots
 from rayserve_paged.core.outputs import NewRequest, ScheduledGroup, SchedulerOutput, StepMessage
 from rayserve_paged.core.sequence import KV_CACHE_LIMIT, Sequence, SequenceGroup, SequenceStatus
 
@@ -75,9 +78,10 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, lora_slots: LoRASlots | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.lora_slots = lora_slots  # the workers' adapter slots (None: no LoRA)
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
@@ -112,6 +116,7 @@ class Scheduler:
                 queue.remove(group)
         if group in self.running:
             self.running.remove(group)
+        self._unpin_lora(group)
         for seq in group.seqs:
             if not seq.status.is_finished:
                 seq.status = SequenceStatus.FINISHED_ABORTED
@@ -140,7 +145,18 @@ class Scheduler:
         if group.is_finished():
             self.groups.pop(group.request_id, None)
             self._release_params(group.request_id)
+            self._unpin_lora(group)
             self._has_finished_running = True
+
+    def _pin_lora(self, group: SequenceGroup) -> None:
+        if group.lora_request is not None and not group.has_lora_slot:
+            self.lora_slots.acquire(group.lora_request)
+            group.has_lora_slot = True
+
+    def _unpin_lora(self, group: SequenceGroup) -> None:
+        if group.has_lora_slot:
+            self.lora_slots.release(group.lora_id)
+            group.has_lora_slot = False
 
     def _release_seq(self, seq: Sequence) -> None:
         """The workers forget an ended sequence of a request that goes on, whether or not it
@@ -307,6 +323,9 @@ class Scheduler:
                 break
             if num_seqs + group.max_num_running_seqs() > self.config.max_num_seqs:
                 break
+            # its adapter waits for a slot (FCFS: nothing behind it is admitted first)
+            if group.lora_request is not None and not self.lora_slots.can_acquire(group.lora_id):
+                break
             if chunking:
                 if num_tokens >= budget:
                     break
@@ -317,6 +336,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             bm.allocate(group)
+            self._pin_lora(group)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             _insert_by_arrival(running, group)
@@ -324,6 +344,8 @@ class Scheduler:
             num_seqs += group.max_num_running_seqs()
             out.num_prefill_groups += 1
 
+        if self.lora_slots is not None:
+            msg.lora_slot_updates = self.lora_slots.take_updates()
         out.num_batched_tokens = num_tokens
         return out
 
@@ -445,7 +467,9 @@ class Scheduler:
             self._params_sent.add(request_id)
             params = group.sampling_params
             prompt = first.prompt_token_ids if params.needs_history else None
-            msg.new_requests.append(NewRequest(request_id, first.seq_id, params, first.num_prompt_tokens, prompt))
+            msg.new_requests.append(
+                NewRequest(request_id, first.seq_id, params, first.num_prompt_tokens, prompt, group.lora_id)
+            )
             first.is_on_workers = True
         is_first_step = len(group.seqs) == 1 and len(first.token_ids) == first.num_prompt_tokens
         if is_first_step and do_sample:
@@ -521,6 +545,7 @@ class Scheduler:
             self.block_manager.free(seq)
             seq.reset_for_recompute()
         group.is_prefilling = False
+        self._unpin_lora(group)  # its adapter's slot is taken again on re-admission
         self.waiting.appendleft(group)
 
     def _end_group(self, group: SequenceGroup, out: SchedulerOutput) -> None:
@@ -532,6 +557,7 @@ class Scheduler:
             self.block_manager.free(seq)
         self.groups.pop(group.request_id, None)
         self._release_params(group.request_id)
+        self._unpin_lora(group)
         out.ignored.append(group.request_id)
 
 

@@ -12,6 +12,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from rayserve_paged.core.lora import LoRARequest
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -347,7 +349,10 @@ class Sequence:
 class SequenceGroup:
     """A request: sequences that share one prompt, scheduled all-or-nothing."""
 
-    __slots__ = ("request_id", "seqs", "sampling_params", "arrival_time", "arrival_index", "metrics", "is_prefilling")
+    __slots__ = (
+        "request_id", "seqs", "sampling_params", "arrival_time", "arrival_index", "metrics", "is_prefilling",
+        "lora_request", "has_lora_slot",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -356,6 +361,7 @@ class SequenceGroup:
         sampling_params: SamplingParams,
         arrival_time: float,
         arrival_index: int,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.seqs = seqs
@@ -366,6 +372,13 @@ class SequenceGroup:
         self.metrics: dict[str, float] = {}
         # Admitted, with prompt (or recomputed) tokens still to prefill in later chunks.
         self.is_prefilling = False
+        self.lora_request = lora_request  # its adapter (None: the base model)
+        self.has_lora_slot = False  # it pins its adapter's device slot (core/lora.py)
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's id; 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def prompt_token_ids(self) -> list[int]:

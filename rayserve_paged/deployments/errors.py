@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rayserve_paged.core.lora import UnknownLoRAError
 from rayserve_paged.core.sequence import SamplingParamsError
 from rayserve_paged.engine.frontend import EngineUnavailable
 from rayserve_paged.deployments.protocol import ErrorInfo, ErrorResponse, param_of
@@ -119,6 +120,10 @@ def to_openai_error(exc: Exception, renames: dict[str, str] | None = None) -> Op
             "the server is overloaded: the engine's request queue is full; retry later",
             getattr(exc, "retry_after_s", None),
         )
+    if isinstance(exc, UnknownLoRAError):  # an adapter unloaded after the request was checked
+        cause = getattr(exc, "cause", None)
+        return OpenAIError(404, str(cause if isinstance(cause, UnknownLoRAError) else exc), param="model",
+                           code="model_not_found")  # fmt: skip
     if isinstance(exc, ValueError):
         cause = getattr(exc, "cause", None)  # RayTaskError: the engine's own exception
         message = str(cause if isinstance(cause, ValueError) else exc)

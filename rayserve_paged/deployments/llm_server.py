@@ -78,9 +78,9 @@ class ActorCore:
     def __init__(self, actor) -> None:
         self.actor = actor
 
-    async def add_request(self, request_id, prompt, prompt_token_ids, params) -> None:
+    async def add_request(self, request_id, prompt, prompt_token_ids, params, lora_name=None) -> None:
         try:
-            await self.actor.add_request.remote(request_id, prompt, prompt_token_ids, params)
+            await self.actor.add_request.remote(request_id, prompt, prompt_token_ids, params, lora_name)
         except RayActorError as e:
             raise EngineUnavailable(f"the engine process is gone: {e}") from None
 
@@ -148,6 +148,9 @@ class LLMServer:
             ActorCore(self.actor), self.tokenizer, stream_interval, stream_batching_interval_ms
         )
         self.tokenizer_pool = TokenizerPool()  # the HTTP routes' and the handle API's
+        # the engine's LoRA adapters, mirrored here (a request naming one needs no actor call);
+        # runtime loads and unloads go through this replica, so the mirror follows them
+        self._loras: dict[str, str] = dict(config.lora_modules)
 
     def __serve_build_asgi_app__(self):
         """Serve's late-bound ingress (`serve.ingress()(LLMServer)` in build_app): the
@@ -167,27 +170,43 @@ class LLMServer:
         prompt: str | list[int],
         sampling_params: SamplingParams | dict | None = None,
         request_id: str | None = None,
+        lora_name: str | None = None,
         routing: RoutingKey | None = None,
     ) -> RequestOutput:
-        """The whole result, once finished. `routing` is for the fleet's router
-        (deployments/routing.py), which reads it before the call gets here."""
+        """The whole result, once finished (on the LoRA adapter `lora_name`, when given).
+        `routing` is for the fleet's router (deployments/routing.py), which reads it before
+        the call gets here."""
         params = as_sampling_params(sampling_params)
         text, token_ids = await self._prompt(prompt)
-        return await self.frontend.generate(token_ids, params, request_id or _new_id(), text)
+        return await self.frontend.generate(token_ids, params, request_id or _new_id(), text, lora_name)
 
     async def generate_stream(
         self,
         prompt: str | list[int],
         sampling_params: SamplingParams | dict | None = None,
         request_id: str | None = None,
+        lora_name: str | None = None,
         routing: RoutingKey | None = None,
     ):
         """Deltas (see the module docstring); closing the stream aborts the request.
         `routing`: as in `generate`."""
         params = as_sampling_params(sampling_params)
         text, token_ids = await self._prompt(prompt)
-        async for out in self.frontend.generate_stream(token_ids, params, request_id or _new_id(), text):
+        stream = self.frontend.generate_stream(token_ids, params, request_id or _new_id(), text, lora_name=lora_name)
+        async for out in stream:
             yield out
+
+    async def lora_adapters(self) -> dict[str, str]:
+        return dict(self._loras)
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        lora = await self.actor.load_lora.remote(name, path)
+        self._loras[name] = lora["lora_path"]
+
+    async def unload_lora_adapter(self, name: str) -> bool:
+        removed = await self.actor.unload_lora.remote(name)
+        self._loras.pop(name, None)
+        return removed
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, computed in the replica's tokenizer pool."""

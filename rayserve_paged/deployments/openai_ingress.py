@@ -39,7 +39,7 @@ from collections.abc import Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray.serve.exceptions import BackPressureError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -70,10 +70,12 @@ from rayserve_paged.deployments.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from rayserve_paged.deployments.serving.chat import ChatServing
 from rayserve_paged.deployments.serving.completions import CompletionServing
@@ -261,10 +263,13 @@ def create_openai_app(
     open_paths: Iterable[str] = DEFAULT_OPEN_PATHS,
     tool_call_parser: str | None = None,
     tokenizer_pool: TokenizerPool | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible FastAPI app over `client` (docs/API.md describes the API).
     With `api_key`, every route but `open_paths` requires it. Tokenizer work runs in
-    `tokenizer_pool` (the replica's; a pool of its own when None)."""
+    `tokenizer_pool` (the replica's; a pool of its own when None). With
+    `allow_runtime_lora_updating`, POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    exist (vLLM's routes, off by default as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
     serving = GenerationPipeline(
         client, tokenizer, served_model_name, max_tokenizer_queue, enable_prompt_tokens_details, tokenizer_pool
     )
@@ -323,6 +328,16 @@ def create_openai_app(
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> ModelCard:
         return await serving.model(model)
+
+    if allow_runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter", response_model=None)
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+            return PlainTextResponse(await serving.load_lora_adapter(request))
+
+        @app.post("/v1/unload_lora_adapter", response_model=None)
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+            return PlainTextResponse(await serving.unload_lora_adapter(request))
 
     @app.get("/metrics", response_model=None)
     async def metrics() -> Response:

@@ -745,6 +745,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "rayserve-paged"
     max_model_len: int | None = None
+    root: str | None = None  # a LoRA adapter's directory
+    parent: str | None = None  # a LoRA adapter's base model (None: a base model)
 
 
 class ModelList(BaseModel):
@@ -790,3 +792,32 @@ class DetokenizeRequest(_RequestModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+# --------------------------------------------------------------------------- runtime LoRA adapters
+
+MAX_LORA_NAME_CHARS = 256
+MAX_LORA_PATH_CHARS = 4096
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's): register a PEFT LoRA directory under a name."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_CHARS, description="What requests' `model` says.")
+    lora_path: str = Field(
+        min_length=1, max_length=MAX_LORA_PATH_CHARS,
+        description="The adapter's directory on the replica (adapter_config.json, adapter_model.safetensors).",
+    )  # fmt: skip
+
+    _unicode = field_validator("lora_name", "lora_path")(_check_unicode)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's): forget an adapter (requests running on it finish)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_CHARS)
+    lora_int_id: int | None = Field(None, description="Accepted for vLLM's body; the name decides.")

@@ -58,7 +58,8 @@ class EngineUnavailable(RuntimeError):
 
 class EngineCore(Protocol):
     async def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+        lora_name: str | None = None,
     ) -> None: ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -159,11 +160,13 @@ class EngineFrontend:
         self._background: set[asyncio.Task] = set()
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None = None
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None = None,
+        lora_name: str | None = None,
     ) -> RequestOutput:
         """The cumulative result, once finished."""
         last = None
-        async for last in self.generate_stream(prompt_token_ids, params, request_id, prompt, OutputKind.FINAL):
+        stream = self.generate_stream(prompt_token_ids, params, request_id, prompt, OutputKind.FINAL, lora_name)
+        async for last in stream:
             pass
         return last
 
@@ -174,9 +177,11 @@ class EngineFrontend:
         request_id: str,
         prompt: str | None = None,
         kind: OutputKind = OutputKind.DELTA,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Deltas: per step (or per several, for a slow reader) what is new; the last has
-        finished=True. Closing the iterator early aborts the request."""
+        finished=True. Closing the iterator early aborts the request. `lora_name`: the
+        registered LoRA adapter it runs on (None: the base model)."""
         self._start_pump()
         if self.failure is not None:
             raise EngineUnavailable(f"the engine is unavailable: {self.failure!r}")
@@ -192,7 +197,10 @@ class EngineFrontend:
         self.processor.add_request(engine_id, prompt, prompt_token_ids, params, kind, output_id=request_id)
         finished = False
         try:
-            await self.core.add_request(engine_id, prompt, prompt_token_ids, params)
+            if lora_name is None:
+                await self.core.add_request(engine_id, prompt, prompt_token_ids, params)
+            else:
+                await self.core.add_request(engine_id, prompt, prompt_token_ids, params, lora_name)
             if engine_id not in self._buffers:  # aborted while it was being added
                 self.detached(self.core.abort(engine_id))
             while not finished:

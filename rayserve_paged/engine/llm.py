@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Sequence as Seq
 
 from rayserve_paged.config import EngineConfig
+from rayserve_paged.core.lora import LoRARequest
 from rayserve_paged.core.sequence import SamplingParams, StructuredOutputsParams
 from rayserve_paged.engine.llm_engine import LLMEngine
 from rayserve_paged.engine.output_processor import OutputProcessor
@@ -33,10 +34,13 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         prompt_token_ids: list[list[int]] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts.
 
         A prompt is a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": ...}.
+        `lora_request` runs every prompt on one LoRA adapter, or each on its own (a list,
+        None for the base model); an adapter not yet registered is checked and registered.
         """
         items = _normalise_prompts(prompts, prompt_token_ids)
         if sampling_params is None:
@@ -44,15 +48,18 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, Seq) else [sampling_params] * len(items)
         if len(params) != len(items):
             raise ValueError(f"sampling_params: {len(params)} given for {len(items)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, Seq) else [lora_request] * len(items)
+        if len(loras) != len(items):
+            raise ValueError(f"lora_request: {len(loras)} given for {len(items)} prompts")
         order = {}
-        for (text, token_ids), p in zip(items, params):
+        for (text, token_ids), p, lora in zip(items, params, loras):
             request_id = f"offline-{next(self._ids)}"
             order[request_id] = len(order)
             if token_ids is None:
                 if not isinstance(text, str):
                     raise ValueError("prompt: give a string or prompt_token_ids")
                 token_ids = self.engine.encode(text)
-            self.engine.add_request(request_id, text, p, prompt_token_ids=token_ids)
+            self.engine.add_request(request_id, text, p, prompt_token_ids=token_ids, lora_request=lora)
             self.processor.add_request(request_id, text, token_ids, p)
         return self._run(order, use_tqdm)
 

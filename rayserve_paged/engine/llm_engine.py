@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.block_manager import BlockManager
+from rayserve_paged.core.lora import LoRARequest, LoRASlots, UnknownLoRAError
 from rayserve_paged.core.outputs import SchedulerOutput
 from rayserve_paged.core.scheduler import Scheduler, SchedulerConfig
 from rayserve_paged.core.sequence import (
@@ -37,7 +38,8 @@ from rayserve_paged.engine.executor import Executor, InProcessExecutor
 from rayserve_paged.engine.output_processor import find_stop
 from rayserve_paged.engine.outputs import RequestMetrics, SequenceDelta, StepOutput
 from rayserve_paged.engine.structured_outputs import GrammarCompiler, StructuredOutputs
-from rayserve_paged.models.loader import get_model_config, load_tokenizer
+from rayserve_paged.models.loader import get_model_config, load_tokenizer, model_skeleton
+from rayserve_paged.models.lora import check_adapter
 from rayserve_paged.models.sampler import SamplerOutput, SeqSample
 from rayserve_paged.models.tiny import resolve_model
 
@@ -83,6 +85,7 @@ class LLMEngine:
             enable_prefix_caching=self._prefix_caching(),
             sliding_window=self.model_config.sliding_window,
         )
+        self.lora_slots = LoRASlots(config.max_loras) if config.is_lora_enabled else None
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -93,6 +96,7 @@ class LLMEngine:
                 recompute_at_len=self.model_config.rope_recompute_len,
             ),
             self.block_manager,
+            self.lora_slots,
         )
         self._detokenizer: Detokenizer | None = None  # beam search with stop strings only
         self._seq_ids = itertools.count()
@@ -107,6 +111,13 @@ class LLMEngine:
         self._constrained: dict[str, SequenceGroup] = {}  # request id -> its group, while it lives
         self.num_prompt_tokens = 0  # computed prompt tokens (after prefix-cache hits)
         self.num_generation_tokens = 0
+        # LoRA adapters by name; the model's layer shapes (a meta-device skeleton) check them
+        self.loras: dict[str, LoRARequest] = {}
+        self.num_lora_requests: dict[str, int] = {}  # adapter name -> requests added with it
+        self._lora_ids = itertools.count(1)
+        self._skeleton = None
+        for name, path in config.lora_modules.items():
+            self.load_lora(name, path)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB) + %d CPU swap blocks",
             sizes.num_gpu_blocks,
@@ -150,6 +161,47 @@ class LLMEngine:
                 "gpu_memory_utilization / num_gpu_blocks_override, or lower max_model_len"
             )
 
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def add_lora(self, lora: LoRARequest) -> LoRARequest:
+        """Register an adapter after checking it against the model (LoRAError names what
+        does not fit: rank above max_lora_rank, an unknown target module, a shape). Adding
+        the same adapter again is a no-op; another adapter under a taken name or id is not."""
+        if not self.config.is_lora_enabled:
+            raise RequestError("LoRA adapters are not enabled: start the engine with enable_lora or lora_modules")
+        known = self.loras.get(lora.lora_name)
+        if known == lora:
+            return known
+        if known is not None:
+            raise RequestError(f"LoRA adapter {lora.lora_name!r} is already loaded (from {known.lora_path})")
+        if any(k.lora_int_id == lora.lora_int_id for k in self.loras.values()):
+            raise RequestError(f"lora_int_id {lora.lora_int_id} is already used by another adapter")
+        if lora.lora_name == self.config.model:
+            raise RequestError(f"LoRA adapter name {lora.lora_name!r} is the base model's")
+        if self._skeleton is None:
+            self._skeleton = model_skeleton(self.model_path)
+        check_adapter(self._skeleton, lora.lora_path, self.config.max_lora_rank)
+        self.loras[lora.lora_name] = lora
+        self.num_lora_requests.setdefault(lora.lora_name, 0)
+        return lora
+
+    def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Register the adapter in `path` under `name`, with the next free id."""
+        lora_id = next(self._lora_ids)
+        while any(k.lora_int_id == lora_id for k in self.loras.values()):
+            lora_id = next(self._lora_ids)
+        return self.add_lora(LoRARequest(name, lora_id, str(path)))
+
+    def lora_by_name(self, name: str) -> LoRARequest:
+        lora = self.loras.get(name)
+        if lora is None:
+            raise UnknownLoRAError(f"model: the model {name!r} does not exist (no LoRA adapter of that name is loaded)")
+        return lora
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget an adapter: new requests cannot name it; requests running with it finish."""
+        return self.loras.pop(name, None) is not None
+
     # ------------------------------------------------------------------ requests
 
     def encode(self, prompt: str) -> list[int]:
@@ -162,16 +214,25 @@ class LLMEngine:
         sampling_params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> None:
-        """Queue a request; raises RequestError / SamplingParamsError for bad input."""
+        """Queue a request (on `lora_request`'s adapter, registered now if it is new, or on
+        the registered adapter of that name); raises RequestError / SamplingParamsError /
+        LoRAError for bad input, UnknownLoRAError for an adapter name not registered."""
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise RequestError("prompt: give a string or prompt_token_ids")
             prompt_token_ids = self.encode(prompt)
         self._validate(request_id, prompt_token_ids, sampling_params)
+        if isinstance(lora_request, str):
+            lora_request = self.lora_by_name(lora_request)
+        elif lora_request is not None:
+            lora_request = self.add_lora(lora_request)
         seq = Sequence(next(self._seq_ids), prompt_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        group = SequenceGroup(request_id, [seq], sampling_params, arrival, next(self._arrivals))
+        group = SequenceGroup(request_id, [seq], sampling_params, arrival, next(self._arrivals), lora_request)
+        if lora_request is not None:
+            self.num_lora_requests[lora_request.lora_name] = self.num_lora_requests.get(lora_request.lora_name, 0) + 1
         if sampling_params.structured_outputs is not None:
             # waits for the grammar (compiled ahead by prepare_constraint where a caller can)
             self.structured.add(seq.seq_id, sampling_params.structured_outputs)

@@ -21,15 +21,27 @@ class EngineClient(Protocol):
     """What the routes need from an engine."""
 
     async def generate(
-        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
+        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str, lora_name: str | None = None
     ) -> RequestOutput:
-        """The cumulative result."""
+        """The cumulative result (`lora_name`: a registered LoRA adapter; None: the base model)."""
         ...
 
     def generate_stream(
-        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
+        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str, lora_name: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Deltas: what is new since the previous output; the last is finished."""
+        ...
+
+    async def lora_adapters(self) -> dict[str, str]:
+        """The registered LoRA adapters: name -> PEFT directory."""
+        ...
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Register an adapter (raises the engine's error: already loaded, LoRAError)."""
+        ...
+
+    async def unload_lora_adapter(self, name: str) -> bool:
+        """Forget an adapter; False when no adapter has that name."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -75,16 +75,37 @@ class SchedulerActor:
     # ------------------------------------------------------------------ called by the owner
 
     async def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
+        lora_name: str | None = None,
     ) -> None:
-        """Queue a request; raises the engine's validation error for bad input."""
+        """Queue a request (on the registered LoRA adapter `lora_name`, None: the base model);
+        raises the engine's validation error for bad input."""
         self._attach_loop()
         if self._error is not None:
             raise EngineUnavailable(f"the engine failed: {self._error!r}")
         await self._wait_for_grammar(params)
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("add", (request_id, prompt, params, prompt_token_ids), done))
+        self._submit(("add", (request_id, prompt, params, prompt_token_ids, None, lora_name), done))
         await asyncio.wrap_future(done)
+
+    async def load_lora(self, name: str, path: str) -> dict:
+        """Register the adapter in `path` under `name` (checked against the model first:
+        LoRAError names what does not fit); its {"lora_name", "lora_int_id", "lora_path"}."""
+        lora = await self._call(lambda: self.engine.load_lora(name, path))
+        return {"lora_name": lora.lora_name, "lora_int_id": lora.lora_int_id, "lora_path": lora.lora_path}
+
+    async def unload_lora(self, name: str) -> bool:
+        """Forget the adapter (requests running with it finish); False: no such adapter."""
+        return await self._call(lambda: self.engine.remove_lora(name))
+
+    async def _call(self, fn):
+        """fn() on the step thread, between steps (the engine is not thread-safe)."""
+        self._attach_loop()
+        if self._error is not None:
+            raise EngineUnavailable(f"the engine failed: {self._error!r}")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(("call", fn, done))
+        return await asyncio.wrap_future(done)
 
     async def _wait_for_grammar(self, params: SamplingParams) -> None:
         """A constrained request waits here, off the step loop, until its grammar is
@@ -208,13 +229,13 @@ class SchedulerActor:
     def _apply_ops(self) -> None:
         while self._ops:
             kind, payload, done = self._ops.popleft()
-            if kind == "add":
+            if kind in ("add", "call"):
                 try:
-                    self.engine.add_request(*payload)
+                    result = self.engine.add_request(*payload) if kind == "add" else payload()
                 except Exception as e:  # bad input: the caller gets the error, the loop goes on
                     done.set_exception(e)
                 else:
-                    done.set_result(None)
+                    done.set_result(result)
             elif kind == "stop":
                 finished = self.engine.stop_sequences(*payload)
                 if finished is not None:

@@ -97,6 +97,7 @@ class LinearBase(nn.Module):
     keeps_codes = False  # a quantized embedding looks rows up in its codes
     is_matmul = True  # multiplies by its weight (an embedding only when a tied LM head uses it)
     is_logits = False  # its products are logits (the LM head): kept in the model dtype
+    lora_batch = None  # the model's LoRABatch once models/lora.py gave the layer adapter slots
 
     def _init_weight(self, output_size: int, input_size: int, dtype: torch.dtype | None) -> None:
         self.weight_shape = (output_size, input_size)
@@ -118,7 +119,11 @@ class LinearBase(nn.Module):
         self.method.process_weights_after_loading(self)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)  # [T, out per rank]
+        y = self.method.apply(self, x)  # [T, out per rank]
+        lora = self.lora_batch
+        if lora is not None and lora.is_active:  # each row's adapter, before any all-reduce
+            y = lora.apply(y, x, self.lora_a, self.lora_b)
+        return y
 
 
 class ColumnParallelLinear(LinearBase):

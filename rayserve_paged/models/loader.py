@@ -36,7 +36,7 @@ from torch import nn
 from .gguf import find_gguf_file, gguf_hf_config, iter_gguf_weights, load_gguf_tokenizer, read_gguf_header
 from .gguf import weight_formats as gguf_weight_formats
 from .hf_quant import hf_weight_formats, iter_hf_quantized, quantization_method, with_quantize_config
-from .layers import LinearBase, ParallelLMHead, ParallelState, copy_weight, dynamic_max_len
+from .layers import LinearBase, ParallelLMHead, ParallelState, copy_weight, dynamic_inv_freq_table, dynamic_max_len
 from .quant import GroupQuantFormat, GroupQuantLinearMethod
 from .registry import ARCHITECTURES
 
@@ -183,6 +183,18 @@ def get_model_config(model_path: str | Path) -> ModelConfig:
         is_rope_length_dependent=getattr(cfg, "is_rope_length_dependent", False),
         rope_recompute_len=getattr(cfg, "rope_recompute_len", None),
     )
+
+
+def model_skeleton(model_path: str | Path) -> nn.Module:
+    """The model's modules on the meta device (no memory, no weights): its layer shapes for
+    checks made before any worker loads it (LoRA adapters). One rank, no attention backend."""
+    gguf_file = find_gguf_file(model_path)
+    hf = gguf_hf_config(gguf_file) if gguf_file is not None else read_hf_config(require_model_dir(model_path))
+    model_class = MODEL_REGISTRY[architecture_of(hf)][0]
+    with torch.device("meta"):
+        model = model_class(hf, None, ParallelState(), resolve_dtype(None, hf))
+    dynamic_inv_freq_table.cache_clear()  # it may now hold meta tensors the real model must not get
+    return model
 
 
 def _max_model_len(hf: dict, cfg: Any) -> int:

@@ -177,6 +177,8 @@ class OPTModel(nn.Module):
 class OPTForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, proj_dim]."""
 
+    packed_modules = PACKED_MODULES  # checkpoint module -> (our fused module, shard id)
+
     @classmethod
     def config_from_hf(cls, hf_config: dict) -> OPTConfig:
         return OPTConfig.from_hf(hf_config)

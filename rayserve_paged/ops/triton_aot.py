@@ -18,7 +18,8 @@ partition sizes rotate over those pairs, so each value is compiled at least once
 and target. The runtime integer arguments are specialised the way the launcher does it
 (divisible by 16 or not; `do_not_specialize` arguments not at all), with the strides of a
 model's packed QKV projection. The group-quantized GEMM (ops/quant_gemm.py) is compiled for
-every (dtype, bits) pair with its quantization group sizes and its two row tiles rotating.
+every (dtype, bits) pair with its quantization group sizes and its two row tiles rotating;
+the LoRA kernels (ops/triton_lora.py) for every dtype at rank widths 16 / 48 / 64 / 192.
 """
 
 from __future__ import annotations
@@ -52,7 +53,12 @@ TARGETS = (
     Target("sm_89", 89, 99 * KB, "L40S"),
     Target("sm_90", 90, 227 * KB, "H100/H200"),
 )
-KERNELS = ("decode", "decode_partition", "decode_reduce", "prefill", "reshape_and_cache", "group_quant_gemm")
+KERNELS = (
+    "decode", "decode_partition", "decode_reduce", "prefill", "reshape_and_cache", "group_quant_gemm",
+    "lora_shrink", "lora_expand",
+)  # fmt: skip
+LORA_KERNELS = ("lora_shrink", "lora_expand")
+LORA_WIDTHS = (16, 48, 64, 192)  # rank 16 on one layer / on q|k|v; rank 64 on one layer / on q|k|v
 QUANT_BITS = (4, 8)
 QUANT_GROUP_SIZES = (32, 128)
 QUANT_ROWS = (1, 64)  # a decode step's rows (BLOCK_M 16) and a prefill's (BLOCK_M 64)
@@ -74,6 +80,7 @@ class KernelConfig:
     partition_size: int = 0  # decode_partition / decode_reduce only
     bits: int = 0  # group_quant_gemm only (group_size is then the quantization group)
     num_rows: int = 0  # group_quant_gemm only
+    lora_width: int = 0  # lora kernels only: the pool's rank width
     sliding: bool = False  # attention kernels and decode_reduce: a sliding window
     soft_cap: bool = False  # attention kernels: attention logit soft-capping
 
@@ -112,6 +119,11 @@ def ci_configs(target: Target | None = None) -> list[KernelConfig]:
                         num_rows=QUANT_ROWS[index // len(QUANT_GROUP_SIZES) % len(QUANT_ROWS)],
                     ))  # fmt: skip
                     index += 1
+            continue
+        if kernel in LORA_KERNELS:  # every dtype; the rank widths (shrink's tile) rotate
+            for i, dtype in enumerate(DTYPES):
+                for width in (LORA_WIDTHS[i % 2], LORA_WIDTHS[2 + i % 2]):
+                    configs.append(KernelConfig(kernel, str(dtype).removeprefix("torch."), 0, lora_width=width))
             continue
         for dtype in DTYPES:
             name = str(dtype).removeprefix("torch.")
@@ -166,7 +178,7 @@ def masking_configs() -> list[KernelConfig]:
 _POINTER_TYPES = {
     "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "context_lens_ptr": "*i32",
     "slot_mapping_ptr": "*i64", "partial_out_ptr": "*fp32", "max_logits_ptr": "*fp32", "exp_sums_ptr": "*fp32",
-    "packed_ptr": "*u8", "scales_ptr": "*fp32", "offsets_ptr": "*fp32",
+    "packed_ptr": "*u8", "scales_ptr": "*fp32", "offsets_ptr": "*fp32", "slots_ptr": "*i32", "xa_ptr": "*fp32",
 }
 _TRITON_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
@@ -201,6 +213,13 @@ def launch_spec(config: KernelConfig):
         constants = quant_gemm.gemm_constants(
             dtype, config.bits, config.group_size, config.num_rows, interpreted=False
         )
+    elif config.kernel in LORA_KERNELS:
+        from . import triton_lora
+
+        if config.kernel == "lora_shrink":
+            fn, constants = triton_lora.lora_shrink_kernel, triton_lora.shrink_constants(config.lora_width)
+        else:
+            fn, constants = triton_lora.lora_expand_kernel, triton_lora.expand_constants()
     elif config.kernel == "reshape_and_cache":
         fn, constants = kernels.reshape_and_cache_kernel, backend.cache_write_constants(
             head_dim, kv_heads, config.block_size
@@ -222,6 +241,9 @@ def launch_spec(config: KernelConfig):
         # group_quant_gemm: a 4096 x 4096 projection (Llama-3-8B's q / o)
         "num_rows": config.num_rows, "out_features": 4096, "in_features": 4096, "stride_x_row": 4096,
         "stride_out_row": 4096,
+        # lora kernels: a 4096 x 4096 projection, 16 slots of the config's rank width
+        "lora_width": config.lora_width, "stride_a_slot": config.lora_width * 4096,
+        "stride_b_slot": config.lora_width * 4096, "stride_y_row": 4096,
     }
     not_specialized = not_specialized_arguments(fn)
     signature, attrs = {}, {}

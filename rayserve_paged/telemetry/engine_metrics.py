@@ -30,6 +30,7 @@ class EngineLike(Protocol):
     block_manager.counters                       (copy_on_write_blocks, swapped_in_blocks,
                                                   swapped_out_blocks, prefix_cache_queries/hits)
     num_prompt_tokens, num_generation_tokens
+    lora_slots, loras, num_lora_requests          (only with LoRA: lora_slots not None)
     """
 
     scheduler: Any
@@ -50,6 +51,11 @@ def _preemptions(engine: EngineLike):
 
 def _tokens(engine: EngineLike):
     return (("prompt", engine.num_prompt_tokens), ("generation", engine.num_generation_tokens))
+
+
+def _lora_adapters(engine: EngineLike):
+    slots = engine.lora_slots
+    return (("registered", len(engine.loras)), ("resident", len(slots.slot_of)), ("active", slots.num_pinned))
 
 
 def finish_reason(output) -> str:
@@ -147,6 +153,9 @@ class EngineMetrics:
             description="Tokens computed: prompt (prefilled, after prefix-cache hits) and generation (sampled).",
         )
 
+        if getattr(engine, "lora_slots", None) is not None:
+            self._add_lora_instruments(meter)
+
         # -- per finished request
         self._finished = meter.create_counter(
             names.REQUEST_FINISHED,
@@ -166,6 +175,33 @@ class EngineMetrics:
         )
         self._queue = meter.create_histogram(
             names.REQUEST_QUEUE_TIME, unit="s", description="Arrival to first scheduled (time spent waiting)."
+        )
+
+    def _add_lora_instruments(self, meter) -> None:
+        meter.create_observable_up_down_counter(
+            names.LORA_ADAPTERS,
+            callbacks=[self._counter(_lora_adapters, names.STATE)],
+            unit="{adapter}",
+            description="LoRA adapters by state: registered (requests may name them), resident (in a device "
+            "slot), active (pinned by an admitted request).",
+        )
+        meter.create_observable_counter(
+            names.LORA_SLOT_LOADS,
+            callbacks=[self._counter(lambda e: e.lora_slots.counters.num_loads)],
+            unit="{adapter}",
+            description="LoRA adapters put into a device slot (read from the CPU cache or from disk).",
+        )
+        meter.create_observable_counter(
+            names.LORA_SLOT_EVICTIONS,
+            callbacks=[self._counter(lambda e: e.lora_slots.counters.num_evictions)],
+            unit="{adapter}",
+            description="Of the slot loads, those that evicted an idle resident adapter (least recently used).",
+        )
+        meter.create_observable_counter(
+            names.LORA_REQUESTS,
+            callbacks=[self._counter(lambda e: list(e.num_lora_requests.items()), names.LORA_NAME)],
+            unit="{request}",
+            description="Requests added per LoRA adapter, by lora_name.",
         )
 
     # ------------------------------------------------------------------ per finished request

@@ -30,6 +30,12 @@ SCHEDULER_REQUESTS = "rayserve_paged.scheduler.requests"  # {state}
 SCHEDULER_PREEMPTIONS = "rayserve_paged.scheduler.preemptions"  # {mode}
 TOKENS = "rayserve_paged.tokens"  # {type}
 
+# -- engine with LoRA adapters (absent when the engine serves none): observable
+LORA_ADAPTERS = "rayserve_paged.lora.adapters"  # {state}: registered | resident | active
+LORA_SLOT_LOADS = "rayserve_paged.lora.slot_loads"
+LORA_SLOT_EVICTIONS = "rayserve_paged.lora.slot_evictions"
+LORA_REQUESTS = "rayserve_paged.lora.requests"  # {lora_name}
+
 # -- engine: recorded once per finished request
 REQUEST_FINISHED = "rayserve_paged.request.finished"  # {finish_reason}
 REQUEST_TIME_TO_FIRST_TOKEN = "rayserve_paged.request.time_to_first_token"
@@ -63,6 +69,7 @@ MODE = "mode"  # recompute | swap
 DIRECTION = "direction"  # in | out
 TOKEN_TYPE = "type"  # prompt | generation
 FINISH_REASON = "finish_reason"  # stop | length | abort
+LORA_NAME = "lora_name"  # the adapter's name (what a request's `model` says)
 
 ENGINE_INSTRUMENTS = (
     KV_CACHE_BLOCKS,
@@ -83,6 +90,7 @@ ENGINE_INSTRUMENTS = (
     REQUEST_E2E_LATENCY,
     REQUEST_QUEUE_TIME,
 )
+LORA_INSTRUMENTS = (LORA_ADAPTERS, LORA_SLOT_LOADS, LORA_SLOT_EVICTIONS, LORA_REQUESTS)
 NVML_INSTRUMENTS = (
     HW_GPU_MEMORY_USAGE,
     HW_GPU_MEMORY_LIMIT,

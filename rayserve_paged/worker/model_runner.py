@@ -14,6 +14,7 @@ import torch
 
 from rayserve_paged.core.outputs import StepMessage
 from rayserve_paged.models.layers import ROPE_LEN_PER_SEQUENCE
+from rayserve_paged.models.lora import LoRAPool
 from rayserve_paged.models.sampler import Sampler, SamplerOutput
 from rayserve_paged.ops.attention import AttentionMetadata
 from rayserve_paged.ops.cache_ops import slot_of
@@ -27,6 +28,7 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] int64: last new token of each sampled row
+    lora_token_slots: list[int] | None = None  # per token, its row's adapter slot (-1: base)
 
 
 class ModelRunner:
@@ -43,6 +45,7 @@ class ModelRunner:
         self.static_decode = static_decode  # decode-only steps within its buckets: padded, CUDA graphs
         self.rope_len_rule: str | None = getattr(model, "rope_len_rule", None)  # dynamic NTK / LongRoPE
         self.last_path = ""  # the last step's: "eager", "static-graph" or "static-eager" (padded, no graph)
+        self.lora: LoRAPool | None = None  # the adapter slots, when the engine serves LoRA
 
     def prepare(self, msg: StepMessage, rows: list[SeqState]) -> StepInputs:
         bs = self.block_size
@@ -109,12 +112,25 @@ class ModelRunner:
             rope_lens=None if rope_lens is None else _long(rope_lens, device),
         )
         sampled = last_index if not unsampled else [last_index[i] for i, s in enumerate(msg.seq_ids) if s not in unsampled]
+        lora_token_slots = None
+        row_slots = self._lora_row_slots(rows)
+        if row_slots is not None:  # in packing order, as the tokens
+            lora_token_slots = [row_slots[i] for i in prefills for _ in range(counts[i])]
+            lora_token_slots += [row_slots[i] for i in decodes]
         return StepInputs(
             input_ids=_long(input_ids, device),
             positions=_long(positions, device),
             metadata=metadata,
             logits_indices=_long(sampled, device),
+            lora_token_slots=lora_token_slots,
         )
+
+    def _lora_row_slots(self, rows: list[SeqState]) -> list[int] | None:
+        """Each row's adapter slot (-1: the base model); None when no row has an adapter."""
+        if self.lora is None or not any(seq.request.lora_id for seq in rows):
+            return None
+        slot_of = self.lora.slot_of
+        return [slot_of[seq.request.lora_id] if seq.request.lora_id else -1 for seq in rows]
 
     @torch.inference_mode()
     def execute(self, msg: StepMessage, kv_caches: list) -> SamplerOutput | None:
@@ -128,7 +144,9 @@ class ModelRunner:
             return SamplerOutput([]) if self.sampler is not None else None
         rows = self.batch.rows(msg)
         _record_history(msg, rows)
-        decode = decode_rows(msg, rows, self.block_size, self.rope_len_rule) if self.static_decode is not None else None
+        # rows with adapters run eagerly (the static decode buckets hold no adapter slots)
+        is_static = self.static_decode is not None and (self.lora is None or not any(s.request.lora_id for s in rows))
+        decode = decode_rows(msg, rows, self.block_size, self.rope_len_rule) if is_static else None
         if decode is not None and self.static_decode.fits(decode):
             hidden = self.static_decode.forward(decode, kv_caches)  # [num_decodes, hidden]
             logits_indices, self.last_path = _long(decode.sampled, self.device), f"static-{self.static_decode.last_path}"
@@ -136,7 +154,13 @@ class ModelRunner:
             inputs = self.prepare(msg, rows)
             if self.attn_backend is not None:
                 self.attn_backend.begin_step(inputs.metadata)  # checks and launch planning, once per step
-            hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.metadata)  # [T, hidden]
+            if self.lora is not None:
+                self.lora.batch.set_step(inputs.lora_token_slots, self.device)
+            try:
+                hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.metadata)  # [T, hidden]
+            finally:
+                if self.lora is not None:
+                    self.lora.batch.clear()
             logits_indices, self.last_path = inputs.logits_indices, "eager"
         if self.rope_len_rule == ROPE_LEN_PER_SEQUENCE:
             _record_computed(msg, rows)

@@ -19,6 +19,7 @@ from rayserve_paged.core.outputs import NewRequest, StepMessage
 from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.models.layers import ParallelState
 from rayserve_paged.models.loader import get_model_config, load_model
+from rayserve_paged.models.lora import LoRAPool
 from rayserve_paged.models.sampler import Sampler, SamplerOutput
 from rayserve_paged.ops.cache_ops import BlockSwapper, copy_blocks
 from rayserve_paged.ops.backends import get_attention_backend
@@ -126,6 +127,9 @@ class Worker:
             capture_error_mode="thread_local" if self.world_size > 1 else "global",
         )
         self.runner = ModelRunner(model, self.config.block_size, self.device, sampler, backend, static)
+        if self.config.is_lora_enabled:
+            cfg = self.config
+            self.runner.lora = LoRAPool(model, cfg.max_loras, cfg.max_lora_rank, cfg.resolved_max_cpu_loras)
         logger.info(
             "rank %d loaded %s (%s, %s, attention %s)", self.rank, self.model_path, self.dtype, self.device, backend.name
         )
@@ -310,6 +314,8 @@ class Worker:
             self.swapper.swap_in(msg.blocks_to_swap_in)
         if msg.blocks_to_copy:
             copy_blocks(self.kv_caches, msg.blocks_to_copy)
+        for slot, lora_id, path in msg.lora_slot_updates:
+            self.runner.lora.activate(slot, lora_id, path)
         return self.runner.execute(msg, self.kv_caches)
 
     def ping(self) -> int:

@@ -137,7 +137,9 @@ def test_memcheck_is_skipped_with_its_reason_and_runs_under_the_sanitizer(tmp_pa
     result = gpu_kernels.run_memcheck(str(tool), quick=False)
     assert result["clean"] and result["sanitizer_errors"] == 0 and result["summary"] == "1 passed in 0.1s"
     assert result["command"].startswith(f"{tool} --tool memcheck --error-exitcode 1")
-    assert result["command"].endswith("tests/ops/test_triton.py -q -p no:cacheprovider -m quick")
+    assert result["command"].endswith(
+        "tests/ops/test_triton.py tests/ops/test_triton_lora.py -q -p no:cacheprovider -m quick"
+    )
 
 
 @pytest.mark.parametrize("num_seqs, blocks_per_seq, expected", [(1, 128, 129), (8, 3, 25)])

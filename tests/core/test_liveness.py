@@ -1,12 +1,14 @@
 """Liveness as a property: random mixes of single requests, parallel samples (n / best_of)
 and beam-like groups, in pools from exactly one max_model_len sequence up, block sizes
-8/16/32, every preemption mode, CPU pools from 0 blocks, chunked prefill on or off, aborts.
+8/16/32, every preemption mode, CPU pools from 0 blocks, chunked prefill on or off, aborts,
+and requests on four LoRA adapters competing for one or two device slots (or no LoRA).
 
 After every step: the blocks are accounted for exactly (the invariants); while any request
 is unfinished the step scheduled something (bound: 1 step: the oldest running group always
 runs, else the head of swapped or waiting does); nothing is refused as "never fits"; every
 request whose parameters reached the workers is later in their finished list. At the end
-every request has ended (within a bounded number of steps) and both pools are empty.
+every request has ended (within a bounded number of steps), both pools are empty and no
+adapter slot is pinned; throughout, the pins are exactly the running and swapped groups'.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import itertools
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, rule
+from hypothesis.stateful import initialize, invariant, rule
 
 from rayserve_paged.core import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+from rayserve_paged.core.lora import LoRARequest, LoRASlots
 
 from .invariants import check_scheduler
 from .machines import SchedulerMachine
@@ -26,6 +29,7 @@ from .views import groups
 from .worlds import make_world
 
 MAX_MODEL_LEN = 64
+LORAS = [LoRARequest(f"lora-{i}", i, f"/adapters/{i}") for i in range(1, 5)]
 
 
 class LivenessMachine(SchedulerMachine):
@@ -38,15 +42,16 @@ class LivenessMachine(SchedulerMachine):
         budget=st.sampled_from([8, 16, 64]),
         watermark=st.sampled_from([0.0, 0.1]),
         caching=st.booleans(),
+        max_loras=st.sampled_from([0, 1, 2]),
     )
-    def setup(self, block_size, extra_blocks, num_cpu, mode, chunked, budget, watermark, caching):
+    def setup(self, block_size, extra_blocks, num_cpu, mode, chunked, budget, watermark, caching, max_loras):
         num_gpu = -(-MAX_MODEL_LEN // block_size) + extra_blocks  # from exactly max_model_len up
         if not chunked:
             budget = MAX_MODEL_LEN
         self.s, _ = make_world(
             num_gpu, num_cpu, block_size, watermark=watermark, caching=caching, max_num_seqs=8,
             max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN, preemption_mode=mode,
-            enable_chunked_prefill=chunked,
+            enable_chunked_prefill=chunked, lora_slots=LoRASlots(max_loras) if max_loras else None,
         )
         self.shadow = ShadowKV(block_size)
         self.ids = itertools.count()
@@ -60,8 +65,9 @@ class LivenessMachine(SchedulerMachine):
         kind=st.sampled_from(["single", "n", "best_of", "beam"]),
         width=st.integers(2, 3),
         max_tokens=st.integers(1, 40),
+        adapter=st.integers(0, 4),
     )
-    def add(self, prompt, kind, width, max_tokens):
+    def add(self, prompt, kind, width, max_tokens, adapter):
         seq = Sequence(next(self.ids), prompt)
         self.seqs[seq.seq_id] = seq
         index = next(self.ids)
@@ -73,7 +79,8 @@ class LivenessMachine(SchedulerMachine):
             params = SamplingParams(n=1, best_of=width, max_tokens=max_tokens)
         else:
             params = SamplingParams(n=width, use_beam_search=True, temperature=0.0, max_tokens=max_tokens)
-        self.s.add_group(SequenceGroup(f"r{index}", [seq], params, float(index), index))
+        lora = LORAS[adapter - 1] if adapter and self.s.lora_slots is not None else None
+        self.s.add_group(SequenceGroup(f"r{index}", [seq], params, float(index), index, lora))
 
     def _step(self, draw):
         had_work = self.s.has_unfinished_groups()
@@ -112,6 +119,24 @@ class LivenessMachine(SchedulerMachine):
     def on_abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
 
+    @invariant()
+    def lora_pins(self):
+        if hasattr(self, "s"):
+            self._check_lora_pins()
+
+    def _check_lora_pins(self):
+        slots = self.s.lora_slots
+        if slots is None:
+            return
+        pinned = [g for g in self.s.groups.values() if g.has_lora_slot]
+        assert all(g in self.s.running or g in self.s.swapped for g in pinned)
+        assert all(g.has_lora_slot for g in (*self.s.running, *self.s.swapped) if g.lora_request and not g.is_finished())
+        counts: dict[int, int] = {}
+        for g in pinned:
+            counts[g.lora_id] = counts.get(g.lora_id, 0) + 1
+        assert counts == slots.num_pins
+        assert len(slots.slot_of) <= slots.max_loras and set(slots.num_pins) <= set(slots.slot_of)
+
     def teardown(self):
         if not hasattr(self, "s"):
             return
@@ -130,6 +155,7 @@ class LivenessMachine(SchedulerMachine):
         assert sorted(self.released) == sorted(self.params_sent), "workers would keep ended requests' params"
         usage = self.s.block_manager.usage()
         assert usage.gpu_used == 0 and usage.cpu_used == 0, usage
+        assert self.s.lora_slots is None or self.s.lora_slots.num_pins == {}
 
 
 LivenessMachine.TestCase.settings = settings(

@@ -27,11 +27,11 @@ def make_group(request_id: str, tokens, arrival: int = 0, **sampling) -> Sequenc
     return SequenceGroup(request_id, [seq], params, arrival_time=float(arrival), arrival_index=arrival)
 
 
-def make_world(num_gpu=12, num_cpu=12, block_size=16, watermark=0.0, caching=True, **config):
+def make_world(num_gpu=12, num_cpu=12, block_size=16, watermark=0.0, caching=True, lora_slots=None, **config):
     bm = BlockManager(block_size, num_gpu, num_cpu, watermark=watermark, enable_prefix_caching=caching)
     config.setdefault("max_num_batched_tokens", 4096)
     config.setdefault("max_model_len", 1024)
-    return Scheduler(SchedulerConfig(**config), bm), bm
+    return Scheduler(SchedulerConfig(**config), bm, lora_slots), bm
 
 
 def run_step(scheduler: Scheduler, token: int = 7, distinct: bool = False):

@@ -24,9 +24,9 @@ class InProcessCore:
         self._wakeup: asyncio.Event | None = None
         self._stepper: asyncio.Task | None = None
 
-    async def add_request(self, request_id, prompt, prompt_token_ids, params) -> None:
+    async def add_request(self, request_id, prompt, prompt_token_ids, params, lora_name=None) -> None:
         self._start()
-        self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids)
+        self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids, lora_request=lora_name)
         self._wakeup.set()
 
     async def abort(self, request_id: str) -> None:
@@ -93,6 +93,15 @@ class InProcessEngineClient(EngineFrontend):
 
     async def metrics_text(self) -> str:
         return self.telemetry.metrics_text()
+
+    async def lora_adapters(self) -> dict[str, str]:
+        return {name: lora.lora_path for name, lora in self.engine.loras.items()}
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        self.engine.load_lora(name, path)
+
+    async def unload_lora_adapter(self, name: str) -> bool:
+        return self.engine.remove_lora(name)
 
     async def close(self) -> None:
         await super().close()

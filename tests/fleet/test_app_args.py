@@ -79,3 +79,24 @@ def test_bad_deployment_options_fail_at_build_time_naming_the_option(options, er
 def test_bad_fleet_args_name_the_field(bad, words):
     with pytest.raises(ValidationError, match=words):
         AppArgs(**BASE | bad)
+
+
+def test_lora_options_reach_the_engine_and_the_app(monkeypatch):
+    from rayserve_paged.app import engine_config_of
+
+    from tests.deployments.conftest import record_binds
+
+    args = AppArgs(model="tiny-opt", lora_modules={"a": "/adapters/a"}, max_loras=2, allow_runtime_lora_updating=True)
+    engine = engine_config_of(args)
+    assert (engine.lora_modules, engine.max_loras, engine.is_lora_enabled) == ({"a": "/adapters/a"}, 2, True)
+    (bound,) = record_binds(monkeypatch, args).values()
+    assert bound["args"][0]["lora_modules"] == {"a": "/adapters/a"}
+    assert bound["kwargs"]["http"]["allow_runtime_lora_updating"] is True
+    (bound,) = record_binds(monkeypatch, AppArgs(model="tiny-opt")).values()
+    assert bound["kwargs"]["http"]["allow_runtime_lora_updating"] is False  # off by default
+    with pytest.raises(ValidationError, match="adapter name 'chat' is the served model's name"):
+        AppArgs(model="tiny-opt", served_model_name="chat", lora_modules={"chat": "/adapters/a"})
+    with pytest.raises(ValidationError, match=r"max_cpu_loras \(1\) must be >= max_loras \(2\)"):
+        AppArgs(model="tiny-opt", max_loras=2, max_cpu_loras=1)
+    with pytest.raises(ValidationError, match="max_lora_rank"):
+        AppArgs(model="tiny-opt", max_lora_rank=65)

@@ -75,6 +75,9 @@ def test_the_compiled_set_covers_every_launchable_parameter():
                 assert {c.group_size for c in mine} == set(triton_aot.QUANT_GROUP_SIZES)
                 assert {c.num_rows for c in mine} == set(triton_aot.QUANT_ROWS)
                 continue
+            if kernel in triton_aot.LORA_KERNELS:  # every dtype, every rank width
+                assert {c.lora_width for c in mine} == set(triton_aot.LORA_WIDTHS)
+                continue
             assert {c.block_size for c in mine} == set(triton_aot.BLOCK_SIZES)
             if kernel in ("decode", "decode_partition", "prefill"):
                 assert {c.group_size for c in mine} == set(triton_aot.GROUP_SIZES), kernel

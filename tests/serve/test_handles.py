@@ -100,6 +100,29 @@ def _tokens(out) -> list[list[int]]:
     return [list(c.token_ids) for c in out.outputs]
 
 
+# requests on LoRA adapters beside the others, one device slot for two adapters: the
+# adapters' slots and the sharded A / B reach every rank through every transport
+LORA_REQUESTS = [("Hello world", "a0"), ("The quick brown fox jumps over", "a1"), ("Paged attention keeps", "a0")]
+
+
+@pytest.fixture(scope="module")
+def lora_modules(ray_cluster, tmp_path_factory):
+    """model name -> {adapter name: PEFT dir} for tiny-llama and tiny-opt (random adapters;
+    after ray_cluster, so the tiny models are those of the shared cache)."""
+    from rayserve_paged.models.tiny import resolve_model
+    from tests.peft_adapters import write_adapter
+
+    root = tmp_path_factory.mktemp("serve-lora")
+    modules = {}
+    for model, arch in (("tiny-llama", "llama"), ("tiny-opt", "opt")):
+        base = resolve_model(model)
+        modules[model] = {
+            "a0": str(write_adapter(base, root / f"{arch}-a0", arch, "all", 8, 16, seed=1)),
+            "a1": str(write_adapter(base, root / f"{arch}-a1", arch, "mlp", 4, 8, seed=2)),
+        }
+    return modules
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -110,24 +133,33 @@ def _tokens(out) -> list[list[int]]:
     ],
     ids=["tp1-in-scheduler", "tp2-compiled-graph-swap", "tp2-actor-calls", "tp2-compiled-graph-opt"],
 )
-def test_executors_equal_the_offline_engine_under_preemption(serve_session, overrides):
-    """Greedy, seeded parallel sampling and beam search through a replica under KV pressure
-    give exactly the offline in-process engine's tokens (itself equal to HF's generate), for
-    each way the scheduler drives its ranks."""
+def test_executors_equal_the_offline_engine_under_preemption(serve_session, lora_modules, overrides):
+    """Greedy, seeded parallel sampling, beam search and LoRA adapters through a replica
+    under KV pressure give exactly the offline in-process engine's tokens (itself equal to
+    HF's generate, and HF + PeftModel's), for each way the scheduler drives its ranks."""
     from rayserve_paged import LLM
 
     workload = _pressure_workload()
-    offline = LLM(model=overrides.get("model", "tiny-llama"), device="cpu", max_model_len=128, kv_cache_memory_gb=0.05)
-    expected = [_tokens(o) for o in offline.generate([p for p, _ in workload], [s for _, s in workload], use_tqdm=False)]
+    model = overrides.get("model", "tiny-llama")
+    lora = dict(lora_modules=lora_modules[model], max_loras=1, max_lora_rank=8)
+    offline = LLM(model=model, device="cpu", max_model_len=128, kv_cache_memory_gb=0.05, **lora)
+    greedy = workload[0][1]
+    expected = [_tokens(o) for o in offline.generate(
+        [p for p, _ in workload] + [p for p, _ in LORA_REQUESTS], [s for _, s in workload] + [greedy] * len(LORA_REQUESTS),
+        lora_request=[None] * len(workload) + [offline.engine.loras[n] for _, n in LORA_REQUESTS], use_tqdm=False,
+    )]  # fmt: skip
 
-    handle = _deploy(serve_session, "executors", **(PRESSURE | overrides))
+    handle = _deploy(serve_session, "executors", **(PRESSURE | overrides | lora))
 
     async def run():
-        return await asyncio.gather(*[handle.generate.remote(p, s) for p, s in workload])
+        calls = [handle.generate.remote(p, s) for p, s in workload]
+        calls += [handle.generate.remote(p, greedy, lora_name=n) for p, n in LORA_REQUESTS]
+        return await asyncio.gather(*calls)
 
     outputs = asyncio.run(run())
     got = [_tokens(o) for o in outputs]
     assert got == expected
+    outputs = outputs[: len(workload)]
     assert all(re.fullmatch("[a-z]{2,4}( [a-z]{2,5})*", c.text) or c.finish_reason == "length"
                for c in outputs[-1].outputs)  # fmt: skip
     tp = overrides.get("tensor_parallel_size", 1)

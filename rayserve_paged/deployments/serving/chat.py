@@ -77,7 +77,7 @@ class ChatServing:
                 )
             )
         body = ChatCompletionResponse(
-            id=response_id, model=pipeline.served_model_name, choices=choices, usage=pipeline.usage([prompt], [result])
+            id=response_id, model=pipeline.model_name(request), choices=choices, usage=pipeline.usage([prompt], [result])
         )
         return json_response(body)
 
@@ -139,7 +139,7 @@ class ChatServing:
         response_id: str,
         tools: str | None = None,
     ) -> AsyncIterator[str]:
-        frame = EventFrame(response_id, "chat.completion.chunk", int(time.time()), self.pipeline.served_model_name)
+        frame = EventFrame(response_id, "chat.completion.chunk", int(time.time()), self.pipeline.model_name(request))
 
         def to_choice(_: int, out: CompletionOutput, state: ChoiceProgress) -> str:
             if tools is not None:

@@ -45,7 +45,7 @@ class CompletionServing:
             for out in result.outputs
         ]
         body = CompletionResponse(
-            id=response_id, model=pipeline.served_model_name, choices=choices, usage=pipeline.usage(prompts, results)
+            id=response_id, model=pipeline.model_name(request), choices=choices, usage=pipeline.usage(prompts, results)
         )
         return json_response(body)
 
@@ -76,7 +76,7 @@ class CompletionServing:
         outputs: AsyncIterator[tuple[int, RequestOutput]],
         response_id: str,
     ) -> AsyncIterator[str]:
-        frame = EventFrame(response_id, "text_completion", int(time.time()), self.pipeline.served_model_name)
+        frame = EventFrame(response_id, "text_completion", int(time.time()), self.pipeline.model_name(request))
 
         def to_choice(index: int, out: CompletionOutput, state: ChoiceProgress) -> str:
             return self._delta(request, prompts[index], out, state, index * request.n + out.index)

@@ -31,8 +31,10 @@ from rayserve_paged.deployments.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    UnloadLoRAAdapterRequest,
     UsageInfo,
     constraint_field_names,
     requested_constraint,
@@ -128,7 +130,7 @@ class GenerationPipeline:
         """What every generation request checks first: the model it names, then its
         sampling parameters against the model's limits. (info, params)."""
         log_unknown_fields(request)
-        self.check_model(request.model)
+        await self.check_model(request.model)
         info = await self.model_info()
         return info, sampling_params(request, info)
 
@@ -184,24 +186,77 @@ class GenerationPipeline:
         return True
 
     async def models(self) -> ModelList:
-        return ModelList(data=[await self._model_card()])
+        """The base model, then each LoRA adapter (its `parent` the base model, `root` its directory)."""
+        loras = await self.lora_adapters()
+        return ModelList(data=[await self._model_card()] + [await self._model_card(n, p) for n, p in loras.items()])
 
     async def model(self, name: str) -> ModelCard:
-        self.check_model(name)
-        return await self._model_card()
+        await self.check_model(name)
+        path = None if name == self.served_model_name else (await self.lora_adapters())[name]
+        return await self._model_card(name, path)
 
-    async def _model_card(self) -> ModelCard:
+    async def _model_card(self, lora_name: str | None = None, lora_path: str | None = None) -> ModelCard:
         info = await self.model_info()
-        return ModelCard(id=self.served_model_name, max_model_len=info.get("max_model_len"))
+        if lora_name is None or lora_name == self.served_model_name:
+            return ModelCard(id=self.served_model_name, max_model_len=info.get("max_model_len"))
+        return ModelCard(id=lora_name, max_model_len=info.get("max_model_len"), parent=self.served_model_name,
+                         root=lora_path)  # fmt: skip
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.served_model_name:
+    async def lora_adapters(self) -> dict[str, str]:
+        """The engine's LoRA adapters (name -> directory); none from a client without them."""
+        adapters = getattr(self.client, "lora_adapters", None)
+        return await adapters() if adapters is not None else {}
+
+    async def check_model(self, name: str | None) -> None:
+        """`model` names the served model, one of its LoRA adapters, or nothing (the base)."""
+        if name is None or name == self.served_model_name:
+            return
+        loras = await self.lora_adapters()
+        if name in loras:
+            return
+        also = f" and the LoRA adapters {', '.join(repr(n) for n in sorted(loras))}" if loras else ""
+        raise OpenAIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {self.served_model_name!r}{also}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def model_name(self, request: CompletionRequest | ChatCompletionRequest) -> str:
+        """The name a response gives (the adapter's, when the request ran on one)."""
+        return request.model if request.model is not None else self.served_model_name
+
+    def lora_of(self, request: CompletionRequest | ChatCompletionRequest) -> dict:
+        """The engine client's keyword for the request's LoRA adapter ({} for the base model)."""
+        name = request.model
+        return {} if name is None or name == self.served_model_name else {"lora_name": name}
+
+    # ---------------------------------------------------------------- runtime LoRA loading
+
+    async def load_lora_adapter(self, request: LoadLoRAAdapterRequest) -> str:
+        name = request.lora_name
+        if name == self.served_model_name:
+            raise bad_request(f"lora_name: {name!r} is the served model's name", param="lora_name")
+        if name in await self.lora_adapters():
+            raise bad_request(f"lora_name: the LoRA adapter {name!r} has already been loaded", param="lora_name")
+        try:
+            await self.client.load_lora_adapter(name, request.lora_path)
+        except ValueError as exc:
+            from rayserve_paged.models.lora import LoRAError  # torch: not at import (the app imports no torch)
+
+            cause = getattr(exc, "cause", None)  # through Ray: the engine's own exception
+            cause = cause if isinstance(cause, ValueError) else exc
+            param = "lora_path" if isinstance(cause, LoRAError) else "lora_name"
+            raise bad_request(f"{param}: {cause}", param=param) from None
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest) -> str:
+        name = request.lora_name
+        if name not in await self.lora_adapters() or not await self.client.unload_lora_adapter(name):
             raise OpenAIError(
-                404,
-                f"the model {name!r} does not exist; this server serves {self.served_model_name!r}",
-                param="model",
-                code="model_not_found",
+                404, f"lora_name: the LoRA adapter {name!r} cannot be found", param="lora_name", code="model_not_found"
             )
+        return f"Success: LoRA adapter '{name}' removed successfully."
 
     # ---------------------------------------------------------------- the two answers
 
@@ -212,7 +267,7 @@ class GenerationPipeline:
         """The finished results of a non-streamed request; an engine error is the client's
         error naming the field it wrote."""
         try:
-            return await self._generate_outputs(prompts, params, request_ids)
+            return await self._generate_outputs(prompts, params, request_ids, self.lora_of(request))
         except Exception as exc:
             raise to_openai_error(exc, engine_renames(request)) from exc
 
@@ -223,7 +278,7 @@ class GenerationPipeline:
         """The first output and the rest of a streamed request: the first is awaited before
         any byte is sent, so a request the engine rejects is an HTTP error, not an error
         event inside a 200 stream."""
-        outputs = self._stream_outputs(prompts, params, request_ids)
+        outputs = self._stream_outputs(prompts, params, request_ids, self.lora_of(request))
         try:
             return await anext(outputs), outputs
         except BaseException as exc:
@@ -285,11 +340,11 @@ class GenerationPipeline:
     # ---------------------------------------------------------------- engine requests
 
     async def _generate_outputs(
-        self, prompts: list[Prompt], params: SamplingParams, request_ids: list[str]
+        self, prompts: list[Prompt], params: SamplingParams, request_ids: list[str], lora: dict
     ) -> list[RequestOutput]:
         """One engine request per prompt, concurrently; all aborted if any fails or we are cancelled."""
         tasks = [
-            asyncio.ensure_future(self.client.generate(prompt.token_ids, params, request_id))
+            asyncio.ensure_future(self.client.generate(prompt.token_ids, params, request_id, **lora))
             for prompt, request_id in zip(prompts, request_ids)
         ]
         try:
@@ -304,7 +359,7 @@ class GenerationPipeline:
             raise
 
     async def _stream_outputs(
-        self, prompts: list[Prompt], params: SamplingParams, request_ids: list[str]
+        self, prompts: list[Prompt], params: SamplingParams, request_ids: list[str], lora: dict
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, delta) from all prompts' streams as they come.
 
@@ -315,7 +370,7 @@ class GenerationPipeline:
         """
         unfinished = set(request_ids)
         if len(prompts) == 1:
-            stream = self.client.generate_stream(prompts[0].token_ids, params, request_ids[0])
+            stream = self.client.generate_stream(prompts[0].token_ids, params, request_ids[0], **lora)
             try:
                 async for item in stream:
                     _check_served(item)
@@ -333,7 +388,7 @@ class GenerationPipeline:
 
         async def pump(index: int, prompt: Prompt, request_id: str) -> None:
             try:
-                async for result in self.client.generate_stream(prompt.token_ids, params, request_id):
+                async for result in self.client.generate_stream(prompt.token_ids, params, request_id, **lora):
                     await queue.put((index, result))
             except Exception as exc:
                 await queue.put((index, exc))

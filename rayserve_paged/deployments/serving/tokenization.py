@@ -22,7 +22,7 @@ class TokenizationServing:
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         pipeline = self.pipeline
-        pipeline.check_model(request.model)
+        await pipeline.check_model(request.model)
         info = await pipeline.model_info()
         if request.messages is not None:
             conversation = ChatCompletionRequest(messages=request.messages)
@@ -35,7 +35,7 @@ class TokenizationServing:
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         pipeline = self.pipeline
-        pipeline.check_model(request.model)
+        await pipeline.check_model(request.model)
         info = await pipeline.model_info()
         vocab_size = info.get("vocab_size")
         bad = next((t for t in request.tokens if t < 0 or (vocab_size is not None and t >= vocab_size)), None)

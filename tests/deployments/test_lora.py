@@ -1,0 +1,180 @@
+"""LoRA adapters over HTTP: the OpenAI `model` field picks the base model or an adapter
+(through the official openai client), /v1/models lists adapters with their parent, and
+vLLM's load / unload routes (off by default, behind the API key) change what is served."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from rayserve_paged import LLM, LoRARequest, SamplingParams
+from rayserve_paged.config import EngineConfig
+from rayserve_paged.deployments.openai_ingress import create_openai_app
+from rayserve_paged.engine.llm_engine import LLMEngine
+from tests.deployments.conftest import MAX_MODEL_LEN, MODEL, assert_openai_error, idle_client
+from tests.peft_adapters import write_adapter
+
+pytestmark = pytest.mark.anyio
+KEY = "lora-test-key"
+PROMPT = "Hello world"
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_opt_path, tmp_path_factory):
+    root = tmp_path_factory.mktemp("http-lora")
+    return {
+        "a0": str(write_adapter(tiny_opt_path, root / "a0", "opt", "all", 8, 16, seed=1)),
+        "a1": str(write_adapter(tiny_opt_path, root / "a1", "opt", "attn", 4, 8, seed=2)),
+        "big": str(write_adapter(tiny_opt_path, root / "big", "opt", "attn", 32, 8, seed=3)),
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_engine(tiny_opt_path, adapters) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=tiny_opt_path, device="cpu", max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=64,
+        swap_space_gb=0.01, max_loras=2, max_lora_rank=16, lora_modules={"a0": adapters["a0"]},
+    ))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def offline_texts(tiny_opt_path, adapters) -> dict:
+    """Greedy text of PROMPT on the base model and each adapter, from the offline LLM."""
+    llm = LLM(tiny_opt_path, max_model_len=MAX_MODEL_LEN, kv_cache_memory_gb=0.02, swap_space_gb=0.01,
+              enable_lora=True, max_loras=2, max_lora_rank=16)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    texts = {None: llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text}
+    for i, name in enumerate(("a0", "a1"), start=1):
+        lora = LoRARequest(name, i, adapters[name])
+        texts[name] = llm.generate(PROMPT, params, lora_request=lora, use_tqdm=False)[0].outputs[0].text
+    assert len(set(texts.values())) == 3  # every adapter changes the answer
+    return texts
+
+
+@pytest.fixture
+async def lora_client(lora_engine):
+    async with idle_client(lora_engine) as client:
+        yield client
+    for name in list(lora_engine.loras):  # back to the start-up adapters
+        if name != "a0":
+            lora_engine.remove_lora(name)
+
+
+def _http(app):
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+async def test_model_field_selects_the_base_model_or_an_adapter(lora_client, lora_engine, adapters, offline_texts):
+    app = create_openai_app(lora_client, lora_engine.tokenizer, MODEL)
+    async with openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=_http(app)) as client:
+        models = [m async for m in client.models.list()]
+        assert [(m.id, m.parent, m.root) for m in models] == [(MODEL, None, None), ("a0", MODEL, adapters["a0"])]
+        card = await client.models.retrieve("a0")
+        assert (card.id, card.parent) == ("a0", MODEL)
+        for name in (None, "a0"):
+            completion = await client.completions.create(
+                model=name or MODEL, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+            )
+            assert completion.model == (name or MODEL)
+            assert completion.choices[0].text == offline_texts[name]
+        stream = await client.completions.create(
+            model="a0", prompt=PROMPT, max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        chunks = [chunk async for chunk in stream]
+        assert {c.model for c in chunks} == {"a0"}
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == offline_texts["a0"]
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.completions.create(model="a1", prompt=PROMPT, max_tokens=2)
+        assert missing.value.body["code"] == "model_not_found" and "'a1' does not exist" in missing.value.body["message"]
+        assert "the LoRA adapters 'a0'" in missing.value.body["message"]
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("a1")
+    assert lora_engine.num_lora_requests["a0"] >= 2
+
+
+async def test_runtime_routes_are_off_by_default(lora_client, lora_engine, adapters):
+    async with _http(create_openai_app(lora_client, lora_engine.tokenizer, MODEL)) as http:
+        response = await http.post("/v1/load_lora_adapter", json={"lora_name": "a1", "lora_path": adapters["a1"]})
+        assert_openai_error(response, 404, None, "Not Found")
+    assert "a1" not in lora_engine.loras
+
+
+async def test_load_and_unload_at_run_time(lora_client, lora_engine, adapters, offline_texts, tmp_path):
+    app = create_openai_app(lora_client, lora_engine.tokenizer, MODEL, KEY, allow_runtime_lora_updating=True)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"lora_name": "a1", "lora_path": adapters["a1"]}
+    async with _http(app) as http:
+        assert (await http.post("/v1/load_lora_adapter", json=body)).status_code == 401  # behind the key
+        response = await http.post("/v1/load_lora_adapter", json=body, headers=auth)
+        assert response.status_code == 200 and response.text == "Success: LoRA adapter 'a1' added successfully."
+        again = await http.post("/v1/load_lora_adapter", json=body, headers=auth)
+        assert_openai_error(again, 400, "lora_name", "'a1' has already been loaded")
+        # bad directories: the reason, naming lora_path
+        for path, reason in (
+            (adapters["big"], "rank r=32 exceeds max_lora_rank 16"),
+            (str(tmp_path / "nowhere"), "no adapter_config.json"),
+        ):
+            bad = await http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": path}, headers=auth)
+            assert_openai_error(bad, 400, "lora_path", reason)
+        for bad_body, param in (({"lora_name": "", "lora_path": "x"}, "lora_name"), ({"lora_name": "x"}, "lora_path"),
+                                ({"lora_name": MODEL, "lora_path": adapters["a1"]}, "lora_name")):  # fmt: skip
+            assert_openai_error(await http.post("/v1/load_lora_adapter", json=bad_body, headers=auth), 400, param)
+        models = (await http.get("/v1/models", headers=auth)).json()["data"]
+        assert [(m["id"], m["parent"]) for m in models] == [(MODEL, None), ("a0", MODEL), ("a1", MODEL)]
+        done = await http.post("/v1/completions", headers=auth, json={
+            "model": "a1", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+        })  # fmt: skip
+        assert done.status_code == 200 and done.json()["choices"][0]["text"] == offline_texts["a1"]
+        unload = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a1"}, headers=auth)
+        assert unload.status_code == 200 and unload.text == "Success: LoRA adapter 'a1' removed successfully."
+        gone = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a1"}, headers=auth)
+        assert_openai_error(gone, 404, "lora_name", "'a1' cannot be found")
+        after = await http.post("/v1/completions", headers=auth, json={"model": "a1", "prompt": PROMPT})
+        assert_openai_error(after, 404, "model", "'a1' does not exist")
+    assert sorted(lora_engine.loras) == ["a0"]
+
+
+async def test_handle_api_over_the_scheduler_actor(tiny_opt_path, adapters, offline_texts, monkeypatch):
+    """LLMServer -> SchedulerActor (its step thread; no Ray): `lora_name` on the handle API,
+    adapters loaded and unloaded between steps, an unknown name refused with its own error."""
+    from types import SimpleNamespace
+
+    from rayserve_paged.core.lora import UnknownLoRAError
+    from rayserve_paged.deployments import llm_server
+    from rayserve_paged.deployments.errors import to_openai_error
+    from rayserve_paged.deployments.llm_server import LLMServer
+    from rayserve_paged.engine.scheduler_actor import SchedulerActor
+    from rayserve_paged.models.lora import LoRAError
+    from tests.deployments.test_llm_server import _LocalActor
+
+    monkeypatch.setattr(llm_server, "ray", SimpleNamespace(get=lambda ref: ref))
+    config = EngineConfig(
+        model=tiny_opt_path, device="cpu", max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=64, swap_space_gb=0.01,
+        max_loras=1, max_lora_rank=16, lora_modules={"a0": adapters["a0"]},
+    )  # fmt: skip
+    actor = SchedulerActor(config, executor="in-process")
+    server = LLMServer(config, scheduler_actor=_LocalActor(actor))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    try:
+        assert await server.lora_adapters() == {"a0": adapters["a0"]}
+        assert (await server.generate(PROMPT, params, lora_name="a0")).outputs[0].text == offline_texts["a0"]
+        await server.load_lora_adapter("a1", adapters["a1"])
+        assert await server.lora_adapters() == {"a0": adapters["a0"], "a1": adapters["a1"]}
+        # one slot, two adapters at once: the second waits for the first to finish
+        results = await asyncio.gather(*(server.generate(PROMPT, params, lora_name=n) for n in ("a1", "a0", None)))
+        assert [r.outputs[0].text for r in results] == [offline_texts["a1"], offline_texts["a0"], offline_texts[None]]
+        with pytest.raises(LoRAError, match="rank r=32 exceeds max_lora_rank 16"):
+            await server.load_lora_adapter("big", adapters["big"])
+        assert await server.unload_lora_adapter("a1") is True
+        assert await server.unload_lora_adapter("a1") is False
+        with pytest.raises(UnknownLoRAError, match="'a1' does not exist") as unknown:
+            await server.generate(PROMPT, params, lora_name="a1")
+        error = to_openai_error(unknown.value)
+        assert (error.status_code, error.info.param, error.info.code) == (404, "model", "model_not_found")
+    finally:
+        await server.frontend.close()
+        actor.shutdown()
+    assert not actor.engine.has_unfinished_requests()

@@ -1,0 +1,207 @@
+"""LoRA adapters in the engine: greedy tokens equal HF + PeftModel's, token for token
+(float32), alone, in mixed batches, under preemption; adapters never share KV blocks; slots
+are loaded and evicted as counted."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayserve_paged import LLM, LoRARequest, SamplingParams
+from rayserve_paged.models.lora import LoRAError
+from rayserve_paged.models.tiny import make_tiny_model
+from tests.peft_adapters import greedy, peft_model, write_adapter, write_adapters
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog",
+    "Hello",
+    "A much longer prompt that runs across more than one block of sixteen tokens, so the tables differ",
+]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_paths, tmp_path_factory):
+    """{arch: {name: dir}}: three random adapters per family (ranks 8, 4, 16; rsLoRA on one)."""
+    root = tmp_path_factory.mktemp("lora")
+    return {arch: write_adapters(tiny_paths[arch], root / arch, arch) for arch in ("opt", "llama")}
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_paths, adapters):
+    """{(arch, adapter name or None): [greedy tokens per prompt]} from HF (+ PeftModel)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache = {}
+    for arch in ("opt", "llama"):
+        tokenizer = AutoTokenizer.from_pretrained(tiny_paths[arch])
+        ids = [tokenizer(p).input_ids for p in PROMPTS]
+        models = {None: AutoModelForCausalLM.from_pretrained(tiny_paths[arch]).eval()}
+        models.update({name: peft_model(tiny_paths[arch], path) for name, path in adapters[arch].items()})
+        for name, model in models.items():
+            cache[arch, name] = [greedy(model, p, MAX_TOKENS) for p in ids]
+    return cache
+
+
+def _llm(path, **options):
+    options.setdefault("max_model_len", 256)
+    options.setdefault("swap_space_gb", 0.01)
+    options.setdefault("kv_cache_memory_gb", 0.05)
+    options.setdefault("max_lora_rank", 16)
+    return LLM(model=path, enable_lora=True, **options)
+
+
+def _greedy():
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+def _requests(adapters_of_arch):
+    return {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(sorted(adapters_of_arch.items()))}
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_each_adapter_alone_equals_peft(tiny_paths, adapters, expected, arch):
+    llm = _llm(tiny_paths[arch])
+    for name, lora in _requests(adapters[arch]).items():
+        assert _tokens(llm.generate(PROMPTS, _greedy(), lora_request=lora, use_tqdm=False)) == expected[arch, name]
+    assert _tokens(llm.generate(PROMPTS, _greedy(), use_tqdm=False)) == expected[arch, None]
+    # the adapters change the output: the parity above is not the base model's
+    assert all(expected[arch, name] != expected[arch, None] for name in adapters[arch])
+
+
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_mixed_batch_equals_each_alone(tiny_paths, adapters, expected, arch):
+    llm = _llm(tiny_paths[arch], max_loras=3)
+    loras = _requests(adapters[arch])
+    names = [None, "a0", "a1", "a2"]
+    prompts = [p for p in PROMPTS for _ in names]  # every prompt on the base and each adapter, interleaved
+    per_prompt = [None if n is None else loras[n] for _ in PROMPTS for n in names]
+    got = _tokens(llm.generate(prompts, _greedy(), lora_request=per_prompt, use_tqdm=False))
+    want = [expected[arch, n][i] for i in range(len(PROMPTS)) for n in names]
+    assert got == want
+    assert llm.engine.lora_slots.counters.num_loads == 3 and llm.engine.lora_slots.counters.num_evictions == 0
+    assert llm.engine.num_lora_requests == {"a0": 3, "a1": 3, "a2": 3}
+
+
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_mixed_batch_under_preemption(tiny_paths, adapters, expected, arch, mode):
+    # 10 blocks of 8 tokens for 6 requests that grow to 13-37 tokens each: must preempt
+    llm = _llm(
+        tiny_paths[arch], max_loras=3, block_size=8, num_gpu_blocks_override=10, max_model_len=64,
+        preemption_mode=mode, swap_space_gb=0.05, enable_prefix_caching=False,
+    )  # fmt: skip
+    loras = _requests(adapters[arch])
+    names = ["a0", None, "a1", "a2", "a0", "a1"]
+    prompts = [PROMPTS[i % 2] for i in range(len(names))]
+    got = _tokens(llm.generate(
+        prompts, _greedy(), lora_request=[None if n is None else loras[n] for n in names], use_tqdm=False
+    ))  # fmt: skip
+    counters = llm.engine.scheduler.counters
+    if mode == "swap":
+        assert counters.preemptions_swap > 0
+    else:
+        assert counters.preemptions_recompute > 0 and counters.preemptions_swap == 0
+    assert got == [expected[arch, n][i % 2] for i, n in enumerate(names)]
+    usage = llm.engine.block_manager.usage()
+    assert usage.gpu_used == 0 and usage.cpu_used == 0
+    assert llm.engine.lora_slots.num_pinned == 0
+
+
+def test_prefix_cache_is_per_adapter(tiny_paths, adapters, expected):
+    llm = _llm(tiny_paths["llama"], max_loras=2, block_size=16)
+    loras = _requests(adapters["llama"])
+    prompt = PROMPTS[2]
+    num_full = (len(llm.get_tokenizer()(prompt).input_ids) - 1) // 16 * 16  # its full blocks, last token left out
+    assert num_full >= 32
+    counters = llm.engine.block_manager.counters
+
+    def run(lora):
+        before = counters.prefix_cache_hits
+        out = llm.generate([prompt], _greedy(), lora_request=lora, use_tqdm=False)[0]
+        return out, counters.prefix_cache_hits - before
+
+    first, hits = run(loras["a0"])
+    assert hits == 0 and first.num_cached_tokens == 0
+    other, hits = run(loras["a1"])  # same prompt, another adapter: nothing shared
+    assert hits == 0 and other.num_cached_tokens == 0
+    base, hits = run(None)  # nor with the base model
+    assert hits == 0 and base.num_cached_tokens == 0
+    again, hits = run(loras["a0"])  # the first adapter again: its own blocks
+    assert hits == num_full and again.num_cached_tokens == num_full
+    assert [first.outputs[0].token_ids, other.outputs[0].token_ids, base.outputs[0].token_ids] == [
+        expected["llama", "a0"][2], expected["llama", "a1"][2], expected["llama", None][2]
+    ]
+    assert again.outputs[0].token_ids == expected["llama", "a0"][2]
+
+
+def test_four_adapters_in_two_slots(tiny_paths, adapters, expected, tmp_path):
+    """max_loras=2, four adapters in flight at once: the first two run, the others wait for a
+    slot and each takes the least recently released one."""
+    arch = "llama"
+    paths = dict(adapters[arch])
+    paths["a3"] = str(write_adapter(tiny_paths[arch], tmp_path / "a3", arch, "attn", 8, 8, seed=99))
+    llm = _llm(tiny_paths[arch], max_loras=2)
+    loras = _requests(paths)
+    names = ["a0", "a1", "a2", "a3"]
+    outputs = llm.generate([PROMPTS[0]] * 4, _greedy(), lora_request=[loras[n] for n in names], use_tqdm=False)
+    assert all(o.finished for o in outputs)
+    assert _tokens(outputs[:3]) == [expected[arch, n][0] for n in names[:3]]
+    slots = llm.engine.lora_slots
+    assert (slots.counters.num_loads, slots.counters.num_evictions) == (4, 2)
+    # a0 and a1 finish in one step; a2 takes a0's slot, a3 takes a1's
+    assert slots.slot_of == {3: 0, 4: 1}
+    pool = llm.engine.executor.worker.runner.lora
+    assert (pool.counters.num_disk_loads, pool.counters.num_cpu_hits) == (4, 0)
+    # a3 alone gives the same tokens as in the crowd
+    alone = llm.generate([PROMPTS[0]], _greedy(), lora_request=loras["a3"], use_tqdm=False)
+    assert _tokens(alone) == _tokens(outputs[3:])
+    assert (slots.counters.num_loads, slots.counters.num_evictions) == (4, 2)  # a3 was resident
+    # a0 again: it takes a2's slot (released before a3's) and, the CPU cache holding the
+    # last two adapters read (a2, a3), is read from disk again
+    again = llm.generate([PROMPTS[0]], _greedy(), lora_request=loras["a0"], use_tqdm=False)
+    assert _tokens(again) == [expected[arch, "a0"][0]]
+    assert (slots.counters.num_loads, slots.counters.num_evictions) == (5, 3) and slots.slot_of == {1: 0, 4: 1}
+    assert (pool.counters.num_disk_loads, pool.counters.num_cpu_hits) == (5, 0)
+
+
+def test_the_cpu_cache_refills_evicted_slots(tiny_paths, adapters):
+    arch = "llama"
+    llm = _llm(tiny_paths[arch], max_loras=1, max_cpu_loras=3)
+    loras = _requests(adapters[arch])
+    for name in ["a0", "a1", "a2", "a0", "a1"]:  # one slot: every switch is a slot load
+        llm.generate([PROMPTS[1]], _greedy(), lora_request=loras[name], use_tqdm=False)
+    slots, pool = llm.engine.lora_slots, llm.engine.executor.worker.runner.lora
+    assert (slots.counters.num_loads, slots.counters.num_evictions) == (5, 4)
+    assert (pool.counters.num_disk_loads, pool.counters.num_cpu_hits) == (3, 2)
+
+
+def test_lora_modules_register_at_start(tiny_paths, adapters, expected):
+    llm = _llm(tiny_paths["opt"], lora_modules={"first": adapters["opt"]["a0"]})
+    lora = llm.engine.loras["first"]
+    assert (lora.lora_int_id, lora.lora_path) == (1, adapters["opt"]["a0"])
+    assert _tokens(llm.generate(PROMPTS, _greedy(), lora_request=lora, use_tqdm=False)) == expected["opt", "a0"]
+
+
+def test_bad_adapters_are_refused_with_the_reason(tiny_paths, adapters, tmp_path):
+    llm = _llm(tiny_paths["llama"], max_lora_rank=8)
+    engine = llm.engine
+    with pytest.raises(LoRAError, match=r"rank r=16 exceeds max_lora_rank 8"):
+        engine.add_lora(LoRARequest("big", 5, adapters["llama"]["a2"]))
+    head = write_adapter(tiny_paths["llama"], tmp_path / "head", "llama", ["q_proj", "lm_head"], 4, 8, seed=1)
+    with pytest.raises(LoRAError, match=r"target module 'lm_head' is unknown"):
+        engine.add_lora(LoRARequest("head", 6, str(head)))
+    other = make_tiny_model("llama", tmp_path / "narrow", intermediate_size=96)  # MLP 96 wide, not 128
+    narrow = write_adapter(other, tmp_path / "narrow-lora", "llama", "mlp", 4, 8, seed=2)
+    with pytest.raises(LoRAError, match=r"module 'model.layers.0.mlp.(gate|up|down)_proj': shape mismatch"):
+        engine.add_lora(LoRARequest("narrow", 7, str(narrow)))
+    with pytest.raises(LoRAError, match=r"target module 'model.decoder.layers.0.self_attn.[qv]_proj' is unknown"):
+        engine.add_lora(LoRARequest("opt", 9, adapters["opt"]["a1"]))  # an OPT adapter on a Llama
+    with pytest.raises(LoRAError, match=r"no adapter_config.json"):
+        engine.add_lora(LoRARequest("missing", 8, str(tmp_path / "nowhere")))
+    assert engine.loras == {}
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("zero", 0, "/x")
