@@ -20,6 +20,7 @@ when all its pieces share one format; otherwise its pieces are dequantized.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import resource
@@ -364,6 +365,8 @@ def load_model(
     with torch.no_grad():
         load_weights(model, weights, source=str(source))
         process_weights_after_loading(model)
+    if device.type == "cpu":
+        release_freed_memory()
     _log_load(source, dtype, device, time.perf_counter() - start, _describe_formats(formats, kept))
     return model.eval()
 
@@ -406,6 +409,15 @@ def _describe_formats(formats: dict[str, GroupQuantFormat], kept: frozenset[str]
         f"{len(kept)} weights kept quantized ({', '.join(kept_names) or 'none'}), {len(formats) - len(kept)} "
         f"quantized weights dequantized ({', '.join(dequantized_names) or 'none'})"
     )
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim): loading frees the
+    checkpoint-form tensors of every repacked layer, which glibc otherwise keeps resident."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def peak_rss_bytes() -> int:

@@ -52,6 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rayserve_paged.ops import quant_cpu
+
 logger = logging.getLogger(__name__)
 
 CPU_INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
@@ -103,6 +105,11 @@ class KernelPlan:
     max_packed_rows: int  # batches with more rows use the dense copy (0: never packed)
     reason: str
     is_triton: bool = False  # CUDA: the Triton group-quantized GEMM (ops/quant_gemm.py) instead
+    is_compiled: bool = False  # CPU: the compiled float32 kernel (ops/quant_cpu.py) instead
+
+
+# The compiled kernel's plan: float32 in and out, the codes kept in its layout at every batch size.
+COMPILED = KernelPlan(False, torch.float32, 0, "compiled group-quantized CPU kernel, float32", is_compiled=True)
 
 
 # Rows up to which the packed int4 kernel beats a dense bfloat16 GEMM on SmolLM2's shapes
@@ -124,7 +131,13 @@ def _cpu_flags() -> set[str]:
 
 @functools.cache
 def cpu_kernel_plan() -> KernelPlan:
-    """The per-machine choice, made and logged once per process."""
+    """The per-machine choice, made and logged once per process: the compiled kernel where
+    it builds (any CPU with a C++ compiler), else torch's packed int4 kernels where the CPU
+    has bfloat16 instructions, else weights dequantized at load."""
+    if quant_cpu.load() is not None:
+        logger.info("quantized linear layers: the compiled group-quantized CPU kernel (float32, codes kept at every "
+                    "batch size; LM head and embedding too)")  # fmt: skip
+        return COMPILED
     flags = _cpu_flags()
     has_kernels = hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
     bf16 = sorted(flags & {"avx512_bf16", "amx_bf16"})
@@ -219,6 +232,10 @@ class GroupQuantLinearMethod(LinearMethod):
 
     def _plan_for(self, layer: nn.Module) -> KernelPlan:
         device = layer.weight_codes.device
+        if self.plan is not None and self.plan.is_compiled or self.plan is None and device.type == "cpu":
+            plan = self.plan or cpu_kernel_plan()
+            if plan.is_compiled and self.group_size % 2 == 0:
+                return plan  # float32 products, logits included
         if layer.is_logits:
             return KernelPlan(False, layer.model_dtype, 0, "logits in the model dtype")
         if self.plan is not None:
@@ -237,6 +254,14 @@ class GroupQuantLinearMethod(LinearMethod):
         layer.int4_planes = ()
         layer.dense_weight = None
         layer.packed_codes = None
+        layer.packed_weight = None
+        if plan.is_compiled:  # one copy in the kernel's layout, for products and row lookups
+            layer.gemm = quant_cpu.load()
+            layer.packed_weight = quant_cpu.pack(layer.weight_codes, layer.weight_scales, layer.weight_offsets, self.bits)
+            for name in QUANT_PARAM_NAMES:
+                param = getattr(layer, name)
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            return
         if layer.is_matmul and plan.is_triton:
             from rayserve_paged.ops.quant_gemm import pack_codes
 
@@ -252,6 +277,8 @@ class GroupQuantLinearMethod(LinearMethod):
 
     def apply(self, layer, x):
         plan = layer.kernel_plan
+        if plan.is_compiled:
+            return layer.gemm(x, layer.packed_weight).to(x.dtype)  # [T, out] float32 products
         if plan.is_triton:
             from rayserve_paged.ops.quant_gemm import group_quant_matmul
 
@@ -270,6 +297,8 @@ class GroupQuantLinearMethod(LinearMethod):
         return y.to(x.dtype)
 
     def embed(self, layer, ids):
+        if layer.packed_weight is not None:
+            return dequantize_groups(*layer.packed_weight.rows(ids)).to(layer.model_dtype)  # [T, in]
         if not layer.weight_codes.numel():
             return F.embedding(ids, layer.dense_weight)  # [T, in]
         rows = dequantize_groups(layer.weight_codes[ids], layer.weight_scales[ids], layer.weight_offsets[ids])
@@ -279,6 +308,8 @@ class GroupQuantLinearMethod(LinearMethod):
         """From the repacked form: the planes' codes (read back through the kernel) or the kept
         codes, with the float32 scales and offsets; equals the checkpoint's dequantized weight
         bit for bit. Without either (dequantized at load): the dense weight."""
+        if layer.packed_weight is not None:
+            return dequantize_groups(*layer.packed_weight.unpack())
         out_features, num_groups = layer.weight_scales.shape
         if layer.int4_planes:
             planes = [unpack_int4(packed, out_features, num_groups * self.group_size) for packed, _ in layer.int4_planes]
