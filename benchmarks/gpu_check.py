@@ -13,6 +13,10 @@ With CUDA (sized for one H200, under 8 minutes; --quick does less of each):
            both variants and the rule's pick; bytes it must read, GB/s, share of the copy
            bandwidth; torch SDPA on the same K/V laid out contiguously (time ratio paged / dense)
   prefill  paged prefill attention with and without cached context: time, TFLOP/s, vs SDPA
+  quant    quantized linear layers (models/quant.py) on a 4096x4096 weight for 1/16/256 rows:
+           FP8 weights (torch._scaled_mm where the GPU is sm_89+, else dequantized at load)
+           and 4-bit group-quantized weights (the Triton GEMM, g=128): the error against the
+           float32 product of the same weights and the time against bfloat16 F.linear
   runner   the same model through load_model + ModelRunner (no engine: no pydantic, no ray):
            greedy tokens equal to HF in float32; a swap out / swap in round trip halfway
            (tokens unchanged) in fp32 / fp16 / bf16; the static-shape decode path (padded
@@ -31,7 +35,8 @@ Without CUDA it runs what a CPU can: the interpreter tests (TRITON_INTERPRET=1; 
 subset with --quick), the runner check on the tiny OPT (HF parity, swap round trip, the
 static-shape decode path run eagerly) and the engine end to end on the tiny OPT (torch
 backend with and without the static decode path, and the interpreted triton backend,
-against HF), and lists the GPU parts as skipped.
+against HF), the FP8 layer through torch's CPU _scaled_mm (errors only, no timings), and lists
+the GPU parts as skipped.
 
 The engine step needs pydantic and the OpenTelemetry SDK, which a bare GPU image may lack:
 where they do not import, the wheels in DIR (default: .whl/ in the repository; the pinned
@@ -78,8 +83,9 @@ BENCH_BUDGET_S = {"quick": 80.0, "full": 115.0}
 # The plan, step by step (seconds on one H200; full run). Each step's time is recorded next
 # to its budget; the total leaves a 15-minute GPU slot room for a rerun.
 STEP_BUDGET_S = {
-    "tests": 200, "memcheck": 60, "copy_bandwidth": 10, "decode": 75, "prefill": 30, "runner": 75, "e2e": 30,
-}  # 480 s: 8 minutes
+    "tests": 200, "memcheck": 60, "copy_bandwidth": 10, "decode": 75, "prefill": 30, "quant": 20, "runner": 75,
+    "e2e": 30,
+}  # 500 s: 8.3 minutes
 # What the engine step imports beyond torch, triton, transformers and safetensors, with the
 # distributions benchmarks/gpu_check_wheels.txt pins for them.
 ENGINE_MODULES = ("pydantic", "opentelemetry.sdk", "opentelemetry.exporter.prometheus")
@@ -159,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for name in ("copy_bandwidth", "decode", "prefill", "e2e_opt_1.3b_shaped"):
             report["skipped"][name] = "no CUDA device: GPU parts skipped"
+    run_section(report, "quant", lambda: quant_check(torch, has_cuda))
     if args.skip_e2e:
         report["skipped"]["e2e"] = report["skipped"]["runner"] = "--skip-e2e"
     else:
@@ -177,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(report))
     print(f"full figures: {path}")
     tests_failed = any(report.get(name, {}).get("returncode", 0) != 0 for name in ("tests", "memcheck"))
-    failed = any(report.get(name, {}).get("failures") for name in ("runner", "e2e"))
+    failed = any(report.get(name, {}).get("failures") for name in ("runner", "e2e", "quant"))
     return 1 if tests_failed or failed or report["errors"] else 0
 
 
@@ -531,6 +538,54 @@ def prefill_point(
     del key_cache, value_cache, dense_k, dense_v
     _free_memory(torch)
     return row
+
+
+def quant_check(torch, has_cuda: bool) -> dict:
+    """FP8 and 4-bit group-quantized layers against the float32 product of their own weights;
+    on CUDA also their time against bfloat16 F.linear (see the module docstring)."""
+    from rayserve_paged.models.layers import ColumnParallelLinear
+    from rayserve_paged.models.quant import Fp8LinearMethod, GroupQuantFormat, GroupQuantLinearMethod, quantize_fp8
+
+    device = torch.device(CUDA if has_cuda else "cpu")
+    size = 4096 if has_cuda else 256
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(size, size, generator=g) * 0.02
+    layers = {}
+    fp8 = ColumnParallelLinear(size, size, bias=False)
+    fp8.set_method(Fp8LinearMethod(None if has_cuda else True))  # the CPU: torch's _scaled_mm, forced
+    w8, scale = quantize_fp8(weight)
+    fp8.weight.data.copy_(w8), fp8.weight_scale.data.copy_(scale)
+    layers["fp8"] = fp8
+    if has_cuda:
+        int4 = ColumnParallelLinear(size, size, bias=False)
+        int4.set_method(GroupQuantLinearMethod(GroupQuantFormat("int4", 4, 128)))
+        int4.weight_codes.data.copy_(torch.randint(0, 16, (size, size), generator=g, dtype=torch.uint8))
+        int4.weight_scales.data.copy_(torch.rand(size, size // 128, generator=g) * 0.01)
+        int4.weight_offsets.data.copy_(-8 * int4.weight_scales.data)
+        layers["int4"] = int4
+    rows = []
+    for name, layer in layers.items():
+        layer.to(device)
+        layer.model_dtype = torch.bfloat16 if has_cuda else torch.float32
+        layer.process_weights_after_loading()
+        reference = layer.method.dequantize(layer)  # [out, in] float32: the layer's own weights
+        dense = reference.to(torch.bfloat16)
+        kernel = ("torch._scaled_mm" if layer.fp8_scaled_mm else "dequantized at load") if name == "fp8" else "triton"
+        for num_rows in (1, 16, 256):
+            x = torch.randn(num_rows, size, generator=g).to(device, layer.model_dtype)
+            y = layer.matmul(x).float()
+            want = x.float() @ reference.t()
+            bound = 2**-3 * (x.float().abs() @ reference.abs().t()) + 1e-3  # activations rounded to 8 bits or fewer
+            row = {"rows": num_rows, "layer": name, "kernel": kernel,
+                   "error_over_bound": ((y - want).abs() / bound).max().item()}  # fmt: skip
+            if has_cuda:
+                row["ms"] = cuda_median_ms(torch, lambda: layer.matmul(x), repeats=20)["ms"]
+                xb = x.to(torch.bfloat16)
+                row["bf16_ms"] = cuda_median_ms(torch, lambda: torch.nn.functional.linear(xb, dense), repeats=20)["ms"]
+            rows.append(row)
+    bad = [row for row in rows if row["error_over_bound"] > 1]
+    return {"device": str(device), "rows": rows, "failures": [f"{r['layer']} x{r['rows']}: error above the bound"
+                                                               for r in bad]}  # fmt: skip
 
 
 def _free_memory(torch) -> None:
@@ -1042,6 +1097,13 @@ def format_table(report: dict) -> str:
                 f"                  {row['dtype']:<9} {row['num_seqs']:>4} {row['context']:>7} {row['new_tokens']:>5}"
                 f" {row['ms']:>8.3f} {row['tflops']:>8.1f} {row.get('paged_over_dense', float('nan')):>8.2f}"
             )
+    quant = report.get("quant")
+    if quant:
+        lines.append(f"quant             {quant['device']}: rows, layer, kernel, max error / bound, ms (bf16 F.linear ms)")
+        for row in quant["rows"]:
+            timing = f" {row['ms']:.4f} ({row['bf16_ms']:.4f})" if "ms" in row else ""
+            lines.append(f"                  {row['rows']:>4} {row['layer']:<5} {row['kernel']:<22} "
+                         f"{row['error_over_bound']:.3f}{timing}")  # fmt: skip
     lines += _runner_lines(report.get("runner"))
     lines += _e2e_lines(report.get("e2e"))
     for name, why in report["skipped"].items():

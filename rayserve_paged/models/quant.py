@@ -22,21 +22,25 @@ sharding narrow them exactly as they narrow a float weight; a group never stradd
     weight_scales   float32 [out, in / g]
     weight_offsets  float32 [out, in / g]
 
-Kernels (chosen once per process, `cpu_kernel_plan`): on CPUs with AVX512-BF16 or AMX, torch's
-packed int4 kernel `_weight_int4pack_mm_for_cpu` with bfloat16 activations for batches of up to
-`max_packed_rows` rows and a dense bfloat16 copy of the dequantized weight above that (the
-packed kernel's cost grows with every row, a dense GEMM's hardly does; docs/BENCHMARKS.md has
-the crossover); 8-bit codes run as two int4 planes (high and low nibble, see `_planes`), and
-every plane runs twice, with the bfloat16 head and rest of its float32 scales and zeros
-(`_split_scales_and_zeros`: one bfloat16 scale per group changes SmolLM2's answers).
-The LM head (`is_logits`) multiplies by its dequantized weight in the model dtype: the packed
-kernels return bfloat16, whose rounding of logits (1/8 at a logit of 20) flips greedy answers
-(SmolLM2: "The capital of France is Paris." became "L'Étoile, la Marseillaise, ..."). On
-other CPUs, where the packed kernels are slower than float32 GEMM, the weight is dequantized
-once into the model dtype and F.linear runs on it: the codes still load (and shard) the same
-way. On CUDA devices the codes stay packed (two per byte for 4 bits) and the Triton kernel of
-ops/quant_gemm.py dequantizes them tile by tile inside the GEMM (compiled ahead of time with
-the attention kernels; tested under the interpreter, not yet timed on a GPU).
+Kernels (chosen once per process, `cpu_kernel_plan`): on a CPU with a C++ compiler, the
+compiled float32 kernel of ops/quant_cpu.py, at every batch size and for the LM head and
+embedding too (the codes are held once, in its layout; products and sums in float32, so the
+float32 path's product of the same weights up to summation order). Without a compiler, on
+CPUs with AVX512-BF16 or AMX, torch's packed int4 kernel `_weight_int4pack_mm_for_cpu` with
+bfloat16 activations for batches of up to `max_packed_rows` rows and a dense bfloat16 copy of
+the dequantized weight above that; 8-bit codes run as two int4 planes (high and low nibble,
+see `_planes`), and every plane runs twice, with the bfloat16 head and rest of its float32
+scales and zeros (`_split_scales_and_zeros`: one bfloat16 scale per group changes SmolLM2's
+answers); the LM head (`is_logits`) then multiplies by its dequantized weight in the model
+dtype (bfloat16 logits flip greedy answers: "The capital of France is Paris." became
+"L'Étoile, la Marseillaise, ..."). Elsewhere the weight is dequantized once into the model
+dtype and F.linear runs on it: the codes still load (and shard) the same way. On CUDA devices
+the codes stay packed (two per byte for 4 bits) and the Triton kernel of ops/quant_gemm.py
+dequantizes them tile by tile inside the GEMM (compiled ahead of time with the attention
+kernels; tested under the interpreter, not yet timed on a GPU).
+
+Fp8LinearMethod          FP8 e4m3 weights with a float32 scale per output feature; torch's FP8
+                          GEMM on CUDA sm_89+, dequantized at load elsewhere (its docstring).
 """
 
 from __future__ import annotations
@@ -67,6 +71,9 @@ class GroupQuantFormat:
     name: str  # "Q4_1", "awq", "gptq", ...: for logs and errors
     bits: int  # 4 or 8
     group_size: int
+
+    def make_method(self) -> LinearMethod:
+        return GroupQuantLinearMethod(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +329,81 @@ class GroupQuantLinearMethod(LinearMethod):
         else:
             return layer.dense_weight.float()
         return dequantize_groups(codes, layer.weight_scales, layer.weight_offsets)
+
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Format:
+    """FP8 (e4m3) weights with one float32 scale per output feature: W = scale[n] * w8[n, k]
+    (a per-tensor checkpoint scale is the same scale for every feature)."""
+
+    name: str = "fp8"
+
+    def make_method(self) -> LinearMethod:
+        return Fp8LinearMethod()
+
+
+def fp8_scaled_mm_supported(device: torch.device, out_features: int = 16, in_features: int = 16) -> bool:
+    """Whether torch's FP8 GEMM (`torch._scaled_mm`) serves this device and weight: CUDA
+    sm_89 / sm_90+, both weight dims multiples of 16 (cuBLASLt's FP8 alignment; any row count)."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm") or out_features % 16 or in_features % 16:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class Fp8LinearMethod(LinearMethod):
+    """FP8 weights (`weight` float8_e4m3fn [out, in]) and per-output-feature scales
+    (`weight_scale` float32 [out, 1], kept whole by row-parallel shards: `is_per_output`).
+
+    On CUDA sm_89+ the weight stays FP8 and each product is torch's FP8 GEMM: activations
+    quantized per call with one dynamic scale (amax / 448), `torch._scaled_mm` with float32
+    output, then the per-feature weight scales. Elsewhere the weight is dequantized once into
+    the model dtype and F.linear runs on it. `use_scaled_mm=True` forces the FP8 GEMM (torch
+    serves it on the CPU too, which is how the tests run it)."""
+
+    param_names = ("weight", "weight_scale")
+    bits = 8
+
+    def __init__(self, use_scaled_mm: bool | None = None) -> None:
+        self.use_scaled_mm = use_scaled_mm
+
+    def create_weights(self, layer, output_size, input_size, dtype) -> None:
+        layer.weight = _new_param(output_size, input_size, dtype=FP8_DTYPE)  # [out, in]
+        layer.weight_scale = _new_param(output_size, 1, dtype=torch.float32)  # [out, 1]
+        layer.weight_scale.is_per_output = True
+        layer.model_dtype = dtype or torch.get_default_dtype()
+
+    def process_weights_after_loading(self, layer) -> None:
+        device = layer.weight.device
+        serves = self.use_scaled_mm
+        layer.fp8_scaled_mm = fp8_scaled_mm_supported(device, *layer.weight.shape) if serves is None else serves
+        layer.dense_weight = None if layer.fp8_scaled_mm else self.dequantize(layer).to(layer.model_dtype)
+        layer.scale_row = layer.weight_scale.data.t().contiguous()  # [1, out]
+
+    def apply(self, layer, x):
+        if not layer.fp8_scaled_mm:
+            return F.linear(x, layer.dense_weight)
+        x_scale = (x.abs().amax().float() / FP8_MAX).clamp(min=1e-12)  # one dynamic scale per call
+        x8 = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # [T, in]
+        one = torch.ones((), dtype=torch.float32, device=x.device)
+        y = torch._scaled_mm(x8, layer.weight.t(), scale_a=x_scale, scale_b=one, out_dtype=torch.float32)  # [T, out]
+        return (y * layer.scale_row).to(x.dtype)
+
+    def embed(self, layer, ids):
+        return (F.embedding(ids, layer.weight).float() * layer.weight_scale[ids]).to(layer.model_dtype)
+
+    def dequantize(self, layer):
+        return layer.weight.float() * layer.weight_scale.float()  # [out, in]
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float weight [out, in] -> (float8_e4m3fn [out, in], float32 scales [out, 1]): one
+    scale per output feature, amax / 448 (what FP8 checkpoints with channel scales hold)."""
+    scale = (weight.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # [out, 1]
+    return (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def _scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
