@@ -4,7 +4,7 @@ and, when its path is given, llama.cpp's llama-server on the same GGUF file.
 
     rayserve-paged bench quantized --out DIR [--threads 1] [--num-requests 32] [--max-tokens 64]
                                    [--rounds 1] [--no-kernels] [--no-http] [--llama-server PATH]
-                                   [--before DIR] [--replicas 1]
+                                   [--before DIR] [--layouts 1x2,2x1]
 
 kernels    the four projections of SmolLM2's 30 layers (qkv 960x576, o 576x576, gate|up 3072x576,
            down 576x1536; 30 copies of each, so the weights stream from memory as in a decode
@@ -22,9 +22,9 @@ engine     each quantization in a fresh subprocess, (none, auto) `--rounds` time
            engine runs too, first in each round, from its own code (the figures "before").
 agreement  the greedy tokens of the num_requests chats (the last round), quantized against
            float32: sequences identical, and the tokens before the first difference.
-http       --replicas fixed replicas of configs/smollm2.yaml (no autoscaling; the config's
-           threads unless --threads is given) with quantization none, then auto (the config's),
-           then llama-server when given
+http       one replica of configs/smollm2.yaml (no autoscaling) with --threads torch threads
+           and quantization none, then auto (the config's); then each --layouts
+           REPLICASxTHREADS (quantization auto); then llama-server when given
            (-np num_requests, one slot per request, the same threads): the same chats sent one
            alone, then all at once, to /v1/chat/completions; completion tokens/s; the RSS of
            each SchedulerActor (the model process) after the load.
@@ -245,7 +245,7 @@ def run_serve(convs: list[list[dict]], max_tokens: int, threads: int | None, qua
 
     config = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "smollm2.yaml").read_text())
     args = config["applications"][0]["args"]
-    args.pop("autoscaling_config")
+    args.pop("autoscaling_config", None)
     args |= {"num_replicas": replicas, "max_model_len": ENGINE_OPTIONS["max_model_len"], "quantization": quantization}
     if threads is not None:
         args["num_cpu_threads"] = threads
