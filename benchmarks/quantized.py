@@ -17,7 +17,9 @@ load       each quantization in a fresh subprocess: `load_model` alone, seconds 
 engine     each quantization in a fresh subprocess, (none, auto) `--rounds` times interleaved:
            `LLM("smollm2")` construction (model, tokenizer, KV cache) in seconds; one chat request
            alone (single stream) and num_requests at once, each exactly max_tokens greedy tokens
-           (ignore_eos), output tokens/s after an untimed warm-up; the process's peak RSS.
+           (ignore_eos), output tokens/s after an untimed warm-up, and tokens per second of the
+           process's CPU time (what a shared machine's other work does not take away); the
+           process's peak RSS.
            With --before DIR (a source tree of an earlier version, e.g. `git archive`d), its
            engine runs too, first in each round, from its own code (the figures "before").
 agreement  the greedy tokens of the num_requests chats (the last round), quantized against
@@ -145,11 +147,12 @@ def measure_engine(quantization: str, threads: int, num_requests: int, max_token
     llm.chat(convs[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
     result = {"quantization": quantization, "llm_construct_s": construct_s}
     for name, batch in (("single", convs[:1]), ("concurrent", convs)):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         outputs = llm.chat(batch, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
+        seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        result[name] = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
+        result[name] = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
+                        "cpu_s": cpu_s, "tokens_per_cpu_s": tokens / cpu_s}  # fmt: skip
         if name == "concurrent":
             result["token_ids"] = [o.outputs[0].token_ids for o in outputs]
     result["peak_rss_gib"] = peak_rss_bytes() / 2**30
@@ -342,6 +345,10 @@ def run(args, log) -> dict:
     return result
 
 
+def _per_cpu(phase: dict) -> str:
+    return f" ({phase['tokens_per_cpu_s']:.1f} per CPU-s)" if "tokens_per_cpu_s" in phase else ""
+
+
 def format_report(r: dict) -> str:
     lines = [f"SmolLM2-135M-Instruct Q4_1 GGUF, {r['threads']} torch thread(s), {r['cpu']}",
              f"load average start {r['loadavg_start']}, end {r['loadavg_end']}"]  # fmt: skip
@@ -356,8 +363,8 @@ def format_report(r: dict) -> str:
     for e in r["engine"]:
         lines.append(
             f"  {e.get('version', 'now'):6s} quantization {e['quantization']:4s}: LLM() {e['llm_construct_s']:.1f} s, single "
-            f"{e['single']['tokens_per_s']:.1f} tok/s, concurrent {e['concurrent']['tokens_per_s']:.1f} tok/s, "
-            f"peak RSS {e['peak_rss_gib']:.2f} GiB"
+            f"{e['single']['tokens_per_s']:.1f} tok/s{_per_cpu(e['single'])}, concurrent "
+            f"{e['concurrent']['tokens_per_s']:.1f} tok/s{_per_cpu(e['concurrent'])}, peak RSS {e['peak_rss_gib']:.2f} GiB"
         )
     a = r["agreement"]
     lines.append(
