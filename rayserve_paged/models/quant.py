@@ -22,11 +22,11 @@ sharding narrow them exactly as they narrow a float weight; a group never stradd
     weight_scales   float32 [out, in / g]
     weight_offsets  float32 [out, in / g]
 
-Kernels (chosen once per process, `cpu_kernel_plan`): on a CPU with a C++ compiler, the
-compiled float32 kernel of ops/quant_cpu.py, at every batch size and for the LM head and
+Kernels (chosen once per process, `cpu_kernel_plan`): on a CPU with AVX-512 and a C++
+compiler, the compiled float32 kernel of ops/quant_cpu.py, at every batch size and for the LM head and
 embedding too (the codes are held once, in its layout; products and sums in float32, so the
-float32 path's product of the same weights up to summation order). Without a compiler, on
-CPUs with AVX512-BF16 or AMX, torch's packed int4 kernel `_weight_int4pack_mm_for_cpu` with
+float32 path's product of the same weights up to summation order). Otherwise, on CPUs with
+AVX512-BF16 or AMX, torch's packed int4 kernel `_weight_int4pack_mm_for_cpu` with
 bfloat16 activations for batches of up to `max_packed_rows` rows and a dense bfloat16 copy of
 the dequantized weight above that; 8-bit codes run as two int4 planes (high and low nibble,
 see `_planes`), and every plane runs twice, with the bfloat16 head and rest of its float32
@@ -138,14 +138,15 @@ def _cpu_flags() -> set[str]:
 
 @functools.cache
 def cpu_kernel_plan() -> KernelPlan:
-    """The per-machine choice, made and logged once per process: the compiled kernel where
-    it builds (any CPU with a C++ compiler), else torch's packed int4 kernels where the CPU
-    has bfloat16 instructions, else weights dequantized at load."""
-    if quant_cpu.load() is not None:
+    """The per-machine choice, made and logged once per process: the compiled kernel on CPUs
+    with AVX-512 where it builds (its build without AVX-512 measured slower than float32 GEMM,
+    docs/BENCHMARKS.md 15a), else torch's packed int4 kernels where the CPU has bfloat16
+    instructions, else weights dequantized at load."""
+    flags = _cpu_flags()
+    if "avx512f" in flags and quant_cpu.load() is not None:
         logger.info("quantized linear layers: the compiled group-quantized CPU kernel (float32, codes kept at every "
                     "batch size; LM head and embedding too)")  # fmt: skip
         return COMPILED
-    flags = _cpu_flags()
     has_kernels = hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
     bf16 = sorted(flags & {"avx512_bf16", "amx_bf16"})
     if has_kernels and bf16:
