@@ -57,20 +57,12 @@ def test_config_builds(path):
         assert all(b["CPU"] == args.worker_cpus for b in bundles[1:])
 
 
-def test_tiny_config_fits_two_cpus_with_two_replicas():
-    args = AppArgs(**_app_args(next(p for p in CONFIGS if p.name == "tiny.yaml")))
+@pytest.mark.parametrize("name", ["tiny.yaml", "smollm2.yaml"])
+def test_cpu_configs_fit_two_cpus_with_two_replicas(name):
+    args = AppArgs(**_app_args(next(p for p in CONFIGS if p.name == name)))
     per_replica = sum(b["CPU"] for b in placement_group_bundles(args))
     assert args.autoscaling_config["max_replicas"] == 2
     assert 2 * per_replica <= 2.0  # the HTTP app runs inside the replicas
-
-
-def test_smollm2_config_is_one_replica_with_both_cores():
-    """The measured faster layout (docs/BENCHMARKS.md 15): one replica, two torch threads, not
-    two replicas of one thread; its reservation fits the 2 CPUs."""
-    args = AppArgs(**_app_args(next(p for p in CONFIGS if p.name == "smollm2.yaml")))
-    assert args.autoscaling_config is None and args.num_replicas == 1
-    assert args.num_cpu_threads == 2
-    assert sum(b["CPU"] for b in placement_group_bundles(args)) <= 2.0
 
 
 def test_opt13b_is_the_paper_setup():
