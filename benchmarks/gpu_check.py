@@ -14,6 +14,10 @@ With CUDA (sized for one H200, under 8 minutes; --quick does less of each):
            both variants and the rule's pick; bytes it must read, GB/s, share of the copy
            bandwidth; torch SDPA on the same K/V laid out contiguously (time ratio paged / dense)
   prefill  paged prefill attention with and without cached context: time, TFLOP/s, vs SDPA
+  quant    quantized linear layers (models/quant.py) on a 4096x4096 weight for 1/16/256 rows:
+           FP8 weights (torch._scaled_mm where the GPU is sm_89+, else dequantized at load)
+           and 4-bit group-quantized weights (the Triton GEMM, g=128): the error against the
+           float32 product of the same weights and the time against bfloat16 F.linear
   runner   the same model through load_model + ModelRunner (no engine: no pydantic, no ray):
            greedy tokens equal to HF in float32; a swap out / swap in round trip halfway
            (tokens unchanged) in fp32 / fp16 / bf16; the static-shape decode path (padded
@@ -32,7 +36,8 @@ Without CUDA it runs what a CPU can: the interpreter tests (TRITON_INTERPRET=1; 
 subset with --quick), the runner check on the tiny OPT (HF parity, swap round trip, the
 static-shape decode path run eagerly) and the engine end to end on the tiny OPT (torch
 backend with and without the static decode path, and the interpreted triton backend,
-against HF), and lists the GPU parts as skipped.
+against HF), the FP8 layer through torch's CPU _scaled_mm (errors only, no timings), and lists
+the GPU parts as skipped.
 
 The engine step needs pydantic and the OpenTelemetry SDK, which a bare GPU image may lack:
 where they do not import, the wheels in DIR (default: .whl/ in the repository; the pinned
@@ -74,8 +79,9 @@ BENCH_BUDGET_S = {"quick": 80.0, "full": 115.0}
 # The plan, step by step (seconds on one H200; full run). Each step's time is recorded next
 # to its budget; the total leaves a 15-minute GPU slot room for a rerun.
 STEP_BUDGET_S = {
-    "tests": 200, "memcheck": 60, "copy_bandwidth": 10, "decode": 75, "prefill": 30, "runner": 75, "e2e": 30,
-}  # 480 s: 8 minutes
+    "tests": 200, "memcheck": 60, "copy_bandwidth": 10, "decode": 75, "prefill": 30, "quant": 20, "runner": 75,
+    "e2e": 30,
+}  # 500 s: 8.3 minutes
 # What the engine step imports beyond torch, triton, transformers and safetensors, with the
 # distributions benchmarks/gpu_check_wheels.txt pins for them.
 ENGINE_MODULES = ("pydantic", "opentelemetry.sdk", "opentelemetry.exporter.prometheus")
@@ -117,12 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(report))
     print(f"full figures: {path}")
     tests_failed = any(report.get(name, {}).get("returncode", 0) != 0 for name in ("tests", "memcheck"))
-    failed = any(report.get(name, {}).get("failures") for name in ("runner", "e2e"))
+    failed = any(report.get(name, {}).get("failures") for name in ("runner", "e2e", "quant"))
     return 1 if tests_failed or failed or report["errors"] else 0
 
 
 def kernel_check(report: dict, torch, has_cuda: bool, args: argparse.Namespace) -> None:
-    """The kernels: tests and memcheck, then (on CUDA) copy bandwidth, decode and prefill."""
+    """The kernels: tests and memcheck, the quantized layers, then (on CUDA) copy bandwidth,
+    decode and prefill."""
     if args.skip_tests:
         report["skipped"]["tests"] = report["skipped"]["memcheck"] = "--skip-tests"
     else:
@@ -133,6 +140,7 @@ def kernel_check(report: dict, torch, has_cuda: bool, args: argparse.Namespace) 
             report["skipped"]["memcheck"] = why_not
         else:
             run_section(report, "memcheck", lambda: gpu_kernels.run_memcheck(sanitizer, args.quick))
+    run_section(report, "quant", lambda: gpu_kernels.quant_check(torch, has_cuda))
     if not has_cuda:
         for name in ("copy_bandwidth", "decode", "prefill", "e2e_opt_1.3b_shaped"):
             report["skipped"][name] = "no CUDA device: GPU parts skipped"

@@ -330,6 +330,54 @@ def prefill_point(
     return row
 
 
+def quant_check(torch, has_cuda: bool) -> dict:
+    """FP8 and 4-bit group-quantized layers against the float32 product of their own weights;
+    on CUDA also their time against bfloat16 F.linear (see gpu_check's docstring)."""
+    from rayserve_paged.models.layers import ColumnParallelLinear
+    from rayserve_paged.models.quant import Fp8LinearMethod, GroupQuantFormat, GroupQuantLinearMethod, quantize_fp8
+
+    device = torch.device(CUDA if has_cuda else "cpu")
+    size = 4096 if has_cuda else 256
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(size, size, generator=g) * 0.02
+    layers = {}
+    fp8 = ColumnParallelLinear(size, size, bias=False)
+    fp8.set_method(Fp8LinearMethod(None if has_cuda else True))  # the CPU: torch's _scaled_mm, forced
+    w8, scale = quantize_fp8(weight)
+    fp8.weight.data.copy_(w8), fp8.weight_scale.data.copy_(scale)
+    layers["fp8"] = fp8
+    if has_cuda:
+        int4 = ColumnParallelLinear(size, size, bias=False)
+        int4.set_method(GroupQuantLinearMethod(GroupQuantFormat("int4", 4, 128)))
+        int4.weight_codes.data.copy_(torch.randint(0, 16, (size, size), generator=g, dtype=torch.uint8))
+        int4.weight_scales.data.copy_(torch.rand(size, size // 128, generator=g) * 0.01)
+        int4.weight_offsets.data.copy_(-8 * int4.weight_scales.data)
+        layers["int4"] = int4
+    rows = []
+    for name, layer in layers.items():
+        layer.to(device)
+        layer.model_dtype = torch.bfloat16 if has_cuda else torch.float32
+        layer.process_weights_after_loading()
+        reference = layer.method.dequantize(layer)  # [out, in] float32: the layer's own weights
+        dense = reference.to(torch.bfloat16)
+        kernel = ("torch._scaled_mm" if layer.fp8_scaled_mm else "dequantized at load") if name == "fp8" else "triton"
+        for num_rows in (1, 16, 256):
+            x = torch.randn(num_rows, size, generator=g).to(device, layer.model_dtype)
+            y = layer.matmul(x).float()
+            want = x.float() @ reference.t()
+            bound = 2**-3 * (x.float().abs() @ reference.abs().t()) + 1e-3  # activations rounded to 8 bits or fewer
+            row = {"rows": num_rows, "layer": name, "kernel": kernel,
+                   "error_over_bound": ((y - want).abs() / bound).max().item()}  # fmt: skip
+            if has_cuda:
+                row["ms"] = cuda_median_ms(torch, lambda: layer.matmul(x), repeats=20)["ms"]
+                xb = x.to(torch.bfloat16)
+                row["bf16_ms"] = cuda_median_ms(torch, lambda: torch.nn.functional.linear(xb, dense), repeats=20)["ms"]
+            rows.append(row)
+    bad = [row for row in rows if row["error_over_bound"] > 1]
+    return {"device": str(device), "rows": rows, "failures": [f"{r['layer']} x{r['rows']}: error above the bound"
+                                                               for r in bad]}  # fmt: skip
+
+
 def free_memory(torch) -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -373,4 +421,11 @@ def report_lines(report: dict) -> list[str]:
                 f"                  {row['dtype']:<9} {row['num_seqs']:>4} {row['context']:>7} {row['new_tokens']:>5}"
                 f" {row['ms']:>8.3f} {row['tflops']:>8.1f} {row.get('paged_over_dense', float('nan')):>8.2f}"
             )
+    quant = report.get("quant")
+    if quant:
+        lines.append(f"quant             {quant['device']}: rows, layer, kernel, max error / bound, ms (bf16 F.linear ms)")
+        for row in quant["rows"]:
+            timing = f" {row['ms']:.4f} ({row['bf16_ms']:.4f})" if "ms" in row else ""
+            lines.append(f"                  {row['rows']:>4} {row['layer']:<5} {row['kernel']:<22} "
+                         f"{row['error_over_bound']:.3f}{timing}")  # fmt: skip
     return lines

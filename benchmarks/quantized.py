@@ -4,22 +4,32 @@ and, when its path is given, llama.cpp's llama-server on the same GGUF file.
 
     rayserve-paged bench quantized --out DIR [--threads 1] [--num-requests 32] [--max-tokens 64]
                                    [--rounds 1] [--no-kernels] [--no-http] [--llama-server PATH]
+                                   [--before DIR] [--layouts 1x2,2x1]
 
 kernels    the four projections of SmolLM2's 30 layers (qkv 960x576, o 576x576, gate|up 3072x576,
            down 576x1536; 30 copies of each, so the weights stream from memory as in a decode
-           step) for 1..32 rows: float32 and bfloat16 F.linear, the packed int4 kernel with one
-           and with two (head + rest) scale terms; milliseconds per 30 layers.
+           step) for 1..32 rows: float32 and bfloat16 F.linear, torch's packed int4 kernel with
+           one and with two (head + rest) scale terms, the compiled float32 kernel
+           (ops/quant_cpu.py, when it builds; also its build without AVX-512, what an AVX2
+           laptop compiles); milliseconds per 30 layers. And the LM head
+           (49152x576): float32 F.linear against the compiled kernel on 8-bit codes.
 load       each quantization in a fresh subprocess: `load_model` alone, seconds and peak RSS.
 engine     each quantization in a fresh subprocess, (none, auto) `--rounds` times interleaved:
            `LLM("smollm2")` construction (model, tokenizer, KV cache) in seconds; one chat request
            alone (single stream) and num_requests at once, each exactly max_tokens greedy tokens
-           (ignore_eos), output tokens/s after an untimed warm-up; the process's peak RSS.
+           (ignore_eos), output tokens/s after an untimed warm-up, and tokens per second of the
+           process's CPU time (what a shared machine's other work does not take away); the
+           process's peak RSS.
+           With --before DIR (a source tree of an earlier version, e.g. `git archive`d), its
+           engine runs too, first in each round, from its own code (the figures "before").
 agreement  the greedy tokens of the num_requests chats (the last round), quantized against
            float32: sequences identical, and the tokens before the first difference.
-http       one replica of configs/smollm2.yaml (no autoscaling) with quantization none, then
-           auto (the config's), then llama-server when given
+http       one replica of configs/smollm2.yaml (no autoscaling) with --threads torch threads
+           and quantization none, then auto (the config's); then each --layouts
+           REPLICASxTHREADS (quantization auto); then llama-server when given
            (-np num_requests, one slot per request, the same threads): the same chats sent one
-           alone, then all at once, to /v1/chat/completions; completion tokens/s.
+           alone, then all at once, to /v1/chat/completions; completion tokens/s; the RSS of
+           each SchedulerActor (the model process) after the load.
 """
 
 from __future__ import annotations
@@ -51,14 +61,27 @@ KERNEL_ROWS = (1, 2, 4, 8, 16, 32)
 # --------------------------------------------------------------------------- kernels
 
 
+def _timed_ms(cases: dict, totals: dict, repeats: int) -> None:
+    for name, run in cases.items():
+        run()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        totals[name] = totals.get(name, 0.0) + (time.perf_counter() - start) / repeats * 1e3
+
+
 def measure_kernels(threads: int, num_layers: int = 30, repeats: int = 5) -> dict:
     import torch.nn.functional as F
 
+    from rayserve_paged.ops import quant_cpu
+
     torch.set_num_threads(threads)
+    kernel = quant_cpu.load()
+    portable = quant_cpu.load(("-mno-avx512f",))  # the build a CPU without AVX-512 gets (AVX2 laptops)
     group = 32
     results = {}
     for rows in KERNEL_ROWS:
-        totals = dict.fromkeys(("float32", "bfloat16", "int4", "int4_two_terms"), 0.0)
+        totals: dict[str, float] = {}
         for out_features, in_features in SHAPES:
             weights = [torch.randn(out_features, in_features) for _ in range(num_layers)]
             bf16 = [w.bfloat16() for w in weights]
@@ -68,6 +91,11 @@ def measure_kernels(threads: int, num_layers: int = 30, repeats: int = 5) -> dic
                 for _ in range(num_layers)
             ]  # fmt: skip
             sz = torch.rand(in_features // group, out_features, 2).bfloat16()
+            compiled = [
+                quant_cpu.pack(torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8),
+                               torch.rand(out_features, in_features // group), torch.rand(out_features, in_features // group), 4)
+                for _ in range(num_layers)
+            ] if kernel is not None or portable is not None else []  # fmt: skip
             x = torch.randn(rows, in_features)
             xb = x.bfloat16()
             cases = {
@@ -79,13 +107,22 @@ def measure_kernels(threads: int, num_layers: int = 30, repeats: int = 5) -> dic
                     for p in packed
                 ],
             }  # fmt: skip
-            for name, run in cases.items():
-                run()
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    run()
-                totals[name] += (time.perf_counter() - start) / repeats * 1e3
+            if kernel is not None:
+                cases["compiled"] = lambda: [kernel(x, w) for w in compiled]
+            if portable is not None:
+                cases["compiled_no_avx512"] = lambda: [portable(x, w) for w in compiled]
+            _timed_ms(cases, totals, repeats)
         results[rows] = totals
+    if kernel is not None:
+        vocab, dim = 49152, 576
+        table = torch.randn(vocab, dim)
+        codes = quant_cpu.pack(torch.randint(0, 256, (vocab, dim), dtype=torch.uint8), torch.rand(vocab, dim // group),
+                               torch.rand(vocab, dim // group), 8)  # fmt: skip
+        for rows in KERNEL_ROWS:
+            x = torch.randn(rows, dim)
+            totals = {}
+            _timed_ms({"float32": lambda: F.linear(x, table), "compiled_q8": lambda: kernel(x, codes)}, totals, repeats)
+            results[f"lm_head_{rows}"] = totals
     return results
 
 
@@ -110,11 +147,12 @@ def measure_engine(quantization: str, threads: int, num_requests: int, max_token
     llm.chat(convs[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
     result = {"quantization": quantization, "llm_construct_s": construct_s}
     for name, batch in (("single", convs[:1]), ("concurrent", convs)):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         outputs = llm.chat(batch, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
+        seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        result[name] = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
+        result[name] = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
+                        "cpu_s": cpu_s, "tokens_per_cpu_s": tokens / cpu_s}  # fmt: skip
         if name == "concurrent":
             result["token_ids"] = [o.outputs[0].token_ids for o in outputs]
     result["peak_rss_gib"] = peak_rss_bytes() / 2**30
@@ -122,14 +160,19 @@ def measure_engine(quantization: str, threads: int, num_requests: int, max_token
 
 
 def _engine_in_subprocess(quantization: str, threads: int, num_requests: int, max_tokens: int,
-                          load_only: bool = False) -> dict:
+                          load_only: bool = False, source: str | None = None) -> dict:
+    """The engine child in a fresh process; `source`: another version's source tree, whose
+    own code (and benchmark) runs."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if source is not None:
+        env["PYTHONPATH"] = str(Path(source).resolve())
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.quantized", "--engine-child", quantization, "--threads", str(threads),
          "--num-requests", str(num_requests), "--max-tokens", str(max_tokens)] + (["--load-only"] if load_only else []),
-        env=env, capture_output=True, text=True, check=True,
+        env=env, capture_output=True, text=True, check=True, cwd=source,
     )  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result | {"version": "before"} if source is not None else result
 
 
 def agreement(got: list[list[int]], want: list[list[int]]) -> dict:
@@ -187,20 +230,33 @@ def _tree_rss_mib(pid: int) -> float:
     return total / 1024
 
 
-def run_serve(convs: list[list[dict]], max_tokens: int, threads: int, quantization: str, log_dir: Path) -> dict:
+def _actor_rss_mib(session: int, name: str) -> list[float]:
+    """Resident memory of each Ray actor process whose name holds `name` (ps shows
+    ray::[prefix:]Class[.method]) in the session of the Ray head the benchmark started, MiB."""
+    out = subprocess.run(["ps", "-e", "-o", "sid=,rss=,args="], capture_output=True, text=True, check=True).stdout
+    rows = [line.split(None, 2) for line in out.splitlines() if len(line.split(None, 2)) == 3]
+    return [int(rss) / 1024 for sid, rss, args in rows if int(sid) == session and args.startswith("ray::") and name in args.split()[0]]
+
+
+def run_serve(convs: list[list[dict]], max_tokens: int, threads: int | None, quantization: str, log_dir: Path,
+              replicas: int = 1) -> dict:
+    """`replicas` fixed replicas of configs/smollm2.yaml; `threads` torch threads each (None:
+    the config's)."""
     import yaml
 
     from benchmarks.serving import LaunchedServer
 
     config = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "smollm2.yaml").read_text())
     args = config["applications"][0]["args"]
-    args.pop("autoscaling_config")
-    args |= {"num_replicas": 1, "num_cpu_threads": threads, "max_model_len": ENGINE_OPTIONS["max_model_len"],
-             "quantization": quantization}
+    args.pop("autoscaling_config", None)
+    args |= {"num_replicas": replicas, "max_model_len": ENGINE_OPTIONS["max_model_len"], "quantization": quantization}
+    if threads is not None:
+        args["num_cpu_threads"] = threads
     with LaunchedServer(config, log_dir) as server:
         start = time.perf_counter()
         server.start(timeout_s=1200, log=lambda message: None)
         result = {"startup_s": time.perf_counter() - start, **_chat_runs(server.base_url, "smollm2", convs, max_tokens)}
+        result["scheduler_actor_rss_mib"] = _actor_rss_mib(server.ray_pgid, "SchedulerActor")  # the model processes
     return result
 
 
@@ -251,12 +307,17 @@ def run(args, log) -> dict:
         log(f"load: quantization {quantization}")
         result[f"load_{quantization}"] = _engine_in_subprocess(quantization, args.threads, 1, 1, load_only=True)
     runs = []
+    versions = [args.before, None] if args.before else [None]
     for round_ in range(args.rounds):  # interleaved: the machine's load moves between runs
-        for quantization in QUANTIZATIONS:
-            log(f"engine: quantization {quantization}, round {round_}")
-            runs.append(_engine_in_subprocess(quantization, args.threads, args.num_requests, args.max_tokens))
+        for source in versions:
+            for quantization in QUANTIZATIONS:
+                log(f"engine: quantization {quantization}, round {round_}{', before' if source else ''}")
+                runs.append(_engine_in_subprocess(quantization, args.threads, args.num_requests, args.max_tokens,
+                                                  source=source))  # fmt: skip
     result["engine"] = runs
-    tokens = {run["quantization"]: run.pop("token_ids") for run in runs}
+    tokens = {run["quantization"]: run.pop("token_ids") for run in runs if "version" not in run}
+    for run in runs:
+        run.pop("token_ids", None)
     result["agreement"] = agreement(tokens["auto"], tokens["none"])
     convs = conversations(args.num_requests)
     out = Path(args.out)
@@ -265,6 +326,11 @@ def run(args, log) -> dict:
             log(f"http: serve run configs/smollm2.yaml, quantization {quantization}")
             result[f"serve_{quantization}"] = run_serve(convs, args.max_tokens, args.threads, quantization,
                                                         out / f"serve-logs-{quantization}")  # fmt: skip
+    for layout in args.layouts:  # replicas x threads, quantization auto
+        replicas, threads = layout
+        log(f"http: serve run configs/smollm2.yaml, {replicas} replica(s) x {threads} thread(s)")
+        result[f"serve_layout_{replicas}x{threads}"] = run_serve(convs, args.max_tokens, threads, "auto",
+                                                                 out / f"serve-logs-{replicas}x{threads}", replicas)
     if args.llama_server:
         if Path(args.llama_server).is_file():
             log("http: llama-server")
@@ -279,38 +345,54 @@ def run(args, log) -> dict:
     return result
 
 
+def _per_cpu(phase: dict) -> str:
+    return f" ({phase['tokens_per_cpu_s']:.1f} per CPU-s)" if "tokens_per_cpu_s" in phase else ""
+
+
 def format_report(r: dict) -> str:
     lines = [f"SmolLM2-135M-Instruct Q4_1 GGUF, {r['threads']} torch thread(s), {r['cpu']}",
              f"load average start {r['loadavg_start']}, end {r['loadavg_end']}"]  # fmt: skip
     if "kernels_ms_per_30_layers" in r:
         lines.append("kernels, ms per 30 layers (qkv, o, gate|up, down):")
         for rows, t in r["kernels_ms_per_30_layers"].items():
-            lines.append(f"  {int(rows):3d} rows  " + "  ".join(f"{k} {v:6.1f}" for k, v in t.items()))
+            lines.append(f"  {rows:>10} rows  " + "  ".join(f"{k} {v:6.1f}" for k, v in t.items()))
     for q in QUANTIZATIONS:
         load = r[f"load_{q}"]
         lines.append(f"load_model, quantization {q:4s}: {load['load_model_s']:.1f} s, peak RSS {load['peak_rss_gib']:.2f} GiB")
     lines.append(f"engine, in run order (concurrent: {r['num_requests']} chats x {r['max_tokens']} tokens at once):")
     for e in r["engine"]:
         lines.append(
-            f"  quantization {e['quantization']:4s}: LLM() {e['llm_construct_s']:.1f} s, single "
-            f"{e['single']['tokens_per_s']:.1f} tok/s, concurrent {e['concurrent']['tokens_per_s']:.1f} tok/s, "
-            f"peak RSS {e['peak_rss_gib']:.2f} GiB"
+            f"  {e.get('version', 'now'):6s} quantization {e['quantization']:4s}: LLM() {e['llm_construct_s']:.1f} s, single "
+            f"{e['single']['tokens_per_s']:.1f} tok/s{_per_cpu(e['single'])}, concurrent "
+            f"{e['concurrent']['tokens_per_s']:.1f} tok/s{_per_cpu(e['concurrent'])}, peak RSS {e['peak_rss_gib']:.2f} GiB"
         )
     a = r["agreement"]
     lines.append(
         f"greedy agreement: {a['num_identical']}/{a['num_sequences']} sequences identical, "
         f"{a['tokens_before_first_difference_share']:.1%} of tokens before the first difference"
     )
-    for name in ("serve_none", "serve_auto", "llama_server"):
+    for name in ("serve_none", "serve_auto", *[k for k in r if k.startswith("serve_layout_")], "llama_server"):
         if name in r:
             h = r[name]
             if "skipped" in h or "failed" in h:
                 lines.append(f"{name}: {'skipped' if 'skipped' in h else 'failed'} ({h.get('skipped') or h['failed']})")
                 continue
             rss = f", RSS {h['rss_mib']:.0f} MiB" if "rss_mib" in h else ""
+            if h.get("scheduler_actor_rss_mib"):
+                rss += ", SchedulerActor RSS " + " + ".join(f"{v:.0f}" for v in h["scheduler_actor_rss_mib"]) + " MiB"
             lines.append(f"{name}: single {h['single']['tokens_per_s']:.1f} tok/s, concurrent "
                          f"{h['concurrent']['tokens_per_s']:.1f} tok/s, startup {h['startup_s']:.1f} s{rss}")  # fmt: skip
     return "\n".join(lines)
+
+
+def _layouts(text: str) -> list[tuple[int, int]]:
+    try:
+        layouts = [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"layouts are REPLICASxTHREADS, comma-separated; got {text!r}") from None
+    if not all(len(layout) == 2 and min(layout) >= 1 for layout in layouts):
+        raise argparse.ArgumentTypeError(f"layouts are REPLICASxTHREADS with both >= 1; got {text!r}")
+    return layouts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel timings")
     parser.add_argument("--no-http", action="store_true", help="skip `serve run`")
     parser.add_argument("--llama-server", help="path of llama.cpp's llama-server binary (skipped when absent)")
+    parser.add_argument("--before", help="source tree of an earlier version whose engine runs too (figures before)")
+    parser.add_argument("--layouts", type=_layouts, default=[],
+                        help="serve run layouts to compare, REPLICASxTHREADS comma-separated (e.g. 1x2,2x1)")
     parser.add_argument("--engine-child", choices=QUANTIZATIONS, help=argparse.SUPPRESS)
     parser.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -25,11 +25,12 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Weights and KV dtype; auto = float32 on CPU, the checkpoint's dtype on GPU."
     )
-    quantization: Literal["auto", "none", "gguf", "awq", "gptq"] = Field(
+    quantization: Literal["auto", "none", "gguf", "awq", "gptq", "fp8"] = Field(
         "auto",
         description="Weight format: auto keeps what the checkpoint quantized where a kernel serves it (GGUF "
-        "Q4_0/Q4_1/Q8_0, AWQ/GPTQ int4; other GGUF types are dequantized); none dequantizes every weight into "
-        "dtype at load; gguf/awq/gptq = auto, checking the checkpoint is of that kind.",
+        "Q4_0/Q4_1/Q8_0, AWQ/GPTQ int4, FP8 e4m3 with torch's FP8 GEMM on CUDA sm_89+; other GGUF types are "
+        "dequantized); none dequantizes every weight into dtype at load; gguf/awq/gptq/fp8 = auto, checking the "
+        "checkpoint is of that kind.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
     tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel ranks (worker actors).")

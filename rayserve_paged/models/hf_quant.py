@@ -1,4 +1,4 @@
-"""HF int4 checkpoints (AWQ and GPTQ) in the GroupQuant form of quant.py.
+"""HF int4 checkpoints (AWQ and GPTQ) in the GroupQuant form of quant.py, and FP8 checkpoints.
 
 Both store, per linear layer `<prefix>`, int32 words of eight 4-bit values:
 
@@ -18,6 +18,13 @@ The conversion gives codes q, scales s and offsets -s * z in float32, which dequ
 s * (q - z) exactly (an float16 scale times an integer below 17 is exact in float32).
 `quantization_config` in config.json, or an older checkpoint's quantize_config.json, names
 the method, bits and group size.
+
+    FP8   <prefix>.weight       [out, in]  float8_e4m3fn        (`quant_method: fp8`)
+          <prefix>.weight_scale []  or [out] / [out, 1] float32
+          <prefix>.input_scale  (static activation scales: read and not used; the FP8 GEMM
+                                 takes a dynamic scale per call)
+          W[n, k] = weight_scale[n] * weight[n, k]; a per-tensor scale becomes one per feature.
+          Block-wise scales (`weight_block_size`) are refused.
 """
 
 from __future__ import annotations
@@ -28,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from .quant import GroupQuantFormat, QuantizedTensor
+from .quant import FP8_DTYPE, Fp8Format, GroupQuantFormat, QuantizedTensor
 
-HF_METHODS = ("awq", "gptq")
+HF_METHODS = ("awq", "gptq", "fp8")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds output feature 8j + AWQ_ORDER[i]
 _PARTS = ("qweight", "qzeros", "scales")
 
@@ -52,6 +59,12 @@ def quantization_method(hf_config: dict) -> str | None:
     method = str(qc.get("quant_method", "")).lower()
     if method not in HF_METHODS:
         raise ValueError(f"unsupported quantization_config.quant_method {method!r}; supported: {', '.join(HF_METHODS)}")
+    if method == "fp8":
+        if qc.get("weight_block_size"):
+            raise ValueError("FP8 checkpoints with block-wise scales (weight_block_size) are not supported")
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"FP8 checkpoints in {qc['fmt']!r}: only e4m3 is supported")
+        return method
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
         raise ValueError(f"{method} checkpoint with {bits}-bit weights: only 4-bit is supported")
@@ -71,8 +84,11 @@ def group_size(hf_config: dict) -> int:
     return size
 
 
-def hf_weight_formats(hf_config: dict, tensor_names: Iterable[str]) -> dict[str, GroupQuantFormat]:
-    """HF weight name (`<prefix>.weight`) -> format, for every `<prefix>.qweight` tensor."""
+def hf_weight_formats(hf_config: dict, tensor_names: Iterable[str]) -> dict[str, GroupQuantFormat | Fp8Format]:
+    """HF weight name (`<prefix>.weight`) -> format, for every `<prefix>.qweight` tensor (FP8:
+    every `<prefix>.weight_scale`)."""
+    if quantization_method(hf_config) == "fp8":
+        return {name.removesuffix("_scale"): Fp8Format() for name in tensor_names if name.endswith(".weight_scale")}
     fmt = GroupQuantFormat(quantization_method(hf_config), 4, group_size(hf_config))
     return {name.removesuffix(".qweight") + ".weight": fmt for name in tensor_names if name.endswith(".qweight")}
 
@@ -130,6 +146,9 @@ def iter_hf_quantized(
     names in `kept` the three `<prefix>.weight_codes / _scales / _offsets` tensors, else the
     dequantized float32 `<prefix>.weight`. Other tensors pass through."""
     method = quantization_method(hf_config)
+    if method == "fp8":
+        yield from _iter_fp8(weights, kept)
+        return
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         prefix, _, part = name.rpartition(".")
@@ -157,3 +176,34 @@ def iter_hf_quantized(
     for prefix, parts in pending.items():
         missing = ", ".join(p for p in _PARTS if p not in parts)
         raise ValueError(f"{prefix}: {method} checkpoint lacks {missing}")
+
+
+def _iter_fp8(weights: Iterator[tuple[str, torch.Tensor]], kept: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """FP8 checkpoint tensors: a kept layer's float8 `weight` and its scales as [out, 1]; other
+    FP8 weights dequantized to float32; input scales dropped; the rest as is."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        prefix, _, part = name.rpartition(".")
+        if part == "input_scale":
+            continue
+        if part not in ("weight", "weight_scale") or part == "weight" and tensor.dtype != FP8_DTYPE:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(prefix, {})
+        parts[part] = tensor
+        if len(parts) < 2:
+            continue
+        del pending[prefix]
+        weight, scale = parts["weight"], parts["weight_scale"].to(torch.float32)
+        if scale.numel() not in (1, weight.shape[0]):
+            raise ValueError(f"{prefix}: FP8 weight_scale of shape {list(scale.shape)} for a weight "
+                             f"{list(weight.shape)} (one scale, or one per output feature, is supported)")  # fmt: skip
+        scale = scale.reshape(-1, 1).expand(weight.shape[0], 1).contiguous()  # [out, 1]
+        if f"{prefix}.weight" in kept:
+            yield f"{prefix}.weight", weight
+            yield f"{prefix}.weight_scale", scale
+        else:
+            yield f"{prefix}.weight", weight.float() * scale
+    for prefix, parts in pending.items():
+        missing = "weight_scale" if "weight" in parts else "weight"
+        raise ValueError(f"{prefix}: fp8 checkpoint lacks {missing}")

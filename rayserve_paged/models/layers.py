@@ -285,8 +285,9 @@ class RowParallelLinear(LinearBase):
         """`loaded` is the full HF weight [out, in] (keep this rank's columns) or bias [out].
 
         A weight parameter's last dim is this rank's share of the input features (or of their
-        groups, for group scales): rank r keeps columns [r * cols, (r+1) * cols)."""
-        if param is self.bias:
+        groups, for group scales): rank r keeps columns [r * cols, (r+1) * cols). One value
+        per output feature (a method's `is_per_output` parameter: FP8 scales) is kept whole."""
+        if param is self.bias or getattr(param, "is_per_output", False):
             copy_weight(param, loaded)
             return
         cols = param.shape[1]

@@ -12,14 +12,15 @@ Every parameter (and every shard of a fused one) must be loaded exactly from the
 anything missing or of the wrong shape is an error that names the tensor.
 
 `quantization`: "auto" keeps what the checkpoint quantized in a format with a kernel (GGUF
-Q4_0 / Q4_1 / Q8_0, AWQ / GPTQ int4); "none" dequantizes every weight into the model dtype at
-load (the float path, kept for parity tests); "gguf" / "awq" / "gptq" are "auto" that also
-checks the checkpoint is of that kind. A fused layer (q|k|v, gate|up) is kept quantized only
+Q4_0 / Q4_1 / Q8_0, AWQ / GPTQ int4, FP8 e4m3 with per-tensor or per-channel scales); "none"
+dequantizes every weight into the model dtype at load (the float path, kept for parity
+tests); "gguf" / "awq" / "gptq" / "fp8" are "auto" that also checks the checkpoint is of that kind. A fused layer (q|k|v, gate|up) is kept quantized only
 when all its pieces share one format; otherwise its pieces are dequantized.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import resource
@@ -37,7 +38,7 @@ from .gguf import find_gguf_file, gguf_hf_config, iter_gguf_weights, load_gguf_t
 from .gguf import weight_formats as gguf_weight_formats
 from .hf_quant import hf_weight_formats, iter_hf_quantized, quantization_method, with_quantize_config
 from .layers import LinearBase, ParallelLMHead, ParallelState, copy_weight, dynamic_inv_freq_table, dynamic_max_len
-from .quant import GroupQuantFormat, GroupQuantLinearMethod
+from .quant import Fp8Format, GroupQuantFormat
 from .registry import ARCHITECTURES
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ MODEL_REGISTRY: dict[str, tuple[type[nn.Module], Any]] = {
 }
 _MODEL_TYPES = {a.model_type: a.hf_name for a in ARCHITECTURES}
 
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "awq", "gptq")
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "awq", "gptq", "fp8")
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -376,14 +377,16 @@ def load_model(
     with torch.no_grad():
         load_weights(model, weights, source=str(source))
         process_weights_after_loading(model)
+    if device.type == "cpu":
+        release_freed_memory()
     _log_load(source, dtype, device, time.perf_counter() - start, _describe_formats(formats, kept))
     return model.eval()
 
 
-def apply_weight_formats(model: nn.Module, formats: dict[str, GroupQuantFormat]) -> frozenset[str]:
+def apply_weight_formats(model: nn.Module, formats: dict[str, GroupQuantFormat | Fp8Format]) -> frozenset[str]:
     """Give every layer whose checkpoint weights (all pieces of a fused one) share one format
     that format's method; returns the HF weight names now loaded quantized."""
-    by_module: dict[str, dict[Any, tuple[str, GroupQuantFormat | None]]] = {}
+    by_module: dict[str, dict[Any, tuple[str, GroupQuantFormat | Fp8Format | None]]] = {}
     for hf_name, fmt in formats.items():
         target = model.map_weight_name(hf_name)
         if target is not None:
@@ -398,7 +401,7 @@ def apply_weight_formats(model: nn.Module, formats: dict[str, GroupQuantFormat])
         fmts = {fmt for _, fmt in pieces.values()}
         if set(pieces) != set(shards) or len(fmts) != 1:
             continue  # some pieces float or of different formats: dequantize them all
-        module.set_method(GroupQuantLinearMethod(fmts.pop()))
+        module.set_method(fmts.pop().make_method())
         kept.update(hf_name for hf_name, _ in pieces.values())
     return frozenset(kept)
 
@@ -409,7 +412,7 @@ def process_weights_after_loading(model: nn.Module) -> None:
             module.process_weights_after_loading()
 
 
-def _describe_formats(formats: dict[str, GroupQuantFormat], kept: frozenset[str]) -> str:
+def _describe_formats(formats: dict[str, GroupQuantFormat | Fp8Format], kept: frozenset[str]) -> str:
     if not formats:
         return "float weights"
     kept_names = sorted({fmt.name for name, fmt in formats.items() if name in kept})
@@ -420,8 +423,26 @@ def _describe_formats(formats: dict[str, GroupQuantFormat], kept: frozenset[str]
     )
 
 
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim): loading frees the
+    checkpoint-form tensors of every repacked layer, which glibc otherwise keeps resident."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    """This process's peak resident set size so far: Linux's VmHWM (the high-water mark of this
+    address space; ru_maxrss also counts the parent's memory a process was forked from before
+    its exec), else ru_maxrss (KiB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 

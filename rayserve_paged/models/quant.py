@@ -22,21 +22,25 @@ sharding narrow them exactly as they narrow a float weight; a group never stradd
     weight_scales   float32 [out, in / g]
     weight_offsets  float32 [out, in / g]
 
-Kernels (chosen once per process, `cpu_kernel_plan`): on CPUs with AVX512-BF16 or AMX, torch's
-packed int4 kernel `_weight_int4pack_mm_for_cpu` with bfloat16 activations for batches of up to
-`max_packed_rows` rows and a dense bfloat16 copy of the dequantized weight above that (the
-packed kernel's cost grows with every row, a dense GEMM's hardly does; docs/BENCHMARKS.md has
-the crossover); 8-bit codes run as two int4 planes (high and low nibble, see `_planes`), and
-every plane runs twice, with the bfloat16 head and rest of its float32 scales and zeros
-(`_split_scales_and_zeros`: one bfloat16 scale per group changes SmolLM2's answers).
-The LM head (`is_logits`) multiplies by its dequantized weight in the model dtype: the packed
-kernels return bfloat16, whose rounding of logits (1/8 at a logit of 20) flips greedy answers
-(SmolLM2: "The capital of France is Paris." became "L'Étoile, la Marseillaise, ..."). On
-other CPUs, where the packed kernels are slower than float32 GEMM, the weight is dequantized
-once into the model dtype and F.linear runs on it: the codes still load (and shard) the same
-way. On CUDA devices the codes stay packed (two per byte for 4 bits) and the Triton kernel of
-ops/quant_gemm.py dequantizes them tile by tile inside the GEMM (compiled ahead of time with
-the attention kernels; tested under the interpreter, not yet timed on a GPU).
+Kernels (chosen once per process, `cpu_kernel_plan`): on a CPU with AVX-512 and a C++
+compiler, the compiled float32 kernel of ops/quant_cpu.py, at every batch size and for the LM head and
+embedding too (the codes are held once, in its layout; products and sums in float32, so the
+float32 path's product of the same weights up to summation order). Otherwise, on CPUs with
+AVX512-BF16 or AMX, torch's packed int4 kernel `_weight_int4pack_mm_for_cpu` with
+bfloat16 activations for batches of up to `max_packed_rows` rows and a dense bfloat16 copy of
+the dequantized weight above that; 8-bit codes run as two int4 planes (high and low nibble,
+see `_planes`), and every plane runs twice, with the bfloat16 head and rest of its float32
+scales and zeros (`_split_scales_and_zeros`: one bfloat16 scale per group changes SmolLM2's
+answers); the LM head (`is_logits`) then multiplies by its dequantized weight in the model
+dtype (bfloat16 logits flip greedy answers: "The capital of France is Paris." became
+"L'Étoile, la Marseillaise, ..."). Elsewhere the weight is dequantized once into the model
+dtype and F.linear runs on it: the codes still load (and shard) the same way. On CUDA devices
+the codes stay packed (two per byte for 4 bits) and the Triton kernel of ops/quant_gemm.py
+dequantizes them tile by tile inside the GEMM (compiled ahead of time with the attention
+kernels; tested under the interpreter, not yet timed on a GPU).
+
+Fp8LinearMethod          FP8 e4m3 weights with a float32 scale per output feature; torch's FP8
+                          GEMM on CUDA sm_89+, dequantized at load elsewhere (its docstring).
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rayserve_paged.ops import quant_cpu
+
 logger = logging.getLogger(__name__)
 
 CPU_INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
@@ -65,6 +71,9 @@ class GroupQuantFormat:
     name: str  # "Q4_1", "awq", "gptq", ...: for logs and errors
     bits: int  # 4 or 8
     group_size: int
+
+    def make_method(self) -> LinearMethod:
+        return GroupQuantLinearMethod(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +112,11 @@ class KernelPlan:
     max_packed_rows: int  # batches with more rows use the dense copy (0: never packed)
     reason: str
     is_triton: bool = False  # CUDA: the Triton group-quantized GEMM (ops/quant_gemm.py) instead
+    is_compiled: bool = False  # CPU: the compiled float32 kernel (ops/quant_cpu.py) instead
+
+
+# The compiled kernel's plan: float32 in and out, the codes kept in its layout at every batch size.
+COMPILED = KernelPlan(False, torch.float32, 0, "compiled group-quantized CPU kernel, float32", is_compiled=True)
 
 
 # Rows up to which the packed int4 kernel beats a dense bfloat16 GEMM on SmolLM2's shapes
@@ -124,8 +138,15 @@ def _cpu_flags() -> set[str]:
 
 @functools.cache
 def cpu_kernel_plan() -> KernelPlan:
-    """The per-machine choice, made and logged once per process."""
+    """The per-machine choice, made and logged once per process: the compiled kernel on CPUs
+    with AVX-512 where it builds (its build without AVX-512 measured slower than float32 GEMM,
+    docs/BENCHMARKS.md 15a), else torch's packed int4 kernels where the CPU has bfloat16
+    instructions, else weights dequantized at load."""
     flags = _cpu_flags()
+    if "avx512f" in flags and quant_cpu.load() is not None:
+        logger.info("quantized linear layers: the compiled group-quantized CPU kernel (float32, codes kept at every "
+                    "batch size; LM head and embedding too)")  # fmt: skip
+        return COMPILED
     has_kernels = hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
     bf16 = sorted(flags & {"avx512_bf16", "amx_bf16"})
     if has_kernels and bf16:
@@ -219,6 +240,10 @@ class GroupQuantLinearMethod(LinearMethod):
 
     def _plan_for(self, layer: nn.Module) -> KernelPlan:
         device = layer.weight_codes.device
+        if self.plan is not None and self.plan.is_compiled or self.plan is None and device.type == "cpu":
+            plan = self.plan or cpu_kernel_plan()
+            if plan.is_compiled and self.group_size % 2 == 0:
+                return plan  # float32 products, logits included
         if layer.is_logits:
             return KernelPlan(False, layer.model_dtype, 0, "logits in the model dtype")
         if self.plan is not None:
@@ -237,6 +262,14 @@ class GroupQuantLinearMethod(LinearMethod):
         layer.int4_planes = ()
         layer.dense_weight = None
         layer.packed_codes = None
+        layer.packed_weight = None
+        if plan.is_compiled:  # one copy in the kernel's layout, for products and row lookups
+            layer.gemm = quant_cpu.load()
+            layer.packed_weight = quant_cpu.pack(layer.weight_codes, layer.weight_scales, layer.weight_offsets, self.bits)
+            for name in QUANT_PARAM_NAMES:
+                param = getattr(layer, name)
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            return
         if layer.is_matmul and plan.is_triton:
             from rayserve_paged.ops.quant_gemm import pack_codes
 
@@ -252,6 +285,8 @@ class GroupQuantLinearMethod(LinearMethod):
 
     def apply(self, layer, x):
         plan = layer.kernel_plan
+        if plan.is_compiled:
+            return layer.gemm(x, layer.packed_weight).to(x.dtype)  # [T, out] float32 products
         if plan.is_triton:
             from rayserve_paged.ops.quant_gemm import group_quant_matmul
 
@@ -270,6 +305,8 @@ class GroupQuantLinearMethod(LinearMethod):
         return y.to(x.dtype)
 
     def embed(self, layer, ids):
+        if layer.packed_weight is not None:
+            return dequantize_groups(*layer.packed_weight.rows(ids)).to(layer.model_dtype)  # [T, in]
         if not layer.weight_codes.numel():
             return F.embedding(ids, layer.dense_weight)  # [T, in]
         rows = dequantize_groups(layer.weight_codes[ids], layer.weight_scales[ids], layer.weight_offsets[ids])
@@ -279,6 +316,8 @@ class GroupQuantLinearMethod(LinearMethod):
         """From the repacked form: the planes' codes (read back through the kernel) or the kept
         codes, with the float32 scales and offsets; equals the checkpoint's dequantized weight
         bit for bit. Without either (dequantized at load): the dense weight."""
+        if layer.packed_weight is not None:
+            return dequantize_groups(*layer.packed_weight.unpack())
         out_features, num_groups = layer.weight_scales.shape
         if layer.int4_planes:
             planes = [unpack_int4(packed, out_features, num_groups * self.group_size) for packed, _ in layer.int4_planes]
@@ -291,6 +330,81 @@ class GroupQuantLinearMethod(LinearMethod):
         else:
             return layer.dense_weight.float()
         return dequantize_groups(codes, layer.weight_scales, layer.weight_offsets)
+
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Format:
+    """FP8 (e4m3) weights with one float32 scale per output feature: W = scale[n] * w8[n, k]
+    (a per-tensor checkpoint scale is the same scale for every feature)."""
+
+    name: str = "fp8"
+
+    def make_method(self) -> LinearMethod:
+        return Fp8LinearMethod()
+
+
+def fp8_scaled_mm_supported(device: torch.device, out_features: int = 16, in_features: int = 16) -> bool:
+    """Whether torch's FP8 GEMM (`torch._scaled_mm`) serves this device and weight: CUDA
+    sm_89 / sm_90+, both weight dims multiples of 16 (cuBLASLt's FP8 alignment; any row count)."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm") or out_features % 16 or in_features % 16:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class Fp8LinearMethod(LinearMethod):
+    """FP8 weights (`weight` float8_e4m3fn [out, in]) and per-output-feature scales
+    (`weight_scale` float32 [out, 1], kept whole by row-parallel shards: `is_per_output`).
+
+    On CUDA sm_89+ the weight stays FP8 and each product is torch's FP8 GEMM: activations
+    quantized per call with one dynamic scale (amax / 448), `torch._scaled_mm` with float32
+    output, then the per-feature weight scales. Elsewhere the weight is dequantized once into
+    the model dtype and F.linear runs on it. `use_scaled_mm=True` forces the FP8 GEMM (torch
+    serves it on the CPU too, which is how the tests run it)."""
+
+    param_names = ("weight", "weight_scale")
+    bits = 8
+
+    def __init__(self, use_scaled_mm: bool | None = None) -> None:
+        self.use_scaled_mm = use_scaled_mm
+
+    def create_weights(self, layer, output_size, input_size, dtype) -> None:
+        layer.weight = _new_param(output_size, input_size, dtype=FP8_DTYPE)  # [out, in]
+        layer.weight_scale = _new_param(output_size, 1, dtype=torch.float32)  # [out, 1]
+        layer.weight_scale.is_per_output = True
+        layer.model_dtype = dtype or torch.get_default_dtype()
+
+    def process_weights_after_loading(self, layer) -> None:
+        device = layer.weight.device
+        serves = self.use_scaled_mm
+        layer.fp8_scaled_mm = fp8_scaled_mm_supported(device, *layer.weight.shape) if serves is None else serves
+        layer.dense_weight = None if layer.fp8_scaled_mm else self.dequantize(layer).to(layer.model_dtype)
+        layer.scale_row = layer.weight_scale.data.t().contiguous()  # [1, out]
+
+    def apply(self, layer, x):
+        if not layer.fp8_scaled_mm:
+            return F.linear(x, layer.dense_weight)
+        x_scale = (x.abs().amax().float() / FP8_MAX).clamp(min=1e-12)  # one dynamic scale per call
+        x8 = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # [T, in]
+        one = torch.ones((), dtype=torch.float32, device=x.device)
+        y = torch._scaled_mm(x8, layer.weight.t(), scale_a=x_scale, scale_b=one, out_dtype=torch.float32)  # [T, out]
+        return (y * layer.scale_row).to(x.dtype)
+
+    def embed(self, layer, ids):
+        return (F.embedding(ids, layer.weight).float() * layer.weight_scale[ids]).to(layer.model_dtype)
+
+    def dequantize(self, layer):
+        return layer.weight.float() * layer.weight_scale.float()  # [out, in]
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float weight [out, in] -> (float8_e4m3fn [out, in], float32 scales [out, 1]): one
+    scale per output feature, amax / 448 (what FP8 checkpoints with channel scales hold)."""
+    scale = (weight.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # [out, 1]
+    return (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def _scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

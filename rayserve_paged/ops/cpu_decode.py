@@ -150,38 +150,39 @@ def _build_and_load() -> PagedDecodeKernel | None:
         logger.warning("no C++ compiler found ($CXX, c++, g++, clang++): CPU decode uses the slower torch path")
         return None
     try:
-        path = _cached_build(cxx)
+        path = cached_build(cxx)
         return PagedDecodeKernel(ctypes.CDLL(str(path)), path)
     except (OSError, subprocess.SubprocessError, AttributeError) as error:
         logger.warning("CPU paged-decode kernel unavailable (%s): CPU decode uses the slower torch path", error)
         return None
 
 
-def _cached_build(cxx: str) -> Path:
-    """The library for this source, compiler and CPU: built under a file lock when missing."""
-    source = SOURCE.read_bytes()
+def cached_build(cxx: str, source_path: Path = SOURCE, flags: tuple[str, ...] = FLAGS) -> Path:
+    """The library for this source, flags, compiler and CPU: built under a file lock when
+    missing. Every kernel in csrc/ is built and cached this way."""
+    source = source_path.read_bytes()
     key = hashlib.sha256()
-    for part in (source, " ".join(FLAGS).encode(), _compiler_version(cxx), _cpu_flags()):
+    for part in (source, " ".join(flags).encode(), _compiler_version(cxx), _cpu_flags()):
         key.update(part)
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"paged_decode_cpu-{key.hexdigest()[:16]}.so"
+    path = directory / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if path.is_file():
         return path
     with open(directory / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; the others find it done
         if not path.is_file():
-            _compile(cxx, path)
+            _compile(cxx, path, source_path, flags)
     return path
 
 
-def _compile(cxx: str, path: Path) -> None:
+def _compile(cxx: str, path: Path, source_path: Path, flags: tuple[str, ...]) -> None:
     start = time.perf_counter()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
         result = subprocess.run(
-            [cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
+            [cxx, *flags, str(source_path), "-o", tmp], capture_output=True, text=True, timeout=300
         )
         if result.returncode != 0:
             raise subprocess.SubprocessError(f"{cxx} failed: {result.stderr.strip()[-2000:]}")
@@ -189,7 +190,7 @@ def _compile(cxx: str, path: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    logger.info("compiled the CPU paged-decode kernel in %.1f s -> %s", time.perf_counter() - start, path)
+    logger.info("compiled %s in %.1f s -> %s", source_path.name, time.perf_counter() - start, path)
 
 
 def _compiler_version(cxx: str) -> bytes:

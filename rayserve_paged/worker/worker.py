@@ -8,6 +8,7 @@ as given. All ranks use the same block ids and hold only their own KV heads.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import time
 from dataclasses import dataclass
@@ -31,6 +32,19 @@ from rayserve_paged.worker.static_decode import StaticDecode, capture_graphs
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+
+
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor on its own anonymous mapping: the kernel hands out zero pages on first
+    touch, so a KV pool costs resident memory only for the blocks ever written (4 KiB pages;
+    huge pages are declined, their 2 MiB would span ~170 blocks of a small model's layer)."""
+    numel = torch.Size(shape).numel()
+    if numel == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, numel * dtype.itemsize)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buffer.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # the tensor holds the mapping
 
 
 @dataclass(slots=True)
@@ -283,14 +297,17 @@ class Worker:
         shape = (num_gpu_blocks, self.config.block_size, self.num_kv_heads, mc.head_dim)
         cpu_shape = (num_cpu_blocks, *shape[1:])
         pin = self.device.type == "cuda"
+
+        def zeros(shape, device):
+            if device.type == "cpu" and not pin:
+                return host_zeros(shape, self.dtype)
+            return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin and device.type == "cpu")
+
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(mc.num_layers)
+            (zeros(shape, self.device), zeros(shape, self.device)) for _ in range(mc.num_layers)
         ]  # per layer: [num_blocks, block_size, num_kv_heads, head_dim]
-        self.cpu_caches = [
-            (torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin), torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin))
-            for _ in range(mc.num_layers)
-        ]
+        self.cpu_caches = [(zeros(cpu_shape, torch.device("cpu")), zeros(cpu_shape, torch.device("cpu")))
+                           for _ in range(mc.num_layers)]  # fmt: skip
         self.swapper = BlockSwapper(self.kv_caches, self.cpu_caches)
 
     # ------------------------------------------------------------------ the step

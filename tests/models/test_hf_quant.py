@@ -21,6 +21,7 @@ from rayserve_paged.models.hf_quant import AWQ_ORDER
 from rayserve_paged.models.loader import get_model_config, load_model
 from rayserve_paged.models.quant import GroupQuantLinearMethod
 from rayserve_paged.models.tiny import make_tiny_model
+from rayserve_paged.ops import cpu_decode
 
 from .paged import PagedRunner
 from .test_tensor_parallel import ThreadCollectives, ThreadParallelState
@@ -31,10 +32,14 @@ SIZES = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
          "head_dim": 32}  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def packed_plan(monkeypatch):
-    """The packed-kernel plan whatever this CPU is (the fallback plan has its own test)."""
-    monkeypatch.setattr(quant, "cpu_kernel_plan", lambda: quant.KernelPlan(True, torch.bfloat16, 4, "test"))
+PLANS = {"packed": quant.KernelPlan(True, torch.bfloat16, 4, "test"), "compiled": quant.COMPILED}
+
+
+@pytest.fixture(autouse=True, params=[
+    "packed", pytest.param("compiled", marks=pytest.mark.skipif(cpu_decode.compiler() is None, reason="no C++ compiler"))])
+def kernel_plan(request, monkeypatch):
+    """Each CPU plan with codes kept, whatever this CPU is (the fallback plan has its own test)."""
+    monkeypatch.setattr(quant, "cpu_kernel_plan", lambda: PLANS[request.param])
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +198,7 @@ def test_checkpoint_kinds_and_bad_configs_are_named(base_dir, tmp_path):
     for change, message in [
         ({"bits": 8}, "awq checkpoint with 8-bit weights: only 4-bit is supported"),
         ({"group_size": -1}, "quantization_config.group_size -1"),
-        ({"quant_method": "fp8"}, "unsupported quantization_config.quant_method 'fp8'"),
+        ({"quant_method": "bitsandbytes"}, "unsupported quantization_config.quant_method 'bitsandbytes'"),
     ]:
         bad = dict(config, quantization_config=config["quantization_config"] | change)
         (quantized_dir / "config.json").write_text(json.dumps(bad))

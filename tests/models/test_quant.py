@@ -1,8 +1,8 @@
 """The group-quantized linear method against the float32 layer of its dequantized weight.
 
-Every layer is checked under both kernel plans, whatever this machine's own choice: the packed
-int4 kernels (bfloat16 activations; 8-bit codes as two int4 planes) and the dequantized
-fallback. Repacking is exact (the codes read back out of the packed form, with the scales and
+Every layer is checked under each kernel plan, whatever this machine's own choice: the compiled
+float32 kernel (codes kept in its layout at every batch size), the packed int4 kernels
+(bfloat16 activations; 8-bit codes as two int4 planes) and the dequantized fallback. Repacking is exact (the codes read back out of the packed form, with the scales and
 offsets, dequantize to the checkpoint's values bit for bit); the products are within the
 tolerance below of the float32 layer's.
 """
@@ -22,15 +22,21 @@ from rayserve_paged.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from rayserve_paged.models.quant import KernelPlan, GroupQuantFormat, GroupQuantLinearMethod, QuantizedTensor
+from rayserve_paged.models.quant import COMPILED, KernelPlan, GroupQuantFormat, GroupQuantLinearMethod, QuantizedTensor
+from rayserve_paged.ops import cpu_decode, quant_cpu
 
 PACKED = KernelPlan(True, torch.bfloat16, 8, "test: packed")
 DEQUANTIZED = KernelPlan(False, torch.float32, 0, "test: dequantized")
+requires_compiler = pytest.mark.skipif(cpu_decode.compiler() is None, reason="needs a C++ compiler")
+PLANS = [pytest.param(COMPILED, id="compiled", marks=requires_compiler), pytest.param(PACKED, id="packed"),
+         pytest.param(DEQUANTIZED, id="dequantized")]  # fmt: skip
 
 # Per element, |quantized - float32| <= BOUND * (|x| @ |W|^T): the packed kernels and the dense
 # copy round activations, weights (scales, zeros) and outputs to bfloat16, 2^-9 relative each;
-# 2^-7 allows four such roundings of every term of the dot product.
+# 2^-7 allows four such roundings of every term of the dot product. The compiled kernel rounds
+# nothing below float32: only the summation order differs (2^-16 is ample for K <= 512).
 BOUND = 2**-7
+FLOAT32_BOUND = 2**-16
 
 
 def make(out_features: int, in_features: int, bits: int, group_size: int, seed: int = 0) -> QuantizedTensor:
@@ -56,9 +62,9 @@ def load_quantized(layer, q: QuantizedTensor, bits: int, shard_id=None, plan: Ke
     return layer
 
 
-def assert_close_to_float(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+def assert_close_to_float(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bound: float = BOUND) -> None:
     want = x @ weight.t()
-    bound = BOUND * (x.abs() @ weight.abs().t())
+    bound = bound * (x.abs() @ weight.abs().t()) + 1e-6
     excess = ((got - want).abs() - bound).max()
     assert excess <= 0, f"error above the bound by {excess:.3g} (outputs up to {want.abs().max():.3g})"
 
@@ -73,7 +79,7 @@ def test_dequantize_groups_is_scale_times_code_plus_offset():
     ]
 
 
-@pytest.mark.parametrize("plan", [PACKED, DEQUANTIZED], ids=["packed", "dequantized"])
+@pytest.mark.parametrize("plan", PLANS)
 @pytest.mark.parametrize(
     "out_features, in_features, bits, group_size",
     [(96, 256, 4, 32), (64, 384, 4, 128), (160, 192, 4, 64), (96, 256, 8, 32), (48, 512, 8, 128)],
@@ -87,13 +93,18 @@ def test_column_layer_equals_its_dequantized_float_layer(out_features, in_featur
         x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
         y = layer(x)
         assert y.dtype == torch.float32 and y.shape == (rows, out_features)
-        assert_close_to_float(y, x, weight)
+        assert_close_to_float(y, x, weight, FLOAT32_BOUND if plan.is_compiled else BOUND)
     if plan.is_packed:
         assert len(layer.int4_planes) == (1 if bits == 4 else 2) and layer.weight_codes.numel() == 0
+    if plan.is_compiled:  # one copy, in the kernel's layout: no checkpoint-form tensors, no dense weight
+        assert layer.packed_weight.codes.numel() == -(-out_features // 16) * 16 * in_features * bits // 8
+        assert all(getattr(layer, name).numel() == 0 for name in quant.QUANT_PARAM_NAMES)
+        assert layer.dense_weight is None and layer.int4_planes == ()
 
 
+@pytest.mark.parametrize("plan", PLANS[:2])
 @pytest.mark.parametrize("bits, group_size", [(4, 32), (8, 64)])
-def test_tensor_parallel_shards_equal_the_full_layer(bits, group_size):
+def test_tensor_parallel_shards_equal_the_full_layer(bits, group_size, plan):
     """TP=2: column shards concatenate, row shards sum, to the one-rank product; each shard's
     repacked weight is exactly its slice of the full dequantized weight."""
     out_features, in_features = 64, 256
@@ -103,10 +114,12 @@ def test_tensor_parallel_shards_equal_the_full_layer(bits, group_size):
     column_parts, row_parts = [], []
     for rank in range(2):
         parallel = ParallelState(rank, 2)
-        column = load_quantized(ColumnParallelLinear(in_features, out_features, bias=False, parallel=parallel), q, bits)
+        column = load_quantized(ColumnParallelLinear(in_features, out_features, bias=False, parallel=parallel), q, bits,
+                                plan=plan)  # fmt: skip
         assert torch.equal(column.method.dequantize(column), weight[rank * 32 : (rank + 1) * 32])
         column_parts.append(column.matmul(x))
-        row = load_quantized(RowParallelLinear(in_features, out_features, bias=False, parallel=parallel), q, bits)
+        row = load_quantized(RowParallelLinear(in_features, out_features, bias=False, parallel=parallel), q, bits,
+                             plan=plan)  # fmt: skip
         assert torch.equal(row.method.dequantize(row), weight[:, rank * 128 : (rank + 1) * 128])
         row_parts.append(row.matmul(x[:, rank * 128 : (rank + 1) * 128]))
     assert_close_to_float(torch.cat(column_parts, dim=-1), x, weight)
@@ -158,8 +171,34 @@ def test_cpu_kernel_plan_is_one_choice_per_process():
     plan = quant.cpu_kernel_plan()
     assert plan is quant.cpu_kernel_plan()
     flags = quant._cpu_flags()
+    if "avx512f" in flags and quant_cpu.load() is not None:  # AVX-512 and a C++ compiler: the compiled kernel
+        assert plan is COMPILED
+        return
     assert plan.is_packed == bool(flags & {"avx512_bf16", "amx_bf16"})
     assert plan.activation_dtype == (torch.bfloat16 if plan.is_packed else torch.float32)
+
+
+@requires_compiler
+def test_tied_lm_head_on_the_compiled_kernel_keeps_one_8_bit_copy():
+    """The compiled plan keeps a tied quantized embedding as its codes only (no float32 table):
+    lookups dequantize their rows exactly, logits come from the kernel in float32."""
+    q = make(50, 64, 8, 32)
+    embedding = VocabParallelEmbedding(50, 64)
+    head = ParallelLMHead(50, 64, tied_to=embedding)
+    embedding.set_method(GroupQuantLinearMethod(GroupQuantFormat("Q8_0", 8, 32), COMPILED))
+    load_quantized(embedding, q, 8)
+    weight = q.dequantize()
+    assert embedding.dense_weight is None and embedding.packed_weight.codes.dtype == torch.uint8
+    assert torch.equal(embedding(torch.tensor([3, 49, 3])), weight[[3, 49, 3]])
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    logits = head.compute_logits(x)
+    assert logits.dtype == torch.float32 and logits.shape == (5, 50)
+    assert_close_to_float(logits, x, weight, FLOAT32_BOUND)
+    assert torch.equal(embedding.method.dequantize(embedding), weight)
+    shard = VocabParallelEmbedding(50, 64, parallel=ParallelState(1, 2))  # rows 25..49, padded to 25
+    shard.set_method(GroupQuantLinearMethod(GroupQuantFormat("Q8_0", 8, 32), COMPILED))
+    load_quantized(shard, q, 8)
+    assert torch.equal(shard.method.embed(shard, torch.tensor([0, 24])), weight[[25, 49]])
 
 
 def test_tied_lm_head_multiplies_in_float32_and_the_embedding_looks_up_the_same_weight():

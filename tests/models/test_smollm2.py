@@ -212,21 +212,27 @@ def test_quantized_path_keeps_the_readme_answers(float_llm, quantized_llm):
             assert got.text == want.text == text
     assert fast[3].text.startswith("Bonjour")
     model = quantized_llm.engine.executor.worker.runner.model
-    if quant.cpu_kernel_plan().is_packed:
-        assert model.model.layers[0].mlp.gate_up_proj.int4_planes
+    gate_up, plan = model.model.layers[0].mlp.gate_up_proj, quant.cpu_kernel_plan()
+    if plan.is_compiled:  # codes only: no dense copy, the tied head multiplies by the 8-bit embedding
+        assert gate_up.packed_weight.bits == 4 and gate_up.dense_weight is None
+        assert model.model.embed_tokens.packed_weight.bits == 8 and model.model.embed_tokens.dense_weight is None
+    elif plan.is_packed:
+        assert gate_up.int4_planes
 
 
 def test_quantized_logits_close_to_transformers(gguf_file, hf, chat_ids):
     """The quantized path's logits over a packed prefill of two chat prompts, against
-    transformers' float32 GGUF load: within 2.5% of the largest logit (RMS 0.5%), same argmax
-    at every position."""
+    transformers' float32 GGUF load: within 1e-3 on the compiled float32 kernel, 2.5% of the
+    largest logit (RMS 0.5%) on torch's packed bfloat16 kernels; same argmax at every position."""
     config = get_model_config(gguf_file)
     model = load_model(gguf_file, dtype=torch.float32)
     runner = PagedRunner(model, config.num_layers, config.num_kv_heads, config.head_dim, num_blocks=64, block_size=16)
     prompts = chat_ids[:2]
     ours = runner.step(list(enumerate(prompts)), all_logits=True)  # [sum(len), vocab]
     ref = torch.cat([hf_logits(hf[0], p) for p in prompts])
-    # measured: max 0.62, RMS 0.12 for logits up to 39.6 (the prefill runs the dense bfloat16 copy)
-    torch.testing.assert_close(ours, ref, atol=0.025 * ref.abs().max().item(), rtol=0)
-    assert (ours - ref).pow(2).mean().sqrt() <= 0.005 * ref.abs().max()
+    if quant.cpu_kernel_plan().is_compiled:  # float32 throughout; measured: max 1.1e-4, RMS 1.9e-5
+        torch.testing.assert_close(ours, ref, atol=1e-3, rtol=0)
+    else:  # bfloat16 activations; measured: max 0.62, RMS 0.12 for logits up to 39.6
+        torch.testing.assert_close(ours, ref, atol=0.025 * ref.abs().max().item(), rtol=0)
+        assert (ours - ref).pow(2).mean().sqrt() <= 0.005 * ref.abs().max()
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))

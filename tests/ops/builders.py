@@ -17,6 +17,10 @@ make_attention_inputs(batch, *, num_heads, num_kv_heads, head_dim, generator,
     Random query and new key/value for the step, each sequence's whole K/V history, and
     caches poisoned with NaN in which only the context tokens are written: the new tokens'
     slots stay NaN until the backend writes them.
+
+group_quantized(out_features, in_features, bits, group_size, seed) -> (codes, scales, offsets, weight)
+    Random group-quantized weight (the quantized GEMM tests): uint8 codes [out, in], float32
+    scales / offsets [out, in / g] and the float32 weight they dequantize to.
 """
 
 from __future__ import annotations
@@ -204,3 +208,13 @@ def _write_context(cache: torch.Tensor, history: list[torch.Tensor], batch: Page
     for table, context_len, tokens in zip(batch.block_tables, batch.context_lens, history):
         slots = slots_of(table, range(context_len), batch.block_size)
         flat[torch.tensor(slots, dtype=torch.int64, device=cache.device)] = tokens[:context_len]
+
+
+def group_quantized(out_features: int, in_features: int, bits: int, group_size: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    groups = in_features // group_size
+    codes = torch.randint(0, 2**bits, (out_features, in_features), generator=g).to(torch.uint8)
+    scales = torch.rand(out_features, groups, generator=g) * 0.02 + 0.001
+    offsets = -scales * 2 ** (bits - 1) + torch.randn(out_features, groups, generator=g) * 0.01
+    weight = codes.float().view(out_features, groups, group_size) * scales[..., None] + offsets[..., None]
+    return codes, scales, offsets, weight.view(out_features, in_features)

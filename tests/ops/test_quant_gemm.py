@@ -17,15 +17,7 @@ pytest.importorskip("triton")
 
 from rayserve_paged.ops import quant_gemm  # noqa: E402
 
-
-def quantized(out_features: int, in_features: int, bits: int, group_size: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    groups = in_features // group_size
-    codes = torch.randint(0, 2**bits, (out_features, in_features), generator=g).to(torch.uint8)
-    scales = torch.rand(out_features, groups, generator=g) * 0.02 + 0.001
-    offsets = -scales * 2 ** (bits - 1) + torch.randn(out_features, groups, generator=g) * 0.01
-    weight = (codes.float().view(out_features, groups, group_size) * scales[..., None] + offsets[..., None])
-    return codes, scales, offsets, weight.view(out_features, in_features)
+from .builders import group_quantized as quantized  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
