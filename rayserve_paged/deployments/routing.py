@@ -146,7 +146,11 @@ class AffinityPolicy:
         return n
 
     def choose(self, key: RoutingKey, loads: dict[str, float]) -> tuple[str, str]:
-        """(replica, reason) for `key` among `loads` (replica -> queue length; not empty)."""
+        """(replica, reason) for `key` among `loads` (replica -> queue length; not empty):
+        its session's replica; else, for an adapter some replica holds, the longest chain
+        and then the shortest queue among the holders within the threshold; else the
+        longest chain anywhere; the shortest queue when the rule's replica is past the
+        threshold, or nothing matches."""
         lowest = min(loads.values())
         least = self._least_loaded(loads, lowest)
         if key.session is not None:
