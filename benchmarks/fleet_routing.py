@@ -1,26 +1,32 @@
-"""Fleet routing: `routing: load` against `routing: prefix` on two LLMServer replicas, under
+"""Fleet routing: `routing: load` against `routing: prefix` on LLMServer replicas (two by default), under
 a multi-turn chat workload with shared system prompts.
 
     rayserve-paged bench fleet-routing --out DIR            (python -m benchmarks.fleet_routing)
 
 Each mode gets a fresh cluster (`ray start --head` + `serve run`, as `bench serving
---launch`): the small OPT of the throughput benchmark (6 layers, hidden 512), two replicas
+--launch`): the small OPT of the throughput benchmark (6 layers, hidden 512), --replicas replicas
 with one torch thread each, prefix caching on.
 
 Workload (seeded, the same for both modes): --systems system prompts of --system-len tokens;
 --users conversations, user i on system prompt i mod systems, all at once, each a closed
-loop of --turns turns. Turn t's prompt is the system prompt, then per earlier turn a user
+loop of --turns turns (with --think-s, a random pause after each answer). Turn t's prompt is the system prompt, then per earlier turn a user
 message (--message-len tokens) and a reply (--reply-len tokens: a fixed random stand-in for
 the model's answer, so prompts are known in advance), then turn t's message. Every request
 streams --max-tokens tokens (greedy, ignore_eos) and sends `user` (its session). Random
 token ids in the tiny tokenizer's range. First, one-token requests of unrelated tokens until
-both replicas have answered one (the cluster is healthy once one replica is).
+every replica has answered one (the cluster is healthy once one replica is).
 
 The KV pool (--kv-blocks per replica, 288 by default) holds the workload's distinct blocks
 (4 x 256 system tokens and 16 x 4 x 64 conversation tokens: 320 blocks) once across the
 fleet but not in each replica: under `load` every replica sees every conversation and the
 LRU evicts, under `prefix` each holds its own share. (Too big a pool hides what routing
 buys past the first hits; too small a pool preempts.)
+
+In the closed loop (--think-s 0) Serve's queue-length choice tends to send a conversation's
+next turn back to the replica that has just answered it (its queue has just shrunk by one),
+so `load` keeps many conversations together by accident. With --think-s each user pauses
+after an answer, as people do; the next turn then arrives at a moment unrelated to the last
+answer, and `load` places it by the queues of that moment.
 
 Figures per mode: fleet prefix-cache hit rate (the replicas' own hit / query token
 counters, summed over the fleet, over the measured run), per-replica hit rates, TTFT
@@ -65,7 +71,10 @@ from benchmarks.serving import Workload as ServingWorkload
 
 MODES = ("load", "prefix")
 TARGET_HIT_RATIO = 1.8  # prefix hit rate over load's
-LAUNCH_NUM_CPUS = 3  # logical: two replicas (1.0 CPU each with worker 0.8) and the ingress on 2 cores
+def launch_num_cpus(replicas: int) -> int:
+    """Logical CPUs of the Ray head: 1.0 per replica (worker 0.8 + replica and scheduler) and one
+    for the ingress and the proxy (3 for the default two replicas), on the machine's 2 cores."""
+    return replicas + 1
 BLOCK_SIZE = 16
 
 
@@ -95,7 +104,7 @@ def serve_config(model_dir: str, args, routing: str) -> dict:
     config = small_opt_config(model_dir, workload, threads=1, seed=args.seed)
     app_args = config["applications"][0]["args"]
     app_args.update(
-        enable_prefix_caching=True, max_model_len=max(512, max_len), num_replicas=2, worker_cpus=0.8,
+        enable_prefix_caching=True, max_model_len=max(512, max_len), num_replicas=args.replicas, worker_cpus=0.8,
         routing=routing, metrics_cache_s=0, num_gpu_blocks_override=args.kv_blocks,
     )  # fmt: skip
     return config
@@ -125,14 +134,25 @@ def _by(delta: dict[tuple, float], label: str) -> dict[str, float]:
     return out
 
 
-async def chat(base_url: str, model: str, prompts: list[list[list[int]]], max_tokens: int, timeout_s: float):
-    """Every conversation at once, each turn after the previous one's answer."""
+def think_times(args) -> list[list[float]]:
+    """think[user][turn] = seconds the user waits after turn's answer before the next turn
+    (exponential, mean --think-s; all 0 with --think-s 0, the closed loop)."""
+    rng = random.Random(args.seed + 1)
+    return [[rng.expovariate(1 / args.think_s) if args.think_s > 0 else 0.0 for _ in range(args.turns)]
+            for _ in range(args.users)]  # fmt: skip
+
+
+async def chat(base_url: str, model: str, prompts: list[list[list[int]]], max_tokens: int, timeout_s: float,
+               think: list[list[float]]):  # fmt: skip
+    """Every conversation at once, each turn after the previous one's answer (and the user's think time)."""
 
     async with make_client(len(prompts) + 4, timeout_s) as client:
 
         async def conversation(user: int):
             results = []
-            for prompt in prompts[user]:
+            for turn, prompt in enumerate(prompts[user]):
+                if turn and think[user][turn - 1]:
+                    await asyncio.sleep(think[user][turn - 1])
                 request = Request(prompt, max_tokens)
                 results.append(await send_request(client, base_url, model, request, timeout_s, user=f"user-{user}"))
             return results
@@ -151,19 +171,19 @@ async def probe(base_url: str, model: str, num: int, seed: int, timeout_s: float
     return latency_summary([r.e2e_s for r in results if r.is_ok]) | {"num_failed": sum(not r.is_ok for r in results)}
 
 
-def warm_up(client: httpx.Client, base_url: str, model: str, timeout_s: float) -> None:
-    """One-token requests of unrelated tokens until both replicas have answered one (/health
-    is OK once one replica is up; the other may still be loading)."""
+def warm_up(client: httpx.Client, base_url: str, model: str, timeout_s: float, replicas: int = 2) -> None:
+    """One-token requests of unrelated tokens until every replica has answered one (/health
+    is OK once one replica is up; the others may still be loading)."""
     rng = random.Random(12345)
     deadline = time.monotonic() + timeout_s
     while True:
         body = {"model": model, "prompt": _tokens(rng, 8), "max_tokens": 1}
         client.post(f"{base_url}/v1/completions", json=body).raise_for_status()
         finished = _by(scrape(client, base_url).get("rayserve_paged_request_finished", {}), "replica")
-        if len([n for n in finished.values() if n > 0]) >= 2:
+        if len([n for n in finished.values() if n > 0]) >= replicas:
             return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"only {sorted(finished)} of 2 replicas answered within {timeout_s:g} s")
+            raise RuntimeError(f"only {sorted(finished)} of {replicas} replicas answered within {timeout_s:g} s")
         time.sleep(0.5)
 
 
@@ -182,14 +202,15 @@ def keys_time_us(prompts: list[list[list[int]]]) -> float:
 
 def measure_mode(model_dir: str, routing: str, prompts, args, log) -> dict:
     config = serve_config(model_dir, args, routing)
-    with LaunchedServer(config, Path(args.out) / f"launch-{routing}", LAUNCH_NUM_CPUS) as server:
+    with LaunchedServer(config, Path(args.out) / f"launch-{routing}", launch_num_cpus(args.replicas)) as server:
         server.start(args.launch_timeout, log)
         model = os.path.basename(model_dir)
         with httpx.Client(trust_env=False, timeout=60) as client:
-            warm_up(client, server.base_url, model, args.launch_timeout)
+            warm_up(client, server.base_url, model, args.launch_timeout, args.replicas)
             before = scrape(client, server.base_url)
             load_before = os.getloadavg()
-            results, seconds = asyncio.run(chat(server.base_url, model, prompts, args.max_tokens, args.timeout))
+            think = think_times(args)
+            results, seconds = asyncio.run(chat(server.base_url, model, prompts, args.max_tokens, args.timeout, think))
             load_after = os.getloadavg()
             after = scrape(client, server.base_url)
         probe_e2e = asyncio.run(probe(server.base_url, model, args.probe_requests, args.seed, args.timeout))
@@ -258,8 +279,8 @@ def run(args, log) -> dict:
         "config": {
             "workload": {k: getattr(args, k) for k in
                          ("systems", "system_len", "users", "turns", "message_len", "reply_len", "max_tokens",
-                          "kv_blocks")},
-            "model_shape": shape, "seed": args.seed, "launch_num_cpus": LAUNCH_NUM_CPUS,
+                          "kv_blocks", "think_s", "replicas")},
+            "model_shape": shape, "seed": args.seed, "launch_num_cpus": launch_num_cpus(args.replicas),
             "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
             "loadavg_before": list(loadavg_before), "loadavg_after": list(os.getloadavg()),
         },
@@ -279,6 +300,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-blocks", type=int, default=288,
                         help="KV blocks per replica (num_gpu_blocks_override): the workload's blocks fit once in the "
                              "fleet, not in each replica")
+    parser.add_argument("--replicas", type=int, default=2, help="LLMServer replicas in each mode")
+    parser.add_argument("--think-s", type=float, default=0.0,
+                        help="mean seconds (exponential) a user waits after an answer before the next turn; 0: a "
+                             "closed loop, each turn right after the previous answer")
     parser.add_argument("--probe-requests", type=int, default=32, help="sequential one-token requests per mode")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")

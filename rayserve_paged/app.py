@@ -41,7 +41,8 @@ class AppArgs(EngineConfig):
     allow_runtime_lora_updating: bool = Field(
         False,
         description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; behind the API "
-        "key; as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING). Each call changes the replica that answers it only.",
+        "key; as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING). Each call changes the replica that answers it only. "
+        "Not with routing: prefix.",
     )
     unauthenticated_paths: list[str] = Field(
         default_factory=lambda: list(DEFAULT_OPEN_PATHS),
@@ -112,7 +113,8 @@ class AppArgs(EngineConfig):
         description="How requests reach LLMServer replicas. `load`: the HTTP app runs in the replicas and Serve "
         "routes by queue length (one hop; the choice for one replica). `prefix`: an OpenAIIngress deployment "
         "parses and tokenizes each request and sends it to its session's replica (x-session-id header or "
-        "`user`), else to the replica whose prefix cache holds the longest chain of its first blocks; to the "
+        "`user`), else (naming a LoRA adapter) to a replica holding the adapter in a device slot, else to the "
+        "replica whose prefix cache holds the longest chain of its first blocks; to the "
         "shortest queue instead when that replica's queue is longer than the shortest by more than "
         "routing_imbalance_threshold (one more hop; docs/DEPLOY.md).",
     )
@@ -234,6 +236,11 @@ class AppArgs(EngineConfig):
         if self.autoscaling_policy == "kv" and "policy" in (self.autoscaling_config or {}):
             raise ValueError(
                 "autoscaling_config.policy: give either autoscaling_policy: kv or a policy of your own, not both"
+            )
+        if self.routing == "prefix" and self.allow_runtime_lora_updating:
+            raise ValueError(
+                "allow_runtime_lora_updating: routing: prefix serves the adapters of lora_modules only (a runtime "
+                "load would change one replica, and the router keys each adapter by its start-up id)"
             )
         if self.routing == "prefix" and "request_router_config" in self.deployment_options:
             raise ValueError(
@@ -407,4 +414,5 @@ def _prefix_routed_app(args: AppArgs, engine: EngineConfig, server_kwargs: dict[
         http=http,
         trust_remote_code=args.trust_remote_code,
         metrics_cache_s=args.metrics_cache_s,
+        lora_modules=dict(args.lora_modules),
     )

@@ -40,6 +40,12 @@ class LoRARequest:
             raise ValueError("lora_path: must be a non-empty string")
 
 
+def startup_lora_ids(lora_modules: dict[str, str]) -> dict[str, int]:
+    """The int id of each start-up adapter: 1, 2, ... in `lora_modules` order. The engine
+    numbers them so, and a fleet's ingress repeats it (the id keys an adapter's prefix chain)."""
+    return {name: lora_id for lora_id, name in enumerate(lora_modules, 1)}
+
+
 class UnknownLoRAError(ValueError):
     """A request names a LoRA adapter the engine does not hold (the server's 404)."""
 

@@ -38,7 +38,7 @@ from rayserve_paged.deployments.fleet_metrics import (
     FleetMetricsCache,
     scheduler_actor_name,
 )
-from rayserve_paged.deployments.routing import PREFIX_KEYS_STAT, RoutingKey
+from rayserve_paged.deployments.routing import ADAPTERS_STAT, PREFIX_KEYS_STAT, RoutingKey
 from rayserve_paged.deployments.tokenizer_pool import TokenizerPool
 from rayserve_paged.engine.frontend import STREAM_BATCHING_INTERVAL_MS, EngineFrontend, EngineUnavailable
 from rayserve_paged.engine.llm_engine import RequestError
@@ -253,15 +253,19 @@ class LLMServer:
 
 
 class RoutedLLMServer(LLMServer):
-    """LLMServer under `routing: prefix`: it also reports the keys its prefix cache holds,
-    which Serve's controller polls (request_routing_stats_period_s) and hands to the
-    fleet's routers. Only this mode pays for the report. HTTP is served by OpenAIIngress
-    (deployments/ingress.py), so this replica reads no API key."""
+    """LLMServer under `routing: prefix`: it also reports the keys its prefix cache holds
+    and the LoRA adapters in its device slots, which Serve's controller polls
+    (request_routing_stats_period_s) and hands to the fleet's routers. Only this mode pays
+    for the report. HTTP is served by OpenAIIngress (deployments/ingress.py), so this
+    replica reads no API key."""
 
     serves_http = False
 
     async def record_routing_stats(self) -> dict[str, list[int]]:
-        return {PREFIX_KEYS_STAT: await self.actor.prefix_cache_keys.remote()}
+        keys, adapters = await asyncio.gather(
+            self.actor.prefix_cache_keys.remote(), self.actor.resident_lora_ids.remote()
+        )
+        return {PREFIX_KEYS_STAT: keys, ADAPTERS_STAT: adapters}
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):

@@ -46,7 +46,10 @@ class PrefixAffinityRouter(RequestRouter):
             return [candidate_replicas]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         for replica_id in loads:
-            self.policy.update_published(replica_id, by_id[replica_id].routing_stats.get(routing.PREFIX_KEYS_STAT))
+            stats = by_id[replica_id].routing_stats
+            self.policy.update_published(
+                replica_id, stats.get(routing.PREFIX_KEYS_STAT), stats.get(routing.ADAPTERS_STAT)
+            )
             loads[replica_id] += self._num_chosen[replica_id]
         replica_id, reason = self.policy.choose(key, loads)
         self._remember(pending_request.metadata.internal_request_id, replica_id, reason)

@@ -8,13 +8,14 @@ already holds the longest chain of its first blocks, or to its session's replica
                            PrefixAffinityRouter (prefix_router.py: a Serve RequestRouter in
                               │ the ingress process, running AffinityPolicy below)
                               │ session ─> its replica, while that replica is in the fleet;
-                              │ else the longest cached chain; either way the shortest queue
-                              │ instead when that replica's queue is longer than the shortest
+                              │ else (a LoRA request) the longest chain among the replicas
+                              │ holding its adapter; else the longest cached chain; the
+                              │ shortest queue instead when that replica's queue is longer than the shortest
                               │ by more than imbalance_threshold
                               ▼
-                           LLMServer replica  ── record_routing_stats(): its cached keys ──┐
-                                                                                           │
-                           Serve controller ── polls every routing_stats_period_s, pushes ─┘
+                           LLMServer replica  ── record_routing_stats(): cached keys, adapters ──┐
+                                                                                                 │
+                           Serve controller ── polls every routing_stats_period_s, pushes ───────┘
                                                them to every router (RunningReplica.routing_stats)
 
 Why an ingress: with the one-hop app (the OpenAI app inside LLMServer) the proxy's router
@@ -32,9 +33,24 @@ What the router knows of a replica's cache is up to one stats period old, so it 
 remembers the keys it sent to each replica since that replica's last two reports (a
 conversation's next turn, arriving before the report, still finds its replica).
 
-Adapter affinity adds one more field to RoutingKey (the adapter id, also the prefix
-chain's root key, so a chain is found only on replicas that cached it under that adapter)
-and one more rule ahead of the prefix rule; the policy below is the place.
+Adapter affinity: a request naming a LoRA adapter carries the adapter's int id in its
+RoutingKey (also the root of its prefix chain: prefix_block_keys(..., lora_id=), as the
+replica's block manager keys it, so a chain is found only where it was cached under that
+adapter). Replicas report the adapters resident in their device slots; the router sends
+the request to the replica holding its adapter (the longest chain, then the shortest queue,
+among those holding it), and to the least-loaded replica, which loads the adapter, only
+when every holder's queue is past the threshold. Ids are the engine's: 1, 2, ... in
+`lora_modules` order on every replica and on the ingress (runtime loading is refused under
+`routing: prefix`, since a runtime load would change one replica and could number the
+adapter differently there).
+
+Why not Serve's model multiplexing (`serve.multiplexed`, `multiplexed_model_id`): it routes
+on a model id set per call and loads the model *inside the replica's Python process*
+through a decorated loader with an LRU of its own; here adapters live in the engine's
+device slots and CPU cache (core/lora.py, models/lora.py), which that LRU would not see,
+and the multiplexed id is read by Serve's own router only. This router already reads the
+RoutingKey, so the adapter is one more field of it, matched against what the replicas
+really hold, and weighed together with the prefix and the session in one rule.
 """
 
 from __future__ import annotations
@@ -49,7 +65,8 @@ from prometheus_client.core import CounterMetricFamily
 from rayserve_paged.telemetry import render_families
 
 ROUTING_KWARG = "routing"  # the keyword of LLMServer.generate / generate_stream the router reads
-PREFIX_KEYS_STAT = "prefix_keys"  # what LLMServer.record_routing_stats reports
+PREFIX_KEYS_STAT = "prefix_keys"  # what RoutedLLMServer.record_routing_stats reports: cached keys,
+ADAPTERS_STAT = "lora_resident"  # ... and the int ids of the LoRA adapters in its device slots
 ROUTER_PATH = "rayserve_paged.deployments.prefix_router:PrefixAffinityRouter"
 DEFAULT_IMBALANCE_THRESHOLD = 8
 MAX_SESSIONS = 100_000  # sessions remembered per router (least recently used forgotten first)
@@ -59,24 +76,26 @@ SESSION = "session"  # its session's replica
 PREFIX = "prefix"  # the replica holding the longest chain of its first blocks
 IMBALANCE = "imbalance"  # that replica (session's or prefix's) was too loaded: the least-loaded one
 LOAD = "load"  # no replica holds any of its blocks (or no key): the least-loaded one
+ADAPTER = "adapter"  # a replica holding its LoRA adapter (and none of its blocks)
 FALLBACK = "fallback"  # the chosen replica was full: Serve took the next candidate
-REASONS = (SESSION, PREFIX, IMBALANCE, LOAD, FALLBACK)
+REASONS = (SESSION, PREFIX, IMBALANCE, LOAD, ADAPTER, FALLBACK)
 
 
 @dataclass(slots=True, frozen=True)
 class RoutingKey:
     """What the router reads of one engine request (small: ints and a string)."""
 
-    prefix_keys: tuple[int, ...]  # prefix_block_keys of the prompt, first block first
+    prefix_keys: tuple[int, ...]  # prefix_block_keys of the prompt (under its adapter), first block first
     session: str | None = None
+    adapter: int = 0  # the LoRA adapter's int id (0: the base model)
 
 
 class AffinityPolicy:
     """The routing rule, over replica ids (strings) and their queue lengths; no Ray.
 
-    State: each replica's published cached keys (replaced at each report), the keys this
-    router sent it since (two generations, turned over at each report), and a bounded
-    session -> replica map."""
+    State: each replica's published cached keys and resident adapters (replaced at each
+    report), the keys and adapters this router sent it since (two generations, turned over
+    at each report), and a bounded session -> replica map."""
 
     def __init__(self, imbalance_threshold: float = DEFAULT_IMBALANCE_THRESHOLD, max_sessions: int = MAX_SESSIONS):
         if imbalance_threshold < 0:
@@ -86,24 +105,34 @@ class AffinityPolicy:
         self.sessions: OrderedDict[str, str] = OrderedDict()
         self._published: dict[str, tuple[object, frozenset[int]]] = {}  # replica -> (report, its keys)
         self._sent: dict[str, tuple[set[int], set[int]]] = {}  # replica -> (since last report, the one before)
+        self._adapters: dict[str, frozenset[int]] = {}  # replica -> adapter ids resident at its report
+        self._sent_adapters: dict[str, tuple[set[int], set[int]]] = {}  # as _sent, for adapter ids
 
-    def update_published(self, replica: str, keys) -> None:
-        """The replica's latest report (`keys`: a list of ints); a new report object
-        replaces the old set and turns the sent-keys generations over."""
+    def update_published(self, replica: str, keys, adapters=None) -> None:
+        """The replica's latest report (`keys`: a list of ints; `adapters`: its resident
+        adapter ids); a new `keys` object replaces the old sets and turns the sent
+        generations over."""
         if keys is None:
             return
         last = self._published.get(replica)
         if last is not None and last[0] is keys:
             return
         self._published[replica] = (keys, frozenset(keys))
-        current, _ = self._sent.get(replica, (set(), set()))
-        self._sent[replica] = (set(), current)
+        self._adapters[replica] = frozenset(adapters or ())
+        for sent in (self._sent, self._sent_adapters):
+            current, _ = sent.get(replica, (set(), set()))
+            sent[replica] = (set(), current)
 
     def retain(self, replicas: set[str]) -> None:
         """Forget what is known of every replica not in `replicas` (gone from the fleet)."""
-        for replica in (self._published.keys() | self._sent.keys()) - replicas:
-            self._published.pop(replica, None)
-            self._sent.pop(replica, None)
+        for replica in (self._published.keys() | self._sent.keys() | self._sent_adapters.keys()) - replicas:
+            for state in (self._published, self._sent, self._adapters, self._sent_adapters):
+                state.pop(replica, None)
+
+    def holds_adapter(self, replica: str, adapter: int) -> bool:
+        """Whether the replica reported `adapter` resident, or was just sent a request for it."""
+        current, previous = self._sent_adapters.get(replica, (set(), set()))
+        return adapter in self._adapters.get(replica, ()) or adapter in current or adapter in previous
 
     def num_cached_blocks(self, replica: str, prefix_keys: tuple[int, ...]) -> int:
         """Leading blocks of the request this replica holds (or was just sent)."""
@@ -117,7 +146,11 @@ class AffinityPolicy:
         return n
 
     def choose(self, key: RoutingKey, loads: dict[str, float]) -> tuple[str, str]:
-        """(replica, reason) for `key` among `loads` (replica -> queue length; not empty)."""
+        """(replica, reason) for `key` among `loads` (replica -> queue length; not empty):
+        its session's replica; else, for an adapter some replica holds, the longest chain
+        and then the shortest queue among the holders within the threshold; else the
+        longest chain anywhere; the shortest queue when the rule's replica is past the
+        threshold, or nothing matches."""
         lowest = min(loads.values())
         least = self._least_loaded(loads, lowest)
         if key.session is not None:
@@ -127,6 +160,14 @@ class AffinityPolicy:
                     return least, IMBALANCE  # the session moves (and sticks to its new replica)
                 return replica, SESSION
         matched = {r: self.num_cached_blocks(r, key.prefix_keys) for r in loads}
+        if key.adapter:
+            holders = [r for r in loads if self.holds_adapter(r, key.adapter)]
+            if holders:
+                within = [r for r in holders if loads[r] - lowest <= self.imbalance_threshold]
+                if not within:
+                    return least, IMBALANCE  # the least-loaded replica loads the adapter
+                best = min(within, key=lambda r: (-matched[r], loads[r], r != least))
+                return best, PREFIX if matched[best] else ADAPTER
         longest = max(matched.values())
         if longest == 0:
             return least, LOAD
@@ -159,6 +200,8 @@ class AffinityPolicy:
                 self.sessions.popitem(last=False)
         current, previous = self._sent.setdefault(replica, (set(), set()))
         current.update(key.prefix_keys)
+        if key.adapter:
+            self._sent_adapters.setdefault(replica, (set(), set()))[0].add(key.adapter)
 
 
 class RoutingStats:
@@ -184,7 +227,7 @@ class RoutingStats:
         decisions = CounterMetricFamily(
             "rayserve_paged_routing_decisions",
             "Engine requests routed to each LLMServer replica, by the rule that chose it "
-            "(session, prefix, imbalance, load, fallback).",
+            "(session, prefix, imbalance, load, adapter, fallback).",
             labels=["ingress", "reason", "replica"],
         )
         steps = CounterMetricFamily(

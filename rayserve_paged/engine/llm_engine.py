@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.block_manager import BlockManager
-from rayserve_paged.core.lora import LoRARequest, LoRASlots, UnknownLoRAError
+from rayserve_paged.core.lora import LoRARequest, LoRASlots, UnknownLoRAError, startup_lora_ids
 from rayserve_paged.core.outputs import SchedulerOutput
 from rayserve_paged.core.scheduler import Scheduler, SchedulerConfig
 from rayserve_paged.core.sequence import (
@@ -116,8 +116,8 @@ class LLMEngine:
         self.num_lora_requests: dict[str, int] = {}  # adapter name -> requests added with it
         self._lora_ids = itertools.count(1)
         self._skeleton = None
-        for name, path in config.lora_modules.items():
-            self.load_lora(name, path)
+        for name, lora_id in startup_lora_ids(config.lora_modules).items():
+            self.add_lora(LoRARequest(name, lora_id, str(config.lora_modules[name])))
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB) + %d CPU swap blocks",
             sizes.num_gpu_blocks,

@@ -200,6 +200,11 @@ class SchedulerActor:
         """Keys of the blocks this engine's prefix cache holds (what a fleet routes on)."""
         return self.engine.block_manager.cached_prefix_keys()
 
+    def resident_lora_ids(self) -> list[int]:
+        """Int ids of the LoRA adapters in this engine's device slots (a fleet routes on them)."""
+        slots = self.engine.lora_slots
+        return [] if slots is None else list(slots.slot_of)
+
     async def metrics_text(self) -> str:
         """Prometheus exposition text of this replica's engine and GPU metrics."""
         return self.telemetry.metrics_text()

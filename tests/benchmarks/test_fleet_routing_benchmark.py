@@ -26,6 +26,14 @@ def test_each_turn_repeats_the_conversation_so_far_after_a_shared_system_prompt(
     assert fleet_routing.conversations(args) == prompts  # seeded
 
 
+def test_think_times_are_seeded_exponential_pauses_and_zero_in_the_closed_loop():
+    assert fleet_routing.think_times(_args(users=2, turns=3)) == [[0.0] * 3, [0.0] * 3]
+    think = fleet_routing.think_times(_args(users=40, turns=5, think_s=2.0))
+    assert [len(t) for t in think] == [5] * 40 and all(t > 0 for user in think for t in user)
+    assert 1.0 < sum(map(sum, think)) / 200 < 3.0  # mean near 2 s
+    assert fleet_routing.think_times(_args(users=40, turns=5, think_s=2.0)) == think  # seeded
+
+
 def test_counter_deltas_are_summed_by_label():
     before = {"hits": {(("replica", "a"),): 10.0}}
     after = {"hits": {(("replica", "a"),): 25.0, (("replica", "b"),): 4.0}}

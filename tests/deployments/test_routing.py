@@ -9,6 +9,7 @@ from rayserve_paged.app import AppArgs
 from rayserve_paged.core.block_manager import prefix_block_keys
 from rayserve_paged.deployments.openai_ingress import routing_session
 from rayserve_paged.deployments.routing import (
+    ADAPTER,
     IMBALANCE,
     LOAD,
     PREFIX,
@@ -164,18 +165,20 @@ class _FakeHandle:
     def __init__(self, client) -> None:
         self.client = client
         self.keys: list[RoutingKey] = []
-        self.generate = self._method(lambda *a: client.generate(*a))
-        self.generate_stream = self._method(lambda *a: client.generate_stream(*a))
+        self.lora_names: list[str | None] = []
+        self.generate = self._method(lambda *a, **kw: client.generate(*a, **kw))
+        self.generate_stream = self._method(lambda *a, **kw: client.generate_stream(*a, **kw))
         self.model_info = self._method(lambda: client.model_info())
 
     def _method(self, call):
         handle = self
 
         class _Method:
-            def remote(self, *args, routing=None):
+            def remote(self, *args, routing=None, lora_name=None):
                 if routing is not None:
                     handle.keys.append(routing)
-                return _Call(call(*args))
+                    handle.lora_names.append(lora_name)
+                return _Call(call(*args, **({} if lora_name is None else {"lora_name": lora_name})))
 
         return _Method()
 
@@ -204,3 +207,77 @@ async def test_the_ingress_client_sends_each_prompts_keys_and_session_streamed_o
     assert [k.prefix_keys for k in handle.keys] == [expected] * 5
     sessions = [routing_session("s1", None)] * 2 + [routing_session(None, "u1"), routing_session("s2", None), None]
     assert [k.session for k in handle.keys] == sessions
+
+
+def adapter_key(tokens, adapter, session=None) -> RoutingKey:
+    return RoutingKey(tuple(prefix_block_keys(tokens, 16, lora_id=adapter)), session, adapter)
+
+
+def test_an_adapter_request_goes_to_the_replica_holding_its_adapter_until_past_the_threshold():
+    policy = AffinityPolicy(imbalance_threshold=2)
+    policy.update_published("a", list(key(CHAT).prefix_keys), adapters=[])  # the base model's chain only
+    policy.update_published("b", [], adapters=[2])
+    policy.update_published("c", [], adapters=[1, 2])
+    # the base model's chain on a is no match for adapter 1: its chain is keyed by the adapter
+    assert policy.num_cached_blocks("a", adapter_key(CHAT, 1).prefix_keys) == 0
+    assert policy.choose(adapter_key(CHAT, 1), {"a": 0, "b": 0, "c": 2}) == ("c", ADAPTER)
+    assert policy.choose(adapter_key(CHAT, 1), {"a": 0, "b": 1, "c": 3}) == ("a", IMBALANCE)  # a loads it
+    # among holders, the shorter queue; an adapter nobody holds: the base rule (least loaded)
+    assert policy.choose(adapter_key(CHAT, 2), {"a": 0, "b": 2, "c": 1}) == ("c", ADAPTER)
+    assert policy.choose(adapter_key(CHAT, 3), {"a": 1, "b": 0, "c": 2}) == ("b", LOAD)
+    assert policy.choose(key(CHAT), {"a": 2, "b": 0, "c": 0}) == ("a", PREFIX)  # the base model: no adapter rule
+
+
+def test_adapter_and_prefix_together_the_longest_adapter_chain_among_holders_wins():
+    policy = AffinityPolicy(imbalance_threshold=4)
+    chain = adapter_key(CHAT, 2).prefix_keys
+    assert chain != key(CHAT).prefix_keys and chain == tuple(prefix_block_keys(CHAT, 16, lora_id=2))
+    policy.update_published("a", list(chain), adapters=[1])  # the chain, but adapter 2 evicted from its slot
+    policy.update_published("b", list(chain[:2]), adapters=[2])
+    policy.update_published("c", list(chain[:4]), adapters=[2])
+    assert policy.choose(adapter_key(CHAT, 2), {"a": 0, "b": 0, "c": 3}) == ("c", PREFIX)
+    assert policy.choose(adapter_key(CHAT, 2), {"a": 0, "b": 0, "c": 5}) == ("b", PREFIX)  # c past the threshold
+    # a request sent to a replica makes it a holder until its second report after
+    policy.record(adapter_key(SYSTEM, 3), "a")
+    assert policy.holds_adapter("a", 3) and not policy.holds_adapter("b", 3)
+    assert policy.choose(adapter_key(list(range(7000, 7040)), 3), {"a": 1, "b": 0, "c": 0}) == ("a", ADAPTER)
+    report = list(chain)
+    policy.update_published("a", report, adapters=[1])
+    assert policy.holds_adapter("a", 3)
+    policy.update_published("a", report, adapters=[1])  # the same keys object: not a new report
+    assert policy.holds_adapter("a", 3)
+    policy.update_published("a", [], adapters=[1])
+    assert not policy.holds_adapter("a", 3)
+    policy.retain({"b"})
+    assert not policy.holds_adapter("c", 2)
+
+
+def test_startup_adapter_ids_follow_lora_modules_order_as_the_engine_numbers_them():
+    from rayserve_paged.core.lora import startup_lora_ids
+
+    assert startup_lora_ids({"sql": "/a", "chat": "/b", "code": "/c"}) == {"sql": 1, "chat": 2, "code": 3}
+    with pytest.raises(ValueError, match="allow_runtime_lora_updating"):
+        AppArgs(model="tiny-opt", routing="prefix", lora_modules={"a": "/x"}, allow_runtime_lora_updating=True)
+
+
+@pytest.mark.anyio
+async def test_the_ingress_client_keys_an_adapter_request_by_its_startup_id(engine_client, engine):
+    import httpx
+
+    from rayserve_paged.deployments.ingress import RoutedEngineClient
+    from rayserve_paged.deployments.openai_ingress import create_openai_app
+
+    handle = _FakeHandle(engine_client)
+    client = RoutedEngineClient(handle, 16, None, "i1", lora_modules={"sql": "/a", "chat": "/b"})
+    app = create_openai_app(client, engine.tokenizer, "tiny-opt")
+    prompt = list(range(20, 60))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        models = (await http.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["tiny-opt", "sql", "chat"]
+        # the in-process engine holds no adapter: it answers 404, after the key was made
+        response = await http.post("/v1/completions", json={"model": "chat", "prompt": prompt, "max_tokens": 1})
+        assert response.status_code == 404, response.text
+        unknown = await http.post("/v1/completions", json={"model": "nope", "prompt": prompt, "max_tokens": 1})
+        assert unknown.status_code == 404 and "'sql'" in unknown.text  # refused by the ingress: no call
+    assert handle.keys == [RoutingKey(tuple(prefix_block_keys(prompt, 16, lora_id=2)), None, 2)]
+    assert handle.lora_names == ["chat"]

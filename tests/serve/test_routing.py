@@ -8,7 +8,9 @@ so every expected cache hit is exact):
   responses report;
 - a replica more loaded than the other by more than routing_imbalance_threshold loses a
   request whose prefix it holds; within the threshold it keeps it (and its session's);
-- a replica taken away mid-run: its sessions move to the other replica and finish there.
+- a replica taken away mid-run: its sessions move to the other replica and finish there;
+- LoRA adapters (one device slot per replica): each adapter's requests go to the replica
+  holding it.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rayserve_paged.deployments.routing import IMBALANCE, LOAD, PREFIX, SESSION
+from rayserve_paged.deployments.routing import ADAPTER, IMBALANCE, LOAD, PREFIX, SESSION
 
 from .test_fleet import _app_running, _deploy_config, _replica_states, _schedulers, _wait_for
-from .test_handles import TINY
+from .test_handles import TINY, lora_modules  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.ray
 
@@ -238,3 +240,39 @@ def test_a_replica_taken_away_mid_run_its_sessions_move_and_finish(routed, serve
         else:
             assert (cached, decision) == (len(_prompt(user, 3)), (SESSION, survivor)), user
         assert later[(user, 5)] == (len(_prompt(user, 4)), (SESSION, survivor)), user  # it stuck there
+
+
+def test_adapter_requests_land_on_the_replica_holding_their_adapter(routed, serve_port, lora_modules):
+    """Two adapters, one device slot per replica: each adapter's requests all go to one
+    replica (counted by the replicas' own LoRA counters), so no slot is ever reloaded; a
+    repeated prompt finds its adapter-keyed chain cached there."""
+    from ray import serve
+
+    serve.delete("routed")
+    lora = {"lora_modules": lora_modules["tiny-llama"], "max_loras": 1, "max_lora_rank": 8}
+    _deploy_config(ARGS | lora | {"routing": "prefix"}, num_replicas=2, name="routed")
+    _wait_for(lambda: _app_running(serve, "routed") and _replica_states(serve, "routed") == {"RUNNING": 2}, 300,
+              "2 replicas")  # fmt: skip
+    decisions = []
+    cached = []
+    for i in range(8):
+        adapter = ("a0", "a1")[i % 2]
+        before = _decisions(serve_port)
+        cached.append(_complete(serve_port, -1, _tokens(5000 + i, 2 * BLOCK + 1), model=adapter))
+        ((reason, replica),) = (_decisions(serve_port) - before).keys()
+        decisions.append((adapter, reason, replica))
+    first = {adapter: replica for adapter, _, replica in decisions[:2]}
+    assert first["a0"] != first["a1"]  # a1 went where fewer blocks are cached, not onto a0's slot
+    assert [(a, r) for a, r, _ in decisions[:2]] == [("a0", LOAD), ("a1", LOAD)]
+    assert decisions[2:] == [(a, ADAPTER, first[a]) for a in ("a0", "a1") * 3]
+    assert cached == [0] * 8
+    before = _decisions(serve_port)
+    again = _complete(serve_port, -1, _tokens(5000, 2 * BLOCK + 1), model="a0")  # the first a0 prompt
+    assert (again, (_decisions(serve_port) - before)) == (2 * BLOCK, Counter({(PREFIX, first["a0"]): 1}))
+    base = _complete(serve_port, -1, _tokens(5000, 2 * BLOCK + 1))  # the base model: another chain
+    assert base == 0
+    families = _scrape(serve_port)
+    requests = {(s.labels["lora_name"], s.labels["replica"]): s.value for s in _family(families, "lora_requests")}
+    assert {k: v for k, v in requests.items() if v} == {("a0", first["a0"]): 5, ("a1", first["a1"]): 4}
+    loads = {s.labels["replica"]: s.value for s in _family(families, "lora_slot_loads")}
+    assert loads == {first["a0"]: 1, first["a1"]: 1}
