@@ -45,7 +45,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -55,6 +54,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.records import load_average, write_json
 from benchmarks.serving import (
     FIRST_TOKEN_ID,
     TOKEN_ID_LIMIT,
@@ -208,10 +208,10 @@ def measure_mode(model_dir: str, routing: str, prompts, args, log) -> dict:
         with httpx.Client(trust_env=False, timeout=60) as client:
             warm_up(client, server.base_url, model, args.launch_timeout, args.replicas)
             before = scrape(client, server.base_url)
-            load_before = os.getloadavg()
+            load_before = load_average()
             think = think_times(args)
             results, seconds = asyncio.run(chat(server.base_url, model, prompts, args.max_tokens, args.timeout, think))
-            load_after = os.getloadavg()
+            load_after = load_average()
             after = scrape(client, server.base_url)
         probe_e2e = asyncio.run(probe(server.base_url, model, args.probe_requests, args.seed, args.timeout))
     hits = _by(_delta(after, before, "rayserve_paged_prefix_cache_hits"), "replica")
@@ -224,8 +224,8 @@ def measure_mode(model_dir: str, routing: str, prompts, args, log) -> dict:
         "hit_tokens": sum(hits.values()),
         "query_tokens": sum(queries.values()),
         "probe_e2e_s": probe_e2e,
-        "loadavg_before": list(load_before),
-        "loadavg_after": list(load_after),
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
     }
     if routing == "prefix":
         record["decisions"] = _by(_delta(after, before, "rayserve_paged_routing_decisions"), "reason")
@@ -266,7 +266,7 @@ def format_report(result: dict) -> str:
 
 def run(args, log) -> dict:
     prompts = conversations(args)
-    loadavg_before = os.getloadavg()
+    loadavg_before = load_average()
     with tempfile.TemporaryDirectory(prefix="bench-fleet-routing-") as tmp:
         model_dir, shape = make_small_opt(tmp)
         runs = [measure_mode(model_dir, mode, prompts, args, log) for mode in MODES]
@@ -281,8 +281,7 @@ def run(args, log) -> dict:
                          ("systems", "system_len", "users", "turns", "message_len", "reply_len", "max_tokens",
                           "kv_blocks", "think_s", "replicas")},
             "model_shape": shape, "seed": args.seed, "launch_num_cpus": launch_num_cpus(args.replicas),
-            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-            "loadavg_before": list(loadavg_before), "loadavg_after": list(os.getloadavg()),
+            "loadavg_before": loadavg_before, "loadavg_after": load_average(),
         },
     }  # fmt: skip
 
@@ -315,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = run(args, lambda m: print(m, file=sys.stderr, flush=True))
-    (Path(args.out) / "fleet_routing.json").write_text(json.dumps(result, indent=2))
+    write_json(args.out, "fleet_routing.json", result)  # with the machine record (platform, CPU, versions)
     print(format_report(result))
     return 0
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.records import load_average, write_json
 from rayserve_paged import LLM, LoRARequest, SamplingParams
 from rayserve_paged.models.tiny import SPECIAL_TOKENS, TINY_VOCAB_SIZE, make_tiny_model
 
@@ -126,7 +126,7 @@ def load_times(llm: LLM, model_dir: str, adapter_dirs: list[Path]) -> dict:
 
 def run(quick: bool, threads: int, repeats: int, log=print) -> dict:
     w = QUICK if quick else FULL
-    loadavg_before = os.getloadavg()
+    loadavg_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_tiny_model("opt", Path(tmp) / "opt", **w["model"]))
         num_adapters = 2 if quick else max(CASES)
@@ -156,8 +156,7 @@ def run(quick: bool, threads: int, repeats: int, log=print) -> dict:
         "repeats": repeats, "cases": cases, "ratio_to_base": ratios, "ratio_to_base_per_cpu_s": cpu_ratios,
         "target_ratio": TARGET_RATIO, "target_met": None if four is None else four >= TARGET_RATIO,
         "slot_loads": slots.num_loads, "slot_evictions": slots.num_evictions, "load": loads,
-        "loadavg_before": loadavg_before, "loadavg_after": os.getloadavg(), "cpu": platform.processor() or platform.machine(),
-        "num_cpus": os.cpu_count(),
+        "loadavg_before": loadavg_before, "loadavg_after": load_average(),
     }  # fmt: skip
 
 
@@ -200,9 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--threads and --repeats must be >= 1")
     os.makedirs(args.out, exist_ok=True)
     result = run(args.quick, args.threads, args.repeats, log=lambda m: print(m, file=sys.stderr))
-    path = os.path.join(args.out, "lora.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
+    path = write_json(args.out, "lora.json", result)  # with the machine record (platform, CPU, versions)
     print(format_report(result))
     print(f"\nwrote {path}")
     return 0
