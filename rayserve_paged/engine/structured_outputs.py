@@ -30,7 +30,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import llguidance
-import llguidance.hf
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
@@ -157,6 +156,8 @@ class GrammarCompiler:
         with self._tokenizer_lock:  # not self._lock: a submit on the caller's loop never waits for the build
             if self._ll_tokenizer is None:
                 n_vocab = self.vocab_size if self.vocab_size >= len(self.hf_tokenizer) else None
+                import llguidance.hf  # imports transformers: only in a process that compiles grammars
+
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
                     self.hf_tokenizer, n_vocab=n_vocab, eos_token=self.eos_token_ids
                 )
