@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,7 +72,8 @@ class LLMEngine:
         self.model_path = str(resolve_model(config.model))
         self.model_config = get_model_config(self.model_path)
         self.max_model_len = self._resolve_max_model_len()
-        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+        self._tokenizer = tokenizer  # else loaded on first use (the `tokenizer` property)
+        self._tokenizer_lock = threading.Lock()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.executor = executor_factory(config, self.model_path)
         sizes = self.executor.initialize()
@@ -106,7 +108,9 @@ class LLMEngine:
         self._metrics: dict[str, RequestMetrics] = {}
         self._num_cached: dict[str, int] = {}  # request id -> prefix-cache hit, until its first output
         # structured outputs: grammars compiled off the step loop, a matcher per sequence
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, tuple(self.eos_token_ids))
+        self.grammars = GrammarCompiler(
+            None, self.model_config.vocab_size, tuple(self.eos_token_ids), load_tokenizer=lambda: self.tokenizer
+        )
         self.structured = StructuredOutputs(self.grammars)
         self._constrained: dict[str, SequenceGroup] = {}  # request id -> its group, while it lives
         self.num_prompt_tokens = 0  # computed prompt tokens (after prefix-cache hits)
@@ -148,6 +152,18 @@ class LLMEngine:
                 f"max_model_len {wanted} is longer than the model's max_position_embeddings {model_max}"
             )
         return wanted
+
+    @property
+    def tokenizer(self):
+        """The HF tokenizer, loaded on first use: an engine behind a Serve replica gets token ids
+        and sends token ids back (the replica holds its own tokenizer), so its process loads one
+        only for a text prompt, a grammar or beam search with stop strings (~45 MiB resident
+        for SmolLM2's)."""
+        if self._tokenizer is None:
+            with self._tokenizer_lock:
+                if self._tokenizer is None:
+                    self._tokenizer = self._load_tokenizer()
+        return self._tokenizer
 
     def _load_tokenizer(self):
         return load_tokenizer(self.config.tokenizer or self.model_path, self.config.trust_remote_code)

@@ -112,6 +112,10 @@ class SchedulerActor:
         compiled (or the compile fails or runs past the limit: the caller's error)."""
         if not isinstance(params, SamplingParams):
             return  # the engine names the problem
+        if params.structured_outputs is not None and not self.engine.grammars.tokenizer_ready:
+            # the first grammar loads the tokenizer: a one-time cost, not the grammar's, so
+            # outside the compile limit (and off the event loop)
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.grammars.ll_tokenizer)
         compiled = self.engine.prepare_constraint(params)
         if compiled is None:
             return

@@ -25,11 +25,11 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import llguidance
-import llguidance.hf
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
@@ -86,8 +86,14 @@ class GrammarCompiler:
         timeout_s: float = COMPILE_TIMEOUT_S,
         cache_size: int = CACHE_SIZE,
         max_chars: int = MAX_CONSTRAINT_CHARS,
+        load_tokenizer: Callable[[], object] | None = None,
     ) -> None:
-        self.hf_tokenizer = tokenizer
+        """`tokenizer`: the HF tokenizer, or None and `load_tokenizer` returns it when the
+        first grammar is compiled."""
+        if tokenizer is None and load_tokenizer is None:
+            raise ValueError("GrammarCompiler needs a tokenizer or load_tokenizer")
+        self._hf_tokenizer = tokenizer
+        self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.timeout_s = timeout_s
@@ -96,6 +102,7 @@ class GrammarCompiler:
         self.num_words = 0  # int32 words of one bitmask, once the tokenizer is built
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
         self._lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self.num_compiles = 0
@@ -133,10 +140,24 @@ class GrammarCompiler:
             ) from None
         return template.deep_copy()
 
+    @property
+    def hf_tokenizer(self):
+        if self._hf_tokenizer is None:
+            self._hf_tokenizer = self._load_tokenizer()
+        return self._hf_tokenizer
+
+    @property
+    def tokenizer_ready(self) -> bool:
+        """Whether llguidance's tokenizer is built (the first compile builds it, loading the
+        HF tokenizer first where the engine has not)."""
+        return self._ll_tokenizer is not None
+
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
-        with self._lock:
+        with self._tokenizer_lock:  # not self._lock: a submit on the caller's loop never waits for the build
             if self._ll_tokenizer is None:
                 n_vocab = self.vocab_size if self.vocab_size >= len(self.hf_tokenizer) else None
+                import llguidance.hf  # imports transformers: only in a process that compiles grammars
+
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
                     self.hf_tokenizer, n_vocab=n_vocab, eos_token=self.eos_token_ids
                 )

@@ -286,3 +286,35 @@ def test_the_scheduler_actor_compiles_off_the_step_loop(tiny_paths):
     finally:
         actor.shutdown()
     assert not engine.structured.matchers
+
+
+def test_the_engine_loads_its_tokenizer_only_for_a_request_that_needs_it(tiny_paths, llm):
+    """Token-id requests (what a Serve replica sends) leave the engine's tokenizer unloaded;
+    a grammar loads it (in the compile thread) and a text prompt uses it: the tokens are
+    those of an engine built with its tokenizer."""
+    from transformers import AutoTokenizer
+
+    from rayserve_paged.config import EngineConfig
+    from rayserve_paged.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(model=tiny_paths["opt"], max_model_len=256, num_gpu_blocks_override=64, swap_space_gb=0.01)
+    engine = LLMEngine(config)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    prompt_ids = AutoTokenizer.from_pretrained(tiny_paths["opt"])(PROMPTS[1]).input_ids
+
+    def run(request_id, prompt, params, ids=None):
+        engine.add_request(request_id, prompt, params, ids)
+        tokens = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens += [t for d in out.outputs for t in d.token_ids]
+        return tokens
+
+    expected = llm.generate([{"prompt_token_ids": prompt_ids}], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert run("ids", None, greedy, prompt_ids) == list(expected)
+    assert engine._tokenizer is None
+    choice = SamplingParams(max_tokens=4, temperature=0.0, structured_outputs={"choice": ["yes", "no"]})
+    chosen = run("grammar", None, choice, prompt_ids)
+    assert engine._tokenizer is not None  # the compile loaded it
+    assert engine.tokenizer.decode(chosen) in ("yes", "no")
+    assert run("text", PROMPTS[1], greedy) == list(expected)
