@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.records import write_record
-from benchmarks.smollm2 import conversations
+from benchmarks.smollm2 import conversations, post_chats
 
 NUM_REQUESTS = 32
 MAX_TOKENS = 64
@@ -190,20 +190,7 @@ def agreement(got: list[list[int]], want: list[list[int]]) -> dict:
 
 
 async def _chat_all(base_url: str, model: str, convs: list[list[dict]], max_tokens: int) -> dict:
-    import httpx
-
-    body = {"model": model, "temperature": 0, "ignore_eos": True}
-    async with httpx.AsyncClient(timeout=1800, trust_env=False, limits=httpx.Limits(max_connections=256)) as client:
-        url = f"{base_url}/v1/chat/completions"
-        (await client.post(url, json={**body, "messages": convs[0], "max_tokens": 4})).raise_for_status()  # warm-up
-        start = time.perf_counter()
-        replies = await asyncio.gather(
-            *[client.post(url, json={**body, "messages": c, "max_tokens": max_tokens}) for c in convs]
-        )
-        seconds = time.perf_counter() - start
-    for reply in replies:
-        reply.raise_for_status()
-    tokens = sum(reply.json()["usage"]["completion_tokens"] for reply in replies)
+    seconds, tokens = await post_chats(base_url, convs, max_tokens, model)
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
 
 

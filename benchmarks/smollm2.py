@@ -130,10 +130,14 @@ def run_hf(model, tokenizer, convs: list[list[dict]], max_tokens: int) -> dict:
             "first_answer": tokenizer.decode(new[0], skip_special_tokens=True)}  # fmt: skip
 
 
-async def _post_all(base_url: str, convs: list[list[dict]], max_tokens: int) -> tuple[float, int]:
+async def post_chats(
+    base_url: str, convs: list[list[dict]], max_tokens: int, model: str = "smollm2"
+) -> tuple[float, int]:
+    """Every conversation at once as a greedy chat completion (after one warm-up request):
+    (seconds, output tokens)."""
     import httpx
 
-    body = {"model": "smollm2", "temperature": 0, "ignore_eos": True}
+    body = {"model": model, "temperature": 0, "ignore_eos": True}
     async with httpx.AsyncClient(timeout=1800, trust_env=False, limits=httpx.Limits(max_connections=256)) as client:
         url = f"{base_url}/v1/chat/completions"
         (await client.post(url, json={**body, "messages": convs[0], "max_tokens": 4})).raise_for_status()  # warm-up
@@ -161,7 +165,7 @@ def run_http(convs: list[list[dict]], max_tokens: int, threads: int, log_dir: Pa
         start = time.perf_counter()
         server.start(timeout_s=1200, log=lambda message: None)
         startup = time.perf_counter() - start
-        seconds, tokens = asyncio.run(_post_all(server.base_url, convs, max_tokens))
+        seconds, tokens = asyncio.run(post_chats(server.base_url, convs, max_tokens))
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "startup_s": startup}
 
 
