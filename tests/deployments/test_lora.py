@@ -137,6 +137,21 @@ async def test_load_and_unload_at_run_time(lora_client, lora_engine, adapters, o
     assert sorted(lora_engine.loras) == ["a0"]
 
 
+async def test_malformed_bodies_of_the_runtime_routes_are_4xx(lora_client, lora_engine, adapters):
+    app = create_openai_app(lora_client, lora_engine.tokenizer, MODEL, KEY, allow_runtime_lora_updating=True)
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    bodies = ["", "not json", "[]", "null", '"a1"', '{"lora_name": 5, "lora_path": []}', '{"lora_name": {"a": 1}}',
+              '{"lora_name": "\\ud800", "lora_path": "x"}', '{"lora_name": "a1", "lora_path": "\\u0000"}']  # fmt: skip
+    async with _http(app) as http:
+        for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            for body in bodies:
+                response = await http.post(route, content=body.encode(), headers=auth)
+                assert 400 <= response.status_code < 500, (route, body, response.status_code, response.text)
+        models = (await http.get("/v1/models", headers=auth)).json()["data"]  # still serving, nothing registered
+        assert [m["id"] for m in models] == [MODEL, "a0"]
+    assert sorted(lora_engine.loras) == ["a0"]
+
+
 async def test_handle_api_over_the_scheduler_actor(tiny_opt_path, adapters, offline_texts, monkeypatch):
     """LLMServer -> SchedulerActor (its step thread; no Ray): `lora_name` on the handle API,
     adapters loaded and unloaded between steps, an unknown name refused with its own error."""
