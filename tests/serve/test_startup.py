@@ -43,10 +43,10 @@ def _assert_starting(response: httpx.Response) -> None:
 def test_a_request_during_the_first_start_is_503_retry_after_and_200_once_the_replica_runs(serve_session, serve_port):
     serve = serve_session
     url = f"http://127.0.0.1:{serve_port}/v1/completions"
-    # room for the ingress (0.1 CPU), not for LLMServer's placement group (0.4 CPU)
-    spare = ray.available_resources().get("CPU", 0.0) - 0.15
-    hold = _Hold.options(num_cpus=round(spare, 2)).remote()
-    ray.get(hold.ready.remote(), timeout=60)
+    # all the cluster's CPUs but 0.15: room for the ingress (0.1), not for LLMServer's
+    # placement group (0.4); placed once the replicas of earlier tests are gone
+    hold = _Hold.options(num_cpus=round(ray.cluster_resources()["CPU"] - 0.15, 2)).remote()
+    ray.get(hold.ready.remote(), timeout=120)
     try:
         _deploy_config(TINY | {"routing": "prefix"}, num_replicas=1, name="starting")
         _wait_for(lambda: _states(serve, "starting", "OpenAIIngress") == {"RUNNING": 1}, 120, "the ingress")
