@@ -26,6 +26,8 @@ RETRY_AFTER_S = 1  # the Retry-After of an overloaded answer, unless Serve gives
 # the Retry-After when this replica's engine died: Serve replaces the replica (its health
 # check fails) in about 20 s on a small model; other replicas of a fleet serve meanwhile
 ENGINE_RETRY_AFTER_S = 5
+# the Retry-After while the fleet's first replica loads its model (routing: prefix's ingress)
+STARTING_RETRY_AFTER_S = 5
 
 class OpenAIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -50,12 +52,19 @@ class OpenAIError(Exception):
         return json_response(ErrorResponse(error=self.info), self.status_code, self.headers or None)
 
 
+def retry_later(message: str, code: str, retry_after_s: int) -> OpenAIError:
+    """A 503 the client should retry after `retry_after_s` (the Retry-After header)."""
+    return OpenAIError(503, message, type="server_error", code=code, headers={"Retry-After": str(retry_after_s)})
+
+
 def engine_unavailable(message: str) -> OpenAIError:
     """503 + Retry-After: this replica's engine is gone until Serve replaces the replica."""
-    return OpenAIError(
-        503, message, type="server_error", code="engine_unavailable",
-        headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)},
-    )  # fmt: skip
+    return retry_later(message, "engine_unavailable", ENGINE_RETRY_AFTER_S)
+
+
+def engine_starting(message: str) -> OpenAIError:
+    """503 + Retry-After: no engine can take the request yet, and one is starting."""
+    return retry_later(message, "engine_starting", STARTING_RETRY_AFTER_S)
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
@@ -65,9 +74,7 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 def overloaded(message: str, retry_after_s: float | None = None) -> OpenAIError:
     """503 with a Retry-After (whole seconds, rounded up): the openai client retries it."""
     seconds = RETRY_AFTER_S if retry_after_s is None else max(0, math.ceil(retry_after_s))
-    return OpenAIError(
-        503, message, type="server_error", code="overloaded", headers={"Retry-After": str(seconds)}
-    )
+    return retry_later(message, "overloaded", seconds)
 
 
 class RequestBodyRefused(StarletteHTTPException):

@@ -25,6 +25,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
 
 import ray
 
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 SCHEDULER_NAMESPACE = "rayserve_paged"
 SCRAPE_TIMEOUT_S = 5.0
 METRICS_CACHE_S = 2.0  # how long a replica serves the same merged fleet text
+
+T = TypeVar("T")
 
 
 def scheduler_actor_name(app_name: str, replica_id: str) -> str:
@@ -68,10 +71,39 @@ async def _metrics_text(name: str, timeout_s: float) -> str | None:
         return None
 
 
-class FleetMetricsCache:
-    """The merged fleet text of `app_name`, fetched at most once per `ttl_s`: a scrape
-    within the interval gets the last text; scrapes that arrive during a refresh await that
-    one refresh (a failed refresh is not kept: the next scrape tries again)."""
+class CachedFetch(Generic[T]):
+    """`fetch()`'s value, fetched at most once per `ttl_s`: a call within the interval gets
+    the last value; calls that arrive during a refresh await that one refresh (a failed
+    refresh is not kept: the next call tries again)."""
+
+    def __init__(
+        self, fetch: Callable[[], Awaitable[T]], ttl_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.ttl_s = ttl_s
+        self._fetch = fetch
+        self._clock = clock
+        self._value: T | None = None
+        self._fetched_at: float | None = None  # None: nothing fetched yet
+        self._refresh: asyncio.Future | None = None
+
+    async def get(self) -> T:
+        if self._fetched_at is not None and self._clock() - self._fetched_at < self.ttl_s:
+            return self._value  # type: ignore[return-value]
+        if self._refresh is None:
+            self._refresh = asyncio.ensure_future(self._fetch_now())
+        return await asyncio.shield(self._refresh)  # a caller that leaves does not cancel it
+
+    async def _fetch_now(self) -> T:
+        try:
+            value = await self._fetch()
+            self._value, self._fetched_at = value, self._clock()
+            return value
+        finally:
+            self._refresh = None
+
+
+class FleetMetricsCache(CachedFetch[str]):
+    """The merged fleet text of `app_name`, fetched at most once per `ttl_s` (CachedFetch)."""
 
     def __init__(
         self,
@@ -80,25 +112,8 @@ class FleetMetricsCache:
         fetch: Callable[[str], Awaitable[str]] = fleet_metrics_text,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__(lambda: fetch(app_name), ttl_s, clock)
         self.app_name = app_name
-        self.ttl_s = ttl_s
-        self._fetch = fetch
-        self._clock = clock
-        self._text: str | None = None
-        self._fetched_at = 0.0
-        self._refresh: asyncio.Future | None = None
 
     async def text(self) -> str:
-        if self._text is not None and self._clock() - self._fetched_at < self.ttl_s:
-            return self._text
-        if self._refresh is None:
-            self._refresh = asyncio.ensure_future(self._fetch_now())
-        return await asyncio.shield(self._refresh)  # a scrape that leaves does not cancel it
-
-    async def _fetch_now(self) -> str:
-        try:
-            text = await self._fetch(self.app_name)
-            self._text, self._fetched_at = text, self._clock()
-            return text
-        finally:
-            self._refresh = None
+        return await self.get()

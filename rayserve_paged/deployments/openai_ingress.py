@@ -23,6 +23,8 @@ Limits, checked before any work (outermost first):
                          alone is larger)
     tokenizer      503   at most `max_tokenizer_queue` tokenizer jobs queued or running
     handle         503   Serve's BackPressureError (LLMServer's max_queued_requests)
+    starting       503   routing: prefix's ingress: no LLMServer replica runs yet and one is
+                         starting (code engine_starting; deployments/ingress.py)
 
 Every overload 503 is the same error (code "overloaded", a Retry-After header), like Serve's own.
 """

@@ -33,6 +33,7 @@ class PrefixAffinityRouter(RequestRouter):
         # replica's queue only once sent, so a burst routed together would all see the
         # same queues (and the same empty caches) without this
         self._num_chosen: Counter[str] = Counter()
+        routing.ROUTABLE_REPLICAS.register(self.app_name, self)  # the ingress reads it (a start in progress)
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         key = routing.routing_key_of(pending_request)

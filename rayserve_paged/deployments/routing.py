@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import random
 import threading
+import weakref
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
@@ -247,6 +248,32 @@ class RoutingStats:
 
 
 ROUTING_STATS = RoutingStats()  # this process's
+
+
+class RoutableReplicas:
+    """How many LLMServer replicas this process's fleet routers can send a request to now:
+    each router's `curr_replicas`, the RUNNING replicas Serve pushed to it (a starting
+    replica is not among them), read on the request path at no cost (no remote call).
+
+    Routers register themselves (PrefixAffinityRouter.initialize_state), by app; a router
+    that is gone is forgotten (weak references)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # routers may run on the handle's own event-loop thread
+        self._routers: dict[str, weakref.WeakSet] = {}
+
+    def register(self, app_name: str, router) -> None:
+        with self._lock:
+            self._routers.setdefault(app_name, weakref.WeakSet()).add(router)
+
+    def num_routable(self, app_name: str) -> int:
+        """The most replicas any of `app_name`'s routers here knows of (0 before any router)."""
+        with self._lock:
+            routers = list(self._routers.get(app_name, ()))
+        return max((len(r.curr_replicas) for r in routers), default=0)
+
+
+ROUTABLE_REPLICAS = RoutableReplicas()  # this process's
 
 
 def record_decision(reason: str, replica: str) -> None:

@@ -281,3 +281,114 @@ async def test_the_ingress_client_keys_an_adapter_request_by_its_startup_id(engi
         assert unknown.status_code == 404 and "'sql'" in unknown.text  # refused by the ingress: no call
     assert handle.keys == [RoutingKey(tuple(prefix_block_keys(prompt, 16, lora_id=2)), None, 2)]
     assert handle.lora_names == ["chat"]
+
+
+def test_routable_replicas_counts_what_the_routers_here_can_route_to_and_forgets_a_gone_router():
+    import gc
+
+    from rayserve_paged.deployments.routing import RoutableReplicas
+
+    class _Router:
+        def __init__(self, n: int) -> None:
+            self.curr_replicas = {f"r{i}": object() for i in range(n)}
+
+    seen = RoutableReplicas()
+    assert seen.num_routable("llm") == 0  # no router yet
+    streaming, plain = _Router(0), _Router(0)
+    seen.register("llm", streaming)
+    seen.register("llm", plain)
+    other = _Router(3)
+    seen.register("other", other)
+    assert seen.num_routable("llm") == 0  # routers, no RUNNING replica pushed to them
+    plain.curr_replicas = {"r0": object(), "r1": object()}
+    assert seen.num_routable("llm") == 2 and seen.num_routable("other") == 3
+    del plain
+    gc.collect()
+    assert seen.num_routable("llm") == 0
+
+
+@pytest.mark.parametrize(
+    ("states", "starting"),
+    [
+        ({"STARTING": 1}, True),  # the first replica being placed or loading its model
+        ({"STARTING": 2, "STOPPING": 1}, True),  # the last one died, its replacements start
+        ({"RUNNING": 1, "STARTING": 1}, False),  # one serves: Serve routes to it
+        ({"RUNNING": 1}, False),
+        ({}, False),  # scaled to zero: the request goes on and asks the autoscaler for one
+        ({"STOPPING": 1}, False),
+        (None, False),  # the controller could not say
+    ],
+)
+def test_a_fleet_is_starting_only_with_no_replica_running_and_one_starting(states, starting):
+    from rayserve_paged.deployments.ingress import is_starting
+
+    assert is_starting(states) is starting
+
+
+class _Readiness:
+    """FleetReadiness's inputs, settable: the routers' replica count and the controller's states."""
+
+    def __init__(self) -> None:
+        self.num_routable = 0
+        self.states: dict | None = {"STARTING": 1}
+        self.fetches: list[tuple[str, str]] = []
+
+    async def fetch(self, app: str, deployment: str):
+        self.fetches.append((app, deployment))
+        return self.states
+
+    def readiness(self, ttl_s: float = 60.0):
+        from rayserve_paged.deployments.ingress import FleetReadiness
+
+        return FleetReadiness("llm", "LLMServer", ttl_s, self.fetch, lambda app: self.num_routable)
+
+
+@pytest.mark.anyio
+async def test_fleet_readiness_asks_the_controller_only_while_no_replica_is_routable_and_shares_the_answer():
+    import asyncio
+
+    from rayserve_paged.deployments.errors import OpenAIError
+
+    inputs = _Readiness()
+    readiness = inputs.readiness()
+    results = await asyncio.gather(*(readiness.check() for _ in range(10)), return_exceptions=True)
+    assert all(isinstance(r, OpenAIError) and r.status_code == 503 for r in results)
+    assert results[0].info.code == "engine_starting" and results[0].headers == {"Retry-After": "5"}
+    assert inputs.fetches == [("llm", "LLMServer")]  # one controller call for ten requests
+    inputs.num_routable = 1  # a replica is RUNNING and its router knows it: no call, no wait
+    await readiness.check()
+    assert len(inputs.fetches) == 1
+    inputs.num_routable, inputs.states = 0, {}  # scaled to zero: not starting, the request goes on
+    fresh = inputs.readiness(ttl_s=0.0)
+    await fresh.check()
+    assert len(inputs.fetches) == 2
+
+
+@pytest.mark.anyio
+async def test_while_the_fleet_starts_the_ingress_answers_503_retry_after_and_serves_once_a_replica_runs(
+    engine_client, engine
+):
+    import httpx
+
+    from rayserve_paged.deployments.ingress import RoutedEngineClient
+    from rayserve_paged.deployments.openai_ingress import create_openai_app
+
+    handle = _FakeHandle(engine_client)
+    inputs = _Readiness()
+    client = RoutedEngineClient(handle, 16, None, "i1", readiness=inputs.readiness(ttl_s=0.0))
+    app = create_openai_app(client, engine.tokenizer, "tiny-opt")
+    body = {"model": "tiny-opt", "prompt": list(range(20, 60)), "max_tokens": 2}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        for method, path, extra in (("POST", "/v1/completions", {}), ("POST", "/v1/completions", {"stream": True}),
+                                    ("GET", "/v1/models", None), ("GET", "/health", None)):  # fmt: skip
+            response = await http.request(method, path, json=None if extra is None else body | extra)
+            assert response.status_code == 503, (path, response.text)
+            assert response.headers["retry-after"] == "5"
+            assert response.json()["error"]["code"] == "engine_starting", path
+        assert handle.keys == []  # nothing reached the handle (Serve's router would hold it)
+        inputs.num_routable = 1
+        for extra in ({}, {"stream": True}):
+            response = await http.post("/v1/completions", json=body | extra)
+            assert response.status_code == 200, response.text
+        assert (await http.get("/health")).status_code == 200
+    assert len(handle.keys) == 2

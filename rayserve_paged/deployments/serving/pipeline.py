@@ -172,6 +172,8 @@ class GenerationPipeline:
         if self._info is None:
             try:
                 self._info = await self.client.model_info()
+            except OpenAIError:
+                raise  # an answer of its own (engine_starting)
             except Exception as exc:
                 logger.warning("engine model_info failed: %r", exc)
                 raise engine_unavailable("the engine is not available") from exc
@@ -180,6 +182,8 @@ class GenerationPipeline:
     async def is_healthy(self) -> bool:
         try:
             await asyncio.wait_for(self.client.model_info(), HEALTH_TIMEOUT_S)
+        except OpenAIError:
+            raise  # not healthy, and why (engine_starting): /health answers it
         except Exception as exc:
             logger.warning("health check failed: %r", exc)
             return False
