@@ -200,10 +200,10 @@ class AppArgs(EngineConfig):
         STREAM_BATCHING_INTERVAL_MS,
         ge=0,
         allow_inf_nan=False,
-        description="Streamed responses send a stream's new tokens at most once per this many milliseconds "
-        "(the first token, a finish and an error at once), so the events per stream stay bounded whatever "
-        "the engine's step rate; 0 sends as stream_interval says (Ray Serve LLM's "
-        "stream_batching_interval_ms).",
+        description="Streamed responses send a stream's new tokens on a schedule of one event per this many "
+        "milliseconds, each due one interval after the previous one was due (the first token, a finish and an "
+        "error at once), so the events per stream stay bounded whatever the engine's step rate; 0 sends as "
+        "stream_interval says (Ray Serve LLM's stream_batching_interval_ms).",
     )
     max_request_body_bytes: int = Field(
         1 << 20, ge=1, description="Largest HTTP request body; a larger one is answered 413 before it is parsed."

@@ -16,6 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 SSE_DONE = "data: [DONE]\n\n"
+_SSE_DONE_BYTES = SSE_DONE.encode()
 
 
 def json_response(body: BaseModel, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -59,6 +60,8 @@ class EventStreamResponse(StreamingResponse):
     Starlette leaves the body iterator suspended when a send fails or the task is
     cancelled between chunks, and never starts it when the client leaves first; closing
     the events and then the engine outputs they read runs the `finally` that aborts.
+    The chunk that ends with [DONE] ends the response (`more_body` false): no empty body
+    message after it for Serve's proxy to relay.
     """
 
     media_type = "text/event-stream"
@@ -66,6 +69,16 @@ class EventStreamResponse(StreamingResponse):
     def __init__(self, events: AsyncIterator[str], outputs: AsyncIterator) -> None:
         super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._outputs = outputs
+
+    async def stream_response(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            body = chunk.encode(self.charset) if isinstance(chunk, str) else chunk
+            is_last = body.endswith(_SSE_DONE_BYTES)  # an event's JSON never ends so
+            await send({"type": "http.response.body", "body": body, "more_body": not is_last})
+            if is_last:
+                return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope, receive, send) -> None:
         try:

@@ -20,12 +20,18 @@ reader never slows the pump: its buffer holds one item and coalesces the steps i
 read yet into it (`merge_deltas`), so memory grows only with the unread tokens. With a
 `stream_interval` of N tokens, a stream's reader wakes once per N tokens (the first token
 and the end at once), so each delta crosses the path to the client with up to N tokens.
-With a `stream_batching_interval_ms` of T, a stream's reader wakes at most once per T ms
-(the first token, a finish and an error at once), so the events per stream stay bounded
-whatever the step rate:
+With a `stream_batching_interval_ms` of T, a stream's reads follow a schedule of one per
+T ms (the first token, a finish and an error at once), so the events per stream stay
+bounded whatever the step rate:
 
     steps   |t1 |t2 |t3 |t4 |t5 |t6 end
     reader  t1 ........ t2-t4 ..... t5-t6,end      (T = 3 steps; the end never waits)
+
+The schedule is anchored to when each read was due, not to when the reader got to it: a
+reader that wakes late does not push its next read back (the gap between events stays T
+plus the reader's jitter, not T plus its lateness); one later than a whole interval skips
+the slots it missed, it never reads twice in a row to catch up. A token that arrives after
+its read was due wakes the reader at once and starts the schedule again from there.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import asyncio
 import contextvars
 import itertools
 import logging
+import math
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -76,10 +83,16 @@ class DeltaBuffer:
 
     With `stream_interval` N > 1 a reader is woken only once some choice has N unread
     tokens, a choice or the request finishes, or it fails; the first output (the first
-    token) wakes it at once. With `batching_interval_s` T > 0 a reader is woken at most
-    once per T seconds after its last read: an item due sooner waits for a timer, except
-    a finish or a failure, which wake it at once. Fewer, larger items then cross the path
-    to the client.
+    token) wakes it at once. With `batching_interval_s` T > 0 reads are due on a schedule
+    of one per T seconds: the read after one that was due at D is due at D + T, or, for a
+    reader that read only after that, at the first D + kT past its read (a skipped slot is
+    not made up: never two reads in a row to catch up). An item that arrives before its
+    read is due waits for a timer, except a finish or a failure, which wake the reader at
+    once; one that arrives after wakes it at once, and the schedule restarts from then.
+    Fewer, larger items then cross the path to the client.
+
+        due    D ........... D+T ........... D+2T       a reader that wakes late (x, x')
+        read    D+x ........... D+T+x' .......          does not move the next due time
     """
 
     def __init__(self, stream_interval: int = 1, batching_interval_s: float = 0.0) -> None:
@@ -88,7 +101,8 @@ class DeltaBuffer:
         self._interval = stream_interval
         self._batching_interval_s = batching_interval_s
         self._min_tokens = 1  # the first output is never held
-        self._next_read_at = 0.0  # loop time before which only an end wakes the reader
+        self._next_due = 0.0  # loop time before which only an end wakes the reader
+        self._woken_due = 0.0  # when the read now woken (or waited for) was due: the schedule
         self._timer: asyncio.TimerHandle | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
@@ -98,15 +112,20 @@ class DeltaBuffer:
             self._item = merge_deltas(self._item, item)
         if self._ready.is_set():
             return
+        if self._timer is not None:  # due soon anyway; only an end goes before
+            if _is_end(self._item):
+                self._wake()
+            return
         if self._interval > 1 and not _is_due(self._item, self._min_tokens):
             return
-        if self._batching_interval_s and not _is_end(self._item):
+        if self._batching_interval_s:
             loop = asyncio.get_running_loop()
-            wait = self._next_read_at - loop.time()
-            if wait > 0:
-                if self._timer is None:
-                    self._timer = loop.call_later(wait, self._ready.set)
+            now = loop.time()
+            if now < self._next_due and not _is_end(self._item):
+                self._woken_due = self._next_due
+                self._timer = loop.call_at(self._next_due, self._ready.set)
                 return
+            self._woken_due = now
         self._wake()
 
     def _wake(self) -> None:
@@ -124,8 +143,15 @@ class DeltaBuffer:
             raise item
         self._min_tokens = self._interval
         if self._batching_interval_s:
-            self._next_read_at = asyncio.get_running_loop().time() + self._batching_interval_s
+            self._next_due = _next_slot(self._woken_due, self._batching_interval_s, asyncio.get_running_loop().time())
         return item
+
+
+def _next_slot(due: float, interval: float, now: float) -> float:
+    """The first due + k * interval (k >= 1) later than `now`."""
+    if due + interval > now:
+        return due + interval
+    return due + (math.floor((now - due) / interval) + 1) * interval
 
 
 def _is_end(item: RequestOutput | BaseException) -> bool:

@@ -10,14 +10,18 @@
                        where asked, the cumulative result (LLM.generate, handle `generate`,
                        non-streaming HTTP)
 
-Nothing that grows with a request's history crosses a process boundary per step.
+Nothing that grows with a request's history crosses a process boundary per step, and what
+does (a step's StepOutputs, scheduler actor -> replica) pickles as constructor calls.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rayserve_paged.pickling import compact_pickle
 
+
+@compact_pickle
 @dataclass(slots=True)
 class SequenceDelta:
     """One sequence's new tokens in one step. `index` is the sequence's stable place in its
@@ -32,6 +36,7 @@ class SequenceDelta:
     stop_reason: int | str | None = None
 
 
+@compact_pickle
 @dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float
@@ -41,6 +46,7 @@ class RequestMetrics:
     num_preemptions: int = 0
 
 
+@compact_pickle
 @dataclass(slots=True)
 class StepOutput:
     """One request's progress in one step. Beam search reorders its beams until the end, so

@@ -6,6 +6,7 @@ calls), and a finish is never held for the interval."""
 from __future__ import annotations
 
 import asyncio
+import selectors
 
 import pytest
 
@@ -132,3 +133,65 @@ def test_the_interval_must_be_finite_and_not_negative(monkeypatch):
     assert AppArgs(model="tiny-opt", device="cpu").stream_batching_interval_ms == STREAM_BATCHING_INTERVAL_MS
     bound = record_binds(monkeypatch, AppArgs(model="tiny-opt", device="cpu", stream_batching_interval_ms=25))
     assert bound["LLMServer"]["kwargs"]["stream_batching_interval_ms"] == 25
+
+
+class _VirtualClockSelector(selectors.DefaultSelector):
+    """Waiting for a timer moves the loop's clock to it instead of sleeping."""
+
+    def __init__(self, loop: _VirtualTimeLoop) -> None:
+        super().__init__()
+        self.loop = loop
+
+    def select(self, timeout=None):
+        if timeout is None:
+            raise AssertionError("nothing scheduled: the reader would wait forever")
+        self.loop.now += timeout
+        return super().select(0)
+
+
+class _VirtualTimeLoop(asyncio.SelectorEventLoop):
+    def __init__(self) -> None:
+        self.now = 0.0
+        super().__init__(_VirtualClockSelector(self))
+
+    def time(self) -> float:
+        return self.now
+
+
+TICK = 1 / 64  # s; every time below is a whole number of ticks, exact in binary
+# (tick, token id, finishes): what the engine hands the buffer, and when
+PUTS = [(0, 0, False), (4, 4, False), (8, 8, False), (12, 12, False), (20, 20, False), (24, 24, False),
+        (28, 28, False), (36, 36, False), (60, 60, False), (90, 90, False), (94, 94, False), (110, 110, False),
+        (130, 130, False), (140, 140, True)]  # fmt: skip
+PAUSES = {16: 40, 106: 20}  # tick of a read -> ticks the reader is busy after it before it reads again
+
+
+def test_the_reads_keep_the_schedule_when_the_reader_is_late():
+    """Interval 16 ticks. Each read is due 16 ticks after the previous one was due, not
+    after it happened: the reader busy until 56 (its read due at 32) reads at 56 and next
+    at 64, the first slot after 56 (not 72, nor at once at 60 to catch up); late by 4
+    (due 122, read 126), it reads next at 138. Tokens that arrive after their read was
+    due (90) go at once and start the schedule from there (next due 106). The first token
+    and the finish go at once."""
+
+    async def read_all() -> list[tuple[float, list[int], bool]]:
+        loop = asyncio.get_running_loop()
+        buffer = DeltaBuffer(batching_interval_s=16 * TICK)
+        for tick, token, finishes in PUTS:
+            loop.call_at(tick * TICK, buffer.put, _delta([token], "length" if finishes else None))
+        reads = []
+        while not reads or not reads[-1][2]:
+            out = await buffer.get()
+            reads.append((loop.time() / TICK, out.outputs[0].token_ids, out.finished))
+            await asyncio.sleep(PAUSES.get(round(reads[-1][0]), 0) * TICK)
+        return reads
+
+    loop = _VirtualTimeLoop()
+    try:
+        reads = loop.run_until_complete(read_all())
+    finally:
+        loop.close()
+    assert reads == [
+        (0, [0], False), (16, [4, 8, 12], False), (56, [20, 24, 28, 36], False), (64, [60], False),
+        (90, [90], False), (106, [94], False), (126, [110], False), (138, [130], False), (140, [140], True),
+    ]  # fmt: skip

@@ -305,34 +305,48 @@ class GenerationPipeline:
     ) -> AsyncIterator[str]:
         """The SSE body both routes share: the preamble, one event per engine output (one
         request's step, or several steps a slow client had not read yet), the usage event
-        when asked, then [DONE]; an engine failure mid-stream becomes an error event."""
+        when asked, then [DONE]; an engine failure mid-stream becomes an error event.
+
+        Events that are ready together leave as one chunk (one body message for Serve's
+        proxy to relay): the preamble with the first event, and the last event with the
+        usage event and [DONE]."""
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         progress: dict[int, ChoiceProgress] = {}  # by choice index across prompts
         cached: dict[int, int] = {}  # prefix-cache hits by prompt
+        num_unfinished = len(prompts)
 
-        def events(index: int, result: RequestOutput) -> Iterable[str]:
+        def event(index: int, result: RequestOutput) -> str:
+            nonlocal num_unfinished
+            num_unfinished -= result.finished
             cached[index] = max(cached.get(index, 0), result.num_cached_tokens)
             states = (progress.setdefault(index * request.n + out.index, ChoiceProgress()) for out in result.outputs)
             choices = [to_choice(index, out, state) for out, state in zip(result.outputs, states)]
-            if choices:
-                yield chunk(choices, None)
+            return chunk(choices, None) if choices else ""
 
+        def end() -> str:
+            if not include_usage:
+                return SSE_DONE
+            num_cached = sum(cached.values()) if self.enable_prompt_tokens_details else None
+            num_completion = sum(state.num_tokens for state in progress.values())
+            return chunk([], UsageInfo.of(_num_prompt_tokens(prompts), num_completion, num_cached)) + SSE_DONE
+
+        body = "".join(preamble)
         try:
-            for event in preamble:
-                yield event
-            for event in events(*first):
-                yield event
-            async for index, result in outputs:
-                for event in events(index, result):
-                    yield event
-            if include_usage:
-                num_cached = sum(cached.values()) if self.enable_prompt_tokens_details else None
-                num_completion = sum(state.num_tokens for state in progress.values())
-                yield chunk([], UsageInfo.of(_num_prompt_tokens(prompts), num_completion, num_cached))
-            yield SSE_DONE
+            body += event(*first)
+            if num_unfinished:
+                if body:
+                    yield body
+                body = ""
+                async for index, result in outputs:
+                    body = event(index, result)
+                    if not num_unfinished:
+                        break
+                    if body:
+                        yield body
+                    body = ""
+            yield body + end()
         except Exception as exc:
-            yield sse_event(ErrorResponse(error=to_openai_error(exc, engine_renames(request)).info))
-            yield SSE_DONE
+            yield body + sse_event(ErrorResponse(error=to_openai_error(exc, engine_renames(request)).info)) + SSE_DONE
         finally:
             await outputs.aclose()
 

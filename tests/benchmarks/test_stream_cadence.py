@@ -1,0 +1,21 @@
+"""The front-end cadence benchmark, one quick run on the ceiling model: every request's
+tokens arrive, in as many events as the interval allows. Never its speed."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import stream_cadence
+
+
+def test_a_quick_run_reads_every_token_and_coalesces_with_an_interval(tmp_path):
+    out = tmp_path / "cadence.json"
+    argv = ["--interval-ms", "0", "--interval-ms", "60000", "--streams", "2", "--num-requests", "4",
+            "--output-len", "8", "--out", str(out)]  # fmt: skip
+    assert stream_cadence.main(argv) == 0
+    free, held = json.loads(out.read_text())
+    assert [free["interval_ms"], held["interval_ms"]] == [0.0, 60000.0]
+    assert free["output_tokens"] == held["output_tokens"] == 4 * 8
+    assert held["events"] == 4 * 2  # an interval no run outlasts: the first token, then the rest with the end
+    assert 4 * 2 <= free["events"] <= 4 * 8
+    assert held["gap_ms"]["median"] is not None and held["e2e_ms"]["p99"] is not None
