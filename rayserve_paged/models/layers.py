@@ -419,6 +419,9 @@ class RMSNorm(nn.Module):
 
     `forward(x, residual)` fuses the residual add that precedes every norm in a pre-norm
     block: it returns (norm(x + residual), x + residual).
+
+    float32 on the CPU (activations and weight, no offset) runs torch.rms_norm: one op
+    instead of six, bit for bit the same values as the formula (tests/models/test_norm.py).
     """
 
     shard_ids: tuple | None = None
@@ -435,6 +438,12 @@ class RMSNorm(nn.Module):
         copy_weight(param, loaded)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if x.dtype == torch.float32 and weight.dtype == torch.float32 and not self.weight_offset and x.device.type == "cpu":
+            return torch.rms_norm(x, weight.shape, weight, self.eps)
+        return self._norm_formula(x)
+
+    def _norm_formula(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight_offset:
