@@ -17,7 +17,7 @@ LinearMethod's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -156,10 +156,19 @@ class DecoderContext:
     dtype: torch.dtype | None
     attention_class: type[nn.Module]
     mlp_class: type[nn.Module]
+    rotary: dict = field(default_factory=dict)  # (head_dim, rope) -> the layers' shared RotaryEmbedding
 
     def norm(self, size: int) -> RMSNorm:
         cfg = self.config
         return RMSNorm(size, cfg.rms_norm_eps, dtype=self.dtype, weight_offset=cfg.norm_weight_offset)
+
+    def rotary_embedding(self, head_dim: int, rope: RopeScaling) -> RotaryEmbedding:
+        """One instance per distinct RoPE, shared by the layers that use it: within a forward
+        it computes cos/sin once (RotaryEmbedding.begin_step)."""
+        key = (head_dim, rope)
+        if key not in self.rotary:
+            self.rotary[key] = RotaryEmbedding(head_dim, rope)
+        return self.rotary[key]
 
 
 class DecoderAttention(nn.Module):
@@ -177,7 +186,7 @@ class DecoderAttention(nn.Module):
         if cfg.qk_norm:  # one [head_dim] weight shared by every head: replicated on every rank
             self.q_norm, self.k_norm = ctx.norm(d), ctx.norm(d)
         rope = cfg.local_rope if cfg.local_rope is not None and cfg.is_sliding(layer_idx) else cfg.rope
-        self.rotary_emb = RotaryEmbedding(d, rope)
+        self.rotary_emb = ctx.rotary_embedding(d, rope)
         scale = cfg.attn_scale if cfg.attn_scale is not None else d**-0.5
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, d, scale=scale, backend=ctx.backend,
@@ -250,6 +259,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel=ctx.parallel, dtype=ctx.dtype)
         self.layers = nn.ModuleList(layer_class(ctx, i) for i in range(cfg.num_layers))
         self.norm = ctx.norm(cfg.hidden_size)
+        self._rotary = tuple(ctx.rotary.values())  # each computes cos/sin once per forward
         # as HF does: the scale rounded to the model dtype first
         scale = cfg.embed_scale
         self.embed_scale = None if scale is None else float(torch.tensor(scale, dtype=ctx.dtype or torch.float32))
@@ -261,8 +271,14 @@ class DecoderModel(nn.Module):
         if self.embed_scale is not None:
             x = x * self.embed_scale
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
+        for rotary in self._rotary:
+            rotary.begin_step()
+        try:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
+        finally:
+            for rotary in self._rotary:
+                rotary.end_step()
         x, _ = self.norm(x, residual)
         return x  # [T, hidden]
 

@@ -42,18 +42,27 @@ def reshape_and_cache(
     write_slots(key, value, key_cache, value_cache, slot_mapping)
 
 
-def write_slots(key, value, key_cache, value_cache, slot_mapping) -> None:
+def cpu_slot_writes(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the real tokens' slots, the mask of real tokens or None when every token is real): what
+    write_slots writes on the CPU, the same for every layer of a step."""
+    # boolean indexing sizes its result on the host: free on CPU, a device sync elsewhere
+    is_real = slot_mapping != PAD_SLOT  # [num_tokens]
+    if bool(is_real.all()):
+        return slot_mapping, None
+    return slot_mapping[is_real], is_real  # [num_real_tokens], [num_tokens]
+
+
+def write_slots(key, value, key_cache, value_cache, slot_mapping, cpu_writes=None) -> None:
     """reshape_and_cache without its checks, for callers that checked the same shapes, dtypes
-    and devices already (the attention backends, once per step)."""
+    and devices already (the attention backends, once per step). `cpu_writes`: the step's
+    cpu_slot_writes(slot_mapping), computed once for all its layers (CPU caches only)."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     flat_shape = (num_blocks * block_size, num_kv_heads, head_dim)
     flat_key, flat_value = key_cache.view(flat_shape), value_cache.view(flat_shape)
     if key_cache.device.type == "cpu":
-        # boolean indexing sizes its result on the host: free on CPU, a device sync elsewhere
-        is_real = slot_mapping != PAD_SLOT  # [num_tokens]
-        slots = slot_mapping[is_real]  # [num_real_tokens]
-        flat_key.index_copy_(0, slots, key[is_real])
-        flat_value.index_copy_(0, slots, value[is_real])
+        slots, is_real = cpu_writes if cpu_writes is not None else cpu_slot_writes(slot_mapping)
+        flat_key.index_copy_(0, slots, key if is_real is None else key[is_real])
+        flat_value.index_copy_(0, slots, value if is_real is None else value[is_real])
         return
     _write_fixed_shape(key, value, flat_key, flat_value, slot_mapping)
 

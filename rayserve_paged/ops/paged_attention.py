@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from . import cpu_decode
 from .attention import AttentionMetadata
-from .cache_ops import _check_reshape_and_cache, write_slots
+from .cache_ops import _check_reshape_and_cache, cpu_slot_writes, write_slots
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -139,7 +139,8 @@ class TorchReferenceBackend(AttentionBackend):
 
     def forward(self, query, key, value, key_cache, value_cache, metadata, scale, sliding_window=None, soft_cap=None):
         plan = self._layer_plan(query, key, value, key_cache, value_cache, metadata)
-        write_slots(key, value, key_cache, value_cache, metadata.slot_mapping)
+        writes = plan.cpu_slot_writes() if key_cache.device.type == "cpu" else None
+        write_slots(key, value, key_cache, value_cache, metadata.slot_mapping, writes)
         output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         num_prefill_tokens, num_real_tokens = plan.num_prefill_tokens, plan.num_real_tokens
         if num_real_tokens < plan.num_tokens:
@@ -230,6 +231,7 @@ class StepPlan:
         self.prefill_query_lens, self.prefill_seq_lens = prefill_lengths_host(metadata)
         self._prefill_context_blocks: list[torch.Tensor | None] | None = None
         self._kernel_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cpu_slot_writes: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._decode_chunks: dict[int | None, list[_DecodeChunk]] = {}  # by sliding window
 
     def decode_rows(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -247,6 +249,12 @@ class StepPlan:
                 for i, (query_len, seq_len) in enumerate(zip(self.prefill_query_lens, self.prefill_seq_lens))
             ]
         return self._prefill_context_blocks
+
+    def cpu_slot_writes(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """cache_ops.cpu_slot_writes of the step's slot mapping, built once for all layers."""
+        if self._cpu_slot_writes is None:
+            self._cpu_slot_writes = cpu_slot_writes(self.metadata.slot_mapping)
+        return self._cpu_slot_writes
 
     def kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(block_tables [num_decodes, max_blocks], seq_lens [num_decodes]) as contiguous int32."""

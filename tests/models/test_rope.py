@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
-from rayserve_paged.models.layers import RopeScaling, rope_inv_freq, rope_scaling_from_hf
+from rayserve_paged.models.decoder import DecoderContext
+from rayserve_paged.models.layers import RopeScaling, RotaryEmbedding, rope_inv_freq, rope_scaling_from_hf
 
 from .conftest import hf_logits, make_runner
 
@@ -95,3 +97,45 @@ def test_yarn_inv_freq_and_attention_factor_match_transformers(params):
     rope = rope_scaling_from_hf({"rope_parameters": rope_parameters, "max_position_embeddings": 256})
     torch.testing.assert_close(rope_inv_freq(128, rope), expected, atol=0, rtol=1e-6)
     assert rope_attention_scaling(rope) == pytest.approx(expected_scaling, rel=1e-12)
+
+
+def test_layers_share_one_rotary_and_a_forward_computes_cos_sin_once(tiny_checkpoint, monkeypatch):
+    runner = make_runner(tiny_checkpoint("llama"))
+    layers = runner.model.model.layers
+    rotary = layers[0].self_attn.rotary_emb
+    assert len(layers) > 1 and all(layer.self_attn.rotary_emb is rotary for layer in layers)
+    computed = []
+    compute = RotaryEmbedding._cos_sin
+    monkeypatch.setattr(RotaryEmbedding, "_cos_sin", lambda self, *a: computed.append(1) or compute(self, *a))
+    memoized = runner.step(list(enumerate(PROMPTS)), all_logits=True)
+    assert len(computed) == 1  # one prefill step, every layer
+    assert rotary._step_cos_sin is None and not rotary._in_step  # nothing held past the forward
+    # the same step with cos/sin recomputed at every layer: bit for bit the same logits
+    monkeypatch.setattr(RotaryEmbedding, "begin_step", lambda self: None)
+    computed.clear()
+    fresh = make_runner(tiny_checkpoint("llama"))
+    assert torch.equal(fresh.step(list(enumerate(PROMPTS)), all_logits=True), memoized)
+    assert len(computed) == len(layers)
+
+
+def test_one_rotary_per_distinct_rope_and_none_reused_outside_a_step():
+    ctx = DecoderContext(None, None, None, torch.float32, nn.Module, nn.Module)
+    default, linear = RopeScaling(), RopeScaling(rope_type="linear", factor=2.0)
+    assert ctx.rotary_embedding(8, default) is ctx.rotary_embedding(8, RopeScaling())
+    assert ctx.rotary_embedding(8, linear) is not ctx.rotary_embedding(8, default)
+    assert ctx.rotary_embedding(4, default) is not ctx.rotary_embedding(8, default)
+    assert len(ctx.rotary) == 3
+    rotary = ctx.rotary_embedding(8, default)
+    positions, q, k = torch.tensor([0, 1]), torch.randn(2, 2, 8), torch.randn(2, 1, 8)
+    first = rotary(positions, q, k)
+    positions.fill_(5)  # written in place: outside begin_step / end_step nothing is memoized
+    assert not torch.equal(rotary(positions, q, k)[0], first[0])
+    rotary.begin_step()
+    within = rotary(positions, q, k)
+    memo = rotary._step_cos_sin
+    assert memo is not None and memo[0] is positions
+    assert torch.equal(rotary(positions, q, k)[0], within[0]) and rotary._step_cos_sin is memo  # reused
+    other = torch.tensor([0, 1])  # another positions tensor: computed for it
+    assert torch.equal(rotary(other, q, k)[0], first[0]) and rotary._step_cos_sin[0] is other
+    rotary.end_step()
+    assert rotary._step_cos_sin is None

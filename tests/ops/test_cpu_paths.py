@@ -18,7 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rayserve_paged.ops import TorchReferenceBackend, cpu_decode, reshape_and_cache
+from rayserve_paged.ops import PAD_SLOT, TorchReferenceBackend, cpu_decode, reshape_and_cache
+from rayserve_paged.ops.cache_ops import cpu_slot_writes, write_slots
 
 from .builders import make_attention_inputs, make_metadata
 from .test_reference import dense_attention, run_case
@@ -214,3 +215,20 @@ def test_the_kernel_can_be_switched_off(fresh_kernel_state, monkeypatch, caplog)
     with caplog.at_level(logging.INFO, logger=cpu_decode.__name__):
         assert cpu_decode.load() is None
     assert f"{cpu_decode.DISABLE_ENV}=0" in caplog.text
+
+
+@pytest.mark.parametrize("slots", [[5, 0, 17, 3], [5, PAD_SLOT, 17, PAD_SLOT], [PAD_SLOT, PAD_SLOT]])
+def test_a_steps_slot_writes_computed_once_write_what_the_masked_copy_writes(slots, generator):
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    real = [s for s in slots if s != PAD_SLOT]
+    written, is_real = cpu_slot_writes(slot_mapping)
+    assert written.tolist() == real
+    assert (is_real is None) == (len(real) == len(slots))
+    key, value = (torch.randn(len(slots), 2, 4, generator=generator) for _ in range(2))
+    caches = [torch.randn(3, 8, 2, 4, generator=generator) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    for i, slot in enumerate(slots):  # the caches as [slot, head, dim] rows
+        if slot != PAD_SLOT:
+            want[0].view(24, 2, 4)[slot], want[1].view(24, 2, 4)[slot] = key[i], value[i]
+    write_slots(key, value, *caches, slot_mapping, (written, is_real))
+    assert all(torch.equal(c, w) for c, w in zip(caches, want))
