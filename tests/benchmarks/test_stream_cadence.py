@@ -16,6 +16,8 @@ def test_a_quick_run_reads_every_token_and_coalesces_with_an_interval(tmp_path):
     free, held = json.loads(out.read_text())
     assert [free["interval_ms"], held["interval_ms"]] == [0.0, 60000.0]
     assert free["output_tokens"] == held["output_tokens"] == 4 * 8
-    assert held["events"] == 4 * 2  # an interval no run outlasts: the first token, then the rest with the end
-    assert 4 * 2 <= free["events"] <= 4 * 8
+    # an interval no run outlasts: the first token, then the rest with the end (one event
+    # when the engine thread ran ahead of the reader to the end before its first read)
+    assert 4 <= held["events"] <= 4 * 2
+    assert 4 <= free["events"] <= 4 * 8  # at most one event per token, at least one per request
     assert held["gap_ms"]["median"] is not None and held["e2e_ms"]["p99"] is not None

@@ -89,7 +89,7 @@ def test_completion_and_usage(client):
 
 
 def test_streaming_completion_equals_the_whole(client):
-    kwargs = dict(model="tiny-opt", prompt="Once upon a time", max_tokens=12, temperature=0)
+    kwargs = dict(model="tiny-opt", prompt="Once upon a time", max_tokens=48, temperature=0)
     whole = client.completions.create(**kwargs).choices[0].text
     pieces = [c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices]
     assert "".join(pieces) == whole and len(pieces) > 1
