@@ -25,6 +25,7 @@ from torch import nn
 
 from rayserve_paged.ops.attention import AttentionMetadata
 
+from .compiled_decode import CompiledDecode
 from .layers import (
     ROPE_LEN_PER_SEQUENCE,
     ROPE_LEN_PER_TOKEN,
@@ -260,6 +261,9 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layer_class(ctx, i) for i in range(cfg.num_layers))
         self.norm = ctx.norm(cfg.hidden_size)
         self._rotary = tuple(ctx.rotary.values())  # each computes cos/sin once per forward
+        self.config = cfg
+        self.use_compiled_decode = True  # decode steps through models/compiled_decode.py when the model qualifies
+        self._compiled: CompiledDecode | None | object = UNDECIDED
         # as HF does: the scale rounded to the model dtype first
         scale = cfg.embed_scale
         self.embed_scale = None if scale is None else float(torch.tensor(scale, dtype=ctx.dtype or torch.float32))
@@ -271,16 +275,30 @@ class DecoderModel(nn.Module):
         if self.embed_scale is not None:
             x = x * self.embed_scale
         residual = None
-        for rotary in self._rotary:
-            rotary.begin_step()
-        try:
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
-        finally:
+        compiled = self._compiled_decode()
+        if compiled is not None and compiled.can_run(attn_metadata, kv_caches):
+            x, residual = compiled.forward(x, positions, kv_caches, attn_metadata)
+        else:
             for rotary in self._rotary:
-                rotary.end_step()
+                rotary.begin_step()
+            try:
+                for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                    x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
+            finally:
+                for rotary in self._rotary:
+                    rotary.end_step()
         x, _ = self.norm(x, residual)
         return x  # [T, hidden]
+
+    def _compiled_decode(self) -> CompiledDecode | None:
+        """Decided at the first forward, once the weights are in their final form."""
+        if self._compiled is UNDECIDED:
+            skeleton = (DecoderLayer, DecoderAttention, DecoderMLP)
+            self._compiled = CompiledDecode.for_model(self, skeleton) if self.use_compiled_decode else None
+        return self._compiled
+
+
+UNDECIDED = object()
 
 
 # checkpoint module -> (our fused module, shard id): q/k/v into qkv_proj, gate/up into gate_up_proj

@@ -731,13 +731,13 @@ class RotaryEmbedding(nn.Module):
         # positions [T]; query [T, H, D]; key [T, Hkv, D]; rope_lens [T] (length-dependent types)
         memo = self._step_cos_sin
         if memo is None or memo[0] is not positions or memo[1] is not rope_lens or memo[2] != query.dtype:
-            cos, sin = self._cos_sin(positions, rope_lens, query.dtype)
+            cos, sin = self.cos_sin(positions, rope_lens, query.dtype)
             memo = (positions, rope_lens, query.dtype, cos, sin)
             if self._in_step:
                 self._step_cos_sin = memo
         return _rotate(query, memo[3], memo[4]), _rotate(key, memo[3], memo[4])
 
-    def _cos_sin(
+    def cos_sin(
         self, positions: torch.Tensor, rope_lens: torch.Tensor | None, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D] in `dtype`."""

@@ -145,24 +145,36 @@ def compiler() -> str | None:
 
 
 def _build_and_load() -> PagedDecodeKernel | None:
+    return build_and_load(PagedDecodeKernel, "CPU paged-decode kernel", "CPU decode uses the slower torch path")
+
+
+def build_and_load(
+    wrapper, what: str, otherwise: str, source_path: Path = SOURCE, flags: tuple[str, ...] = FLAGS,
+    includes: tuple[Path, ...] = (),
+):
+    """wrapper(library, path) of the cached build of `source_path`; None after one warning
+    ("<what> unavailable (...): <otherwise>") when there is no compiler or the build or load
+    fails. Every kernel in csrc/ is loaded this way."""
     cxx = compiler()
     if cxx is None:
-        logger.warning("no C++ compiler found ($CXX, c++, g++, clang++): CPU decode uses the slower torch path")
+        logger.warning("no C++ compiler found ($CXX, c++, g++, clang++): %s", otherwise)
         return None
     try:
-        path = cached_build(cxx)
-        return PagedDecodeKernel(ctypes.CDLL(str(path)), path)
+        path = cached_build(cxx, source_path, flags, includes)
+        return wrapper(ctypes.CDLL(str(path)), path)
     except (OSError, subprocess.SubprocessError, AttributeError) as error:
-        logger.warning("CPU paged-decode kernel unavailable (%s): CPU decode uses the slower torch path", error)
+        logger.warning("%s unavailable (%s): %s", what, error, otherwise)
         return None
 
 
-def cached_build(cxx: str, source_path: Path = SOURCE, flags: tuple[str, ...] = FLAGS) -> Path:
-    """The library for this source, flags, compiler and CPU: built under a file lock when
-    missing. Every kernel in csrc/ is built and cached this way."""
-    source = source_path.read_bytes()
+def cached_build(
+    cxx: str, source_path: Path = SOURCE, flags: tuple[str, ...] = FLAGS, includes: tuple[Path, ...] = ()
+) -> Path:
+    """The library for this source (and the sources it #includes), flags, compiler and CPU:
+    built under a file lock when missing. Every kernel in csrc/ is built and cached this way."""
     key = hashlib.sha256()
-    for part in (source, " ".join(flags).encode(), _compiler_version(cxx), _cpu_flags()):
+    for part in (source_path.read_bytes(), *(p.read_bytes() for p in includes), " ".join(flags).encode(),
+                 _compiler_version(cxx), _cpu_flags()):  # fmt: skip
         key.update(part)
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)

@@ -52,14 +52,19 @@ class AttentionBackend:
     def _new_plan(self, metadata: AttentionMetadata) -> StepPlan:
         return StepPlan(metadata)
 
-    def _layer_plan(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> StepPlan:
-        """The step's plan, with this layer's inputs checked: in full at the first layer of a
-        step and at any layer whose signature differs from the last checked one, else by the
-        signature comparison alone. A metadata begin_step has not seen begins a step."""
+    def step_plan(self, metadata: AttentionMetadata) -> StepPlan:
+        """The plan of the step `metadata` describes; a metadata begin_step has not seen begins a step."""
         plan = self._plan
         if plan is None or plan.metadata is not metadata:
             self.begin_step(metadata)
             plan = self._plan
+        return plan
+
+    def _layer_plan(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> StepPlan:
+        """The step's plan, with this layer's inputs checked: in full at the first layer of a
+        step and at any layer whose signature differs from the last checked one, else by the
+        signature comparison alone. A metadata begin_step has not seen begins a step."""
+        plan = self.step_plan(metadata)
         signature = layer_signature(query, key, value, key_cache, value_cache)
         if signature != plan.layer_signature:
             self._check_layer(query, key, value, key_cache, value_cache, metadata)
@@ -165,6 +170,11 @@ class TorchReferenceBackend(AttentionBackend):
                     decode_query, key_cache, value_cache, plan, scale, sliding_window, soft_cap, out=decode_out
                 )
         return output
+
+    def decodes_with_cpu_kernel(self, key_cache: torch.Tensor) -> bool:
+        """Whether float32 decode over this cache runs the compiled kernel (what the compiled
+        decoder layer of ops/cpu_layer.py runs in its place)."""
+        return key_cache.dtype == torch.float32 and self._cpu_kernel(key_cache, key_cache) is not None
 
     def _cpu_kernel(self, query: torch.Tensor, key_cache: torch.Tensor) -> cpu_decode.PagedDecodeKernel | None:
         if not self.use_cpu_kernel or query.device.type != "cpu" or query.dtype != torch.float32:

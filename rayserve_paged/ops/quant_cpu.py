@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,13 +133,7 @@ def _build_and_load(extra_flags: tuple[str, ...]) -> GroupQuantGemmKernel | None
     if os.environ.get(cpu_decode.DISABLE_ENV, "1") == "0":
         logger.info("CPU group-quantized kernel disabled (%s=0)", cpu_decode.DISABLE_ENV)
         return None
-    cxx = cpu_decode.compiler()
-    if cxx is None:
-        logger.warning("no C++ compiler found ($CXX, c++, g++, clang++): no compiled group-quantized CPU kernel")
-        return None
-    try:
-        path = cpu_decode.cached_build(cxx, SOURCE, cpu_decode.FLAGS + extra_flags)
-        return GroupQuantGemmKernel(ctypes.CDLL(str(path)), path)
-    except (OSError, subprocess.SubprocessError, AttributeError) as error:
-        logger.warning("CPU group-quantized kernel unavailable (%s)", error)
-        return None
+    return cpu_decode.build_and_load(
+        GroupQuantGemmKernel, "CPU group-quantized kernel", "quantized layers keep another plan", SOURCE,
+        cpu_decode.FLAGS + extra_flags,
+    )

@@ -105,8 +105,8 @@ def test_layers_share_one_rotary_and_a_forward_computes_cos_sin_once(tiny_checkp
     rotary = layers[0].self_attn.rotary_emb
     assert len(layers) > 1 and all(layer.self_attn.rotary_emb is rotary for layer in layers)
     computed = []
-    compute = RotaryEmbedding._cos_sin
-    monkeypatch.setattr(RotaryEmbedding, "_cos_sin", lambda self, *a: computed.append(1) or compute(self, *a))
+    compute = RotaryEmbedding.cos_sin
+    monkeypatch.setattr(RotaryEmbedding, "cos_sin", lambda self, *a: computed.append(1) or compute(self, *a))
     memoized = runner.step(list(enumerate(PROMPTS)), all_logits=True)
     assert len(computed) == 1  # one prefill step, every layer
     assert rotary._step_cos_sin is None and not rotary._in_step  # nothing held past the forward

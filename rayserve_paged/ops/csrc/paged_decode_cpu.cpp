@@ -116,17 +116,10 @@ void attend(const DecodeArgs& a, int64_t seq, std::vector<float>& scratch) {
     for (int64_t i = 0; i < d; ++i) out[h * d + i] *= inv_sum[h];
 }
 
-}  // namespace
-
-// Returns 0; or 1 when seq_lens[bad[0]] is negative or does not fit max_blocks blocks; or 2
-// when block id block_tables[bad[0], bad[1]] is outside [0, num_blocks). Nothing is read from
-// the caches before every sequence's table has been checked.
-extern "C" int rayserve_paged_decode_f32(float* out, const float* query, const float* key_cache,
-                                         const float* value_cache, const int32_t* block_tables,
-                                         const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads,
-                                         int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
-                                         int64_t block_size, int64_t max_blocks, float scale,
-                                         int64_t window, float soft_cap, int num_threads, int64_t* bad) {
+// 0; or 1 when seq_lens[bad[0]] is negative or does not fit max_blocks blocks; or 2 when block
+// id block_tables[bad[0], bad[1]] is outside [0, num_blocks). Reads only the tables and lengths.
+int check_decode_tables(const int32_t* block_tables, const int32_t* seq_lens, int64_t num_seqs, int64_t num_blocks,
+                        int64_t block_size, int64_t max_blocks, int64_t window, int64_t* bad) {
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t used = (static_cast<int64_t>(seq_lens[s]) + block_size - 1) / block_size;
     if (seq_lens[s] < 0 || used > max_blocks) {
@@ -144,6 +137,21 @@ extern "C" int rayserve_paged_decode_f32(float* out, const float* query, const f
       }
     }
   }
+  return 0;
+}
+
+}  // namespace
+
+// Returns check_decode_tables' status: nothing is read from the caches before every
+// sequence's table has been checked.
+extern "C" int rayserve_paged_decode_f32(float* out, const float* query, const float* key_cache,
+                                         const float* value_cache, const int32_t* block_tables,
+                                         const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads,
+                                         int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
+                                         int64_t block_size, int64_t max_blocks, float scale,
+                                         int64_t window, float soft_cap, int num_threads, int64_t* bad) {
+  const int status = check_decode_tables(block_tables, seq_lens, num_seqs, num_blocks, block_size, max_blocks, window, bad);
+  if (status != 0) return status;
   const DecodeArgs args{out,       query,        key_cache,  value_cache, block_tables, seq_lens, num_heads,
                         num_kv_heads, head_dim, block_size, max_blocks,  scale,        window,   soft_cap};
   if (num_threads <= 1 || num_seqs <= 1) {
