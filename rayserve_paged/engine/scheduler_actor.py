@@ -60,7 +60,6 @@ class SchedulerActor:
             factory = None
         else:
             raise ValueError(f"executor: expected 'auto', 'ray' or 'in-process' (got {executor!r})")
-        self.engine = LLMEngine(config, executor_factory=factory) if factory else LLMEngine(config)
         self._ops: deque = deque()
         self._wake = threading.Event()
         self._batches: asyncio.Queue | None = None
@@ -68,9 +67,21 @@ class SchedulerActor:
         self._alive = True
         self._error: BaseException | None = None
         self.timing = StepTiming()
-        self.telemetry = ReplicaTelemetry(self.engine, TelemetryConfig.model_validate(telemetry or {}))
-        self._thread = threading.Thread(target=self._run, name="step-loop", daemon=True)
+        self._telemetry_ready = threading.Event()  # the step loop starts once telemetry exists
+        # The engine is built on the step thread, which then runs every step: the model's torch
+        # and compiled-kernel work all starts its OpenMP parallel regions from that one thread,
+        # so the process has one OpenMP team. (Built here on the actor's thread, the load and
+        # the KV profile would leave a second team behind; with more OpenMP threads than CPUs
+        # libgomp spins ~1000 times instead of ~300k before sleeping, and every parallel region
+        # of every step pays a wake-up: a two-thread replica ran one stream no faster than a
+        # one-thread one, docs/BENCHMARKS.md 15a.)
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        make_engine = lambda: LLMEngine(config, executor_factory=factory) if factory else LLMEngine(config)  # noqa: E731
+        self._thread = threading.Thread(target=self._run, args=(make_engine, built), name="step-loop", daemon=True)
         self._thread.start()
+        self.engine: LLMEngine = built.result()  # the construction's error, raised here
+        self.telemetry = ReplicaTelemetry(self.engine, TelemetryConfig.model_validate(telemetry or {}))
+        self._telemetry_ready.set()
 
     # ------------------------------------------------------------------ called by the owner
 
@@ -258,7 +269,14 @@ class SchedulerActor:
         except Exception as e:  # telemetry never stops the step loop
             logger.warning("gathering GPU snapshots failed: %r", e)
 
-    def _run(self) -> None:
+    def _run(self, make_engine, built: concurrent.futures.Future) -> None:
+        try:
+            self.engine = make_engine()
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(self.engine)
+        self._telemetry_ready.wait()
         try:
             while self._alive:
                 self._apply_ops()

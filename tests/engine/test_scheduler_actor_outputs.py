@@ -48,3 +48,36 @@ def test_a_step_pickles_as_constructor_calls_and_back_whole():
     ]
     assert pickle.loads(pickle.dumps(step, protocol=5)) == step
     assert step[1].__reduce__() == (StepOutput, ("b@1", step[1].outputs, True, 0, metrics, None))
+
+
+def test_the_engine_is_built_and_stepped_on_the_step_thread(tiny_paths, monkeypatch):
+    """Model load, KV profile and every step run on one thread (one OpenMP team in the
+    process); an engine that fails to build fails the actor's constructor with its error."""
+    import threading
+
+    from rayserve_paged.config import EngineConfig
+    from rayserve_paged.core.sequence import SamplingParams
+    from rayserve_paged.engine.llm_engine import LLMEngine
+    from rayserve_paged.worker.worker import Worker
+
+    threads = {"load": set(), "step": set()}
+    load, step = Worker.load_model, LLMEngine.step
+    monkeypatch.setattr(Worker, "load_model", lambda self, *a, **k: threads["load"].add(threading.get_ident()) or load(self, *a, **k))
+    monkeypatch.setattr(LLMEngine, "step", lambda self: threads["step"].add(threading.get_ident()) or step(self))
+    config = EngineConfig(model=tiny_paths["opt"], max_model_len=64, num_gpu_blocks_override=16, swap_space_gb=0.01)
+    actor = SchedulerActor(config, executor="in-process")
+
+    async def main():
+        stream = actor.outputs()
+        await actor.add_request("r", None, [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))
+        while not any(out.finished for out in await anext(stream)):
+            pass
+
+    try:
+        asyncio.run(main())
+    finally:
+        actor.shutdown()
+    assert threads["load"] == threads["step"] == {actor._thread.ident}
+    assert actor._thread.ident != threading.get_ident()
+    with pytest.raises(ValueError, match="max_model_len"):
+        SchedulerActor(config.model_copy(update={"max_model_len": 10**6}), executor="in-process")
