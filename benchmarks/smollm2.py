@@ -158,7 +158,7 @@ def run_http(convs: list[list[dict]], max_tokens: int, threads: int, log_dir: Pa
 
     config = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "smollm2.yaml").read_text())
     args = config["applications"][0]["args"]
-    args.pop("autoscaling_config")
+    args.pop("autoscaling_config", None)
     args |= {"num_replicas": 1, "num_cpu_threads": threads, "max_model_len": ENGINE_OPTIONS["max_model_len"],
              "quantization": ENGINE_OPTIONS["quantization"]}
     with LaunchedServer(config, log_dir) as server:

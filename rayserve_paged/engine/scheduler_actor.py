@@ -31,6 +31,7 @@ from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
 from rayserve_paged.engine.frontend import EngineUnavailable
 from rayserve_paged.engine.llm_engine import LLMEngine
+from rayserve_paged.models.loader import release_freed_memory
 from rayserve_paged.telemetry import ReplicaTelemetry, TelemetryConfig
 
 logger = logging.getLogger(__name__)
@@ -277,15 +278,20 @@ class SchedulerActor:
             return
         built.set_result(self.engine)
         self._telemetry_ready.wait()
+        was_busy = False
         try:
             while self._alive:
                 self._apply_ops()
                 if self.telemetry.is_gpu_poll_due():
                     self._poll_gpu()
                 if not self.engine.has_unfinished_requests():
+                    if was_busy:  # the steps' freed memory goes back to the system while idle
+                        release_freed_memory()
+                        was_busy = False
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
+                was_busy = True
                 start = time.perf_counter()
                 outputs = self.engine.step()
                 self.timing.steps += 1

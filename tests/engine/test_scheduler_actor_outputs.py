@@ -81,3 +81,37 @@ def test_the_engine_is_built_and_stepped_on_the_step_thread(tiny_paths, monkeypa
     assert actor._thread.ident != threading.get_ident()
     with pytest.raises(ValueError, match="max_model_len"):
         SchedulerActor(config.model_copy(update={"max_model_len": 10**6}), executor="in-process")
+
+
+def test_the_step_loop_returns_freed_memory_once_each_time_it_goes_idle(tiny_paths, monkeypatch):
+    import time
+
+    from rayserve_paged.config import EngineConfig
+    from rayserve_paged.core.sequence import SamplingParams
+    from rayserve_paged.engine import scheduler_actor
+
+    trims = []
+    monkeypatch.setattr(scheduler_actor, "release_freed_memory", lambda: trims.append(time.monotonic()))
+    config = EngineConfig(model=tiny_paths["opt"], max_model_len=64, num_gpu_blocks_override=16, swap_space_gb=0.01)
+    actor = SchedulerActor(config, executor="in-process")
+
+    async def request(request_id: str) -> None:
+        await actor.add_request(request_id, None, [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))
+        while not any(out.finished for out in await anext(stream)):
+            pass
+
+    async def main():
+        await asyncio.sleep(0.6)  # idle from the start: nothing to return yet
+        assert trims == []
+        await request("a")
+        await asyncio.sleep(1.2)  # idle again: once, not once per wait
+        assert len(trims) == 1
+        await request("b")
+        await asyncio.sleep(0.6)
+        assert len(trims) == 2
+
+    stream = actor.outputs()
+    try:
+        asyncio.run(main())
+    finally:
+        actor.shutdown()
