@@ -188,9 +188,11 @@ class AffinityPolicy:
         return random.choice([r for r in tied if sizes[r] == fewest])
 
     def _num_known_blocks(self, replica: str) -> int:
+        """Blocks it reported or was sent since its report before last (the two generations
+        num_cached_blocks counts: a report taken before a request's prefill forgets nothing)."""
         published = self._published.get(replica, (None, frozenset()))[1]
-        current, _ = self._sent.get(replica, (set(), set()))
-        return len(published) + len(current - published)
+        current, previous = self._sent.get(replica, (set(), set()))
+        return len(published | current | previous)
 
     def record(self, key: RoutingKey, replica: str) -> None:
         """`key`'s request went to `replica`: its session sticks there, its blocks will be there."""

@@ -65,6 +65,22 @@ def test_equal_chains_go_to_the_less_loaded_and_the_threshold_passes_a_loaded_re
         AffinityPolicy(imbalance_threshold=-1)
 
 
+def test_a_report_taken_before_a_prefill_does_not_make_its_replica_look_empty_to_the_tie_break():
+    """a got a new prefix; a's next report was taken before that prefill: among equal queues
+    the next new prefix still goes to b (the two-replica LoRA routing test's race)."""
+    policy = AffinityPolicy()
+    policy.update_published("a", [])
+    policy.update_published("b", [])
+    first = key(list(range(5000, 5040)))
+    assert policy.choose(first, {"a": 0, "b": 0})[1] == LOAD
+    policy.record(first, "a")
+    policy.update_published("a", [])  # the stale report
+    assert policy.choose(key(list(range(6000, 6040))), {"a": 0, "b": 0}) == ("b", LOAD)
+    policy.update_published("a", [])  # a second report after it: the prefix is gone from a
+    policy.record(key(list(range(7000, 7040))), "b")
+    assert policy.choose(key(list(range(8000, 8040))), {"a": 0, "b": 0}) == ("a", LOAD)
+
+
 def test_keys_sent_to_a_replica_count_until_its_second_report_after_them():
     policy = AffinityPolicy()
     policy.update_published("a", [])
