@@ -81,8 +81,13 @@ class SchedulerActor:
         self._thread = threading.Thread(target=self._run, args=(make_engine, built), name="step-loop", daemon=True)
         self._thread.start()
         self.engine: LLMEngine = built.result()  # the construction's error, raised here
-        self.telemetry = ReplicaTelemetry(self.engine, TelemetryConfig.model_validate(telemetry or {}))
-        self._telemetry_ready.set()
+        try:
+            self.telemetry = ReplicaTelemetry(self.engine, TelemetryConfig.model_validate(telemetry or {}))
+        except BaseException:
+            self._alive = False  # the step loop ends at once; the error fails the constructor
+            raise
+        finally:
+            self._telemetry_ready.set()
 
     # ------------------------------------------------------------------ called by the owner
 
@@ -278,6 +283,8 @@ class SchedulerActor:
             return
         built.set_result(self.engine)
         self._telemetry_ready.wait()
+        if not self._alive:
+            return
         was_busy = False
         try:
             while self._alive:
