@@ -68,7 +68,6 @@ class SchedulerActor:
         self._alive = True
         self._error: BaseException | None = None
         self.timing = StepTiming()
-        self._telemetry_ready = threading.Event()  # the step loop starts once telemetry exists
         # The engine is built on the step thread, which then runs every step: the model's torch
         # and compiled-kernel work all starts its OpenMP parallel regions from that one thread,
         # so the process has one OpenMP team. (Built here on the actor's thread, the load and
@@ -76,18 +75,16 @@ class SchedulerActor:
         # libgomp spins ~1000 times instead of ~300k before sleeping, and every parallel region
         # of every step pays a wake-up: a two-thread replica ran one stream no faster than a
         # one-thread one, docs/BENCHMARKS.md 15a.)
-        built: concurrent.futures.Future = concurrent.futures.Future()
-        make_engine = lambda: LLMEngine(config, executor_factory=factory) if factory else LLMEngine(config)  # noqa: E731
-        self._thread = threading.Thread(target=self._run, args=(make_engine, built), name="step-loop", daemon=True)
-        self._thread.start()
-        self.engine: LLMEngine = built.result()  # the construction's error, raised here
-        try:
+        def build() -> None:  # on the step thread, before its loop
+            self.engine = LLMEngine(config, executor_factory=factory) if factory else LLMEngine(config)
             self.telemetry = ReplicaTelemetry(self.engine, TelemetryConfig.model_validate(telemetry or {}))
-        except BaseException:
-            self._alive = False  # the step loop ends at once; the error fails the constructor
-            raise
-        finally:
-            self._telemetry_ready.set()
+
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self.engine: LLMEngine
+        self.telemetry: ReplicaTelemetry
+        self._thread = threading.Thread(target=self._run, args=(build, built), name="step-loop", daemon=True)
+        self._thread.start()
+        built.result()  # the construction's error, raised here
 
     # ------------------------------------------------------------------ called by the owner
 
@@ -275,16 +272,13 @@ class SchedulerActor:
         except Exception as e:  # telemetry never stops the step loop
             logger.warning("gathering GPU snapshots failed: %r", e)
 
-    def _run(self, make_engine, built: concurrent.futures.Future) -> None:
+    def _run(self, build, built: concurrent.futures.Future) -> None:
         try:
-            self.engine = make_engine()
+            build()
         except BaseException as e:
             built.set_exception(e)
             return
-        built.set_result(self.engine)
-        self._telemetry_ready.wait()
-        if not self._alive:
-            return
+        built.set_result(None)
         was_busy = False
         try:
             while self._alive:

@@ -74,7 +74,7 @@ class CompiledDecode:
         slots = metadata.slot_mapping.contiguous()
         hidden = x.shape[1]
         steps = {}
-        for rotary in self.model._rotary:  # one per distinct RoPE; cos/sin [T, D] float32
+        for rotary in self.model.rotaries:  # one per distinct RoPE; cos/sin [T, D] float32
             cos, sin = rotary.cos_sin(positions, metadata.rope_lens, torch.float32)
             steps[rotary] = cpu_layer.decode_step(
                 hidden, cos.reshape(x.shape[0], -1).contiguous(), sin.reshape(x.shape[0], -1).contiguous(),

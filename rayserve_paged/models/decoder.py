@@ -260,7 +260,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel=ctx.parallel, dtype=ctx.dtype)
         self.layers = nn.ModuleList(layer_class(ctx, i) for i in range(cfg.num_layers))
         self.norm = ctx.norm(cfg.hidden_size)
-        self._rotary = tuple(ctx.rotary.values())  # each computes cos/sin once per forward
+        self.rotaries = tuple(ctx.rotary.values())  # each computes cos/sin once per forward
         self.config = cfg
         self.use_compiled_decode = True  # decode steps through models/compiled_decode.py when the model qualifies
         self._compiled: CompiledDecode | None | object = UNDECIDED
@@ -279,13 +279,13 @@ class DecoderModel(nn.Module):
         if compiled is not None and compiled.can_run(attn_metadata, kv_caches):
             x, residual = compiled.forward(x, positions, kv_caches, attn_metadata)
         else:
-            for rotary in self._rotary:
+            for rotary in self.rotaries:
                 rotary.begin_step()
             try:
                 for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                     x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
             finally:
-                for rotary in self._rotary:
+                for rotary in self.rotaries:
                     rotary.end_step()
         x, _ = self.norm(x, residual)
         return x  # [T, hidden]

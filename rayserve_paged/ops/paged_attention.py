@@ -158,7 +158,7 @@ class TorchReferenceBackend(AttentionBackend):
         if metadata.num_decodes:
             decode_query = plan.decode_rows(query)  # [num_decodes, num_heads, d]
             decode_out = plan.decode_rows(output)
-            kernel = self._cpu_kernel(query, key_cache)
+            kernel = self._cpu_kernel(query.dtype, key_cache)
             if kernel is not None:
                 tables, seq_lens = plan.kernel_inputs()
                 kernel(
@@ -174,10 +174,11 @@ class TorchReferenceBackend(AttentionBackend):
     def decodes_with_cpu_kernel(self, key_cache: torch.Tensor) -> bool:
         """Whether float32 decode over this cache runs the compiled kernel (what the compiled
         decoder layer of ops/cpu_layer.py runs in its place)."""
-        return key_cache.dtype == torch.float32 and self._cpu_kernel(key_cache, key_cache) is not None
+        return self._cpu_kernel(key_cache.dtype, key_cache) is not None
 
-    def _cpu_kernel(self, query: torch.Tensor, key_cache: torch.Tensor) -> cpu_decode.PagedDecodeKernel | None:
-        if not self.use_cpu_kernel or query.device.type != "cpu" or query.dtype != torch.float32:
+    def _cpu_kernel(self, dtype: torch.dtype, key_cache: torch.Tensor) -> cpu_decode.PagedDecodeKernel | None:
+        """The compiled kernel for a decode in `dtype` over this cache, or None (the torch path)."""
+        if not self.use_cpu_kernel or key_cache.device.type != "cpu" or dtype != torch.float32:
             return None
         if not self._kernel_checked:
             self._kernel = cpu_decode.load()
