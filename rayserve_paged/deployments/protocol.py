@@ -561,6 +561,16 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
+class ResponseHead(BaseModel):
+    """The fields every generation response and streamed event opens with, in OpenAI's order
+    (each route's model sets `object` and adds its choices and usage after them)."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=unix_now)
+    model: str
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

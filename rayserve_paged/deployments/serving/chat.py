@@ -22,11 +22,11 @@ from rayserve_paged.deployments.protocol import (
     ChatLogprobs,
     GenerationRequest,
     RequestModel,
+    ResponseHead,
     UsageInfo,
     check_unicode,
     check_unicode_within,
     documented,
-    unix_now,
 )
 from rayserve_paged.deployments.serving.logprobs import chat_logprobs
 from rayserve_paged.deployments.serving.pipeline import ChoiceProgress, GenerationPipeline, Prompt, reasons_json
@@ -177,11 +177,8 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(ResponseHead):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=unix_now)
-    model: str
     choices: list[ChatChoice]
     usage: UsageInfo
 
@@ -206,13 +203,10 @@ class ChatChunkChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(ResponseHead):
     """One server-sent event of a streamed chat completion."""
 
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=unix_now)
-    model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
 

@@ -19,10 +19,10 @@ from rayserve_paged.deployments.protocol import (
     PROMPT_SCHEMAS,
     CompletionLogprobs,
     GenerationRequest,
+    ResponseHead,
     UsageInfo,
     check_prompt_shape,
     documented,
-    unix_now,
 )
 from rayserve_paged.deployments.serving.logprobs import completion_logprobs
 from rayserve_paged.deployments.serving.pipeline import ChoiceProgress, GenerationPipeline, Prompt, reasons_json
@@ -68,22 +68,16 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = Field(None, description="The stop string or stop token id that ended the choice.")
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(ResponseHead):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=unix_now)
-    model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
 
 
-class CompletionStreamResponse(BaseModel):
+class CompletionStreamResponse(ResponseHead):
     """One server-sent event of a streamed completion."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=unix_now)
-    model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
