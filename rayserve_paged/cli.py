@@ -28,6 +28,7 @@ BENCHMARKS = {
     "quantized": "benchmarks.quantized",
     "lora": "benchmarks.lora",
     "stream-cadence": "benchmarks.stream_cadence",
+    "report": "benchmarks.report",
 }
 
 DEMO_QUESTIONS = [
