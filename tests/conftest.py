@@ -30,3 +30,13 @@ try:
     torch.set_num_threads(1)
 except ImportError:  # the core tests need no torch
     pass
+
+
+def pytest_configure(config):
+    # here, not in pyproject's filterwarnings: where pydantic does not import (the GPU image)
+    # pytest releases before the fix of pytest-dev/pytest#13732 refuse to start on such a filter
+    try:
+        import pydantic.warnings  # noqa: F401
+    except ImportError:
+        return
+    config.addinivalue_line("filterwarnings", "ignore::pydantic.warnings.PydanticDeprecatedSince20")
