@@ -241,6 +241,27 @@ def test_buffer_sections_are_aligned_at_every_width():
         assert all(offsets[i] + sizes[i] <= offsets[i + 1] for i in range(5))  # no overlap
 
 
+@pytest.mark.parametrize("copy", [False, True])
+def test_eager_step_inputs_are_one_aligned_buffer_and_one_copy(copy):
+    """ModelRunner's staging: every column a 16-byte aligned view of one buffer, values and
+    dtypes as given; with the copy path (CUDA's, forced here) one copy per step from a host
+    buffer reused across steps; without it (CPU) no copy at all."""
+    from rayserve_paged.worker.model_runner import StepStaging
+
+    staging = StepStaging("cpu", copy=copy)
+    hosts = []
+    for step in range(2):
+        longs, ints = staging.stage([[1, 2, 3], [], [2**40 + step]], [[4], [5, 6, 7, 8, 9], []])
+        assert [t.tolist() for t in longs] == [[1, 2, 3], [], [2**40 + step]]
+        assert [t.tolist() for t in ints] == [[4], [5, 6, 7, 8, 9], []]
+        assert {t.dtype for t in longs} == {torch.int64} and {t.dtype for t in ints} == {torch.int32}
+        assert len({t.untyped_storage().data_ptr() for t in longs + ints}) == 1  # one buffer
+        assert all(t.data_ptr() % 16 == 0 for t in longs + ints)
+        hosts.append(None if staging._host is None else staging._host.data_ptr())
+    assert staging.num_copies == (2 if copy else 0)
+    assert hosts == ([hosts[0]] * 2 if copy else [None, None])  # the host buffer reused
+
+
 def test_kv_budget_reserves_the_cuda_graph_memory():
     gib = 1 << 30
     base = kv_cache_budget_bytes(80 * gib, 68 * gib, 2 * gib, 6 * gib, 0.9, workspace=gib)
