@@ -31,10 +31,6 @@ class Checkpoints:
         self._path: str | None = None
         self.write_seconds: float | None = None
 
-    @property
-    def model(self) -> str:
-        return "random-weight OPT-1.3B-wide, 4 layers, float16" if self.has_cuda else "tiny OPT (CPU)"
-
     def path(self) -> str:
         if self._path is None:
             from rayserve_paged.models.tiny import make_tiny_model
@@ -43,6 +39,10 @@ class Checkpoints:
             self._path = str(make_tiny_model("opt", self.root / "opt", **(SMALL_OPT if self.has_cuda else {})))
             self.write_seconds = round(time.monotonic() - started, 2)
         return self._path
+
+
+def checkpoint_name(has_cuda: bool) -> str:
+    return "random-weight OPT-1.3B-wide, 4 layers, float16" if has_cuda else "tiny OPT (CPU)"
 
 
 @contextlib.contextmanager
@@ -159,7 +159,7 @@ def runner_check(torch, has_cuda: bool, quick: bool, cpu_backend: str = "triton"
                     result["failures"].append(f"{dtype}: {extra} kernel compiles after warm-up")
             del model, runner, caches, host
             free_memory(torch)
-    result["model"] = "random-weight OPT-1.3B-wide, 4 layers" if has_cuda else "tiny OPT (CPU)"
+    result["model"] = checkpoint_name(has_cuda)
     return result
 
 
@@ -422,7 +422,7 @@ def e2e_gpu(torch, quick: bool, context=None) -> dict:
             load=dict(num_prompts=16, prompt_len=128, max_tokens=64) if quick
             else dict(num_prompts=64, prompt_len=256, max_tokens=128),
         )
-    result |= {"model": "random-weight OPT-1.3B-wide, 4 layers, float16", "config": SMALL_OPT}
+    result |= {"model": checkpoint_name(True), "config": SMALL_OPT}
     if context is not None:
         result["checkpoint_seconds"] = context.write_seconds
     if "throughput_torch" in result:
