@@ -354,3 +354,19 @@ def create_openai_app(
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
     return app
+
+
+def add_request_guards(
+    app: FastAPI,
+    api_key: str | None,
+    open_paths: Iterable[str] = DEFAULT_OPEN_PATHS,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
+) -> None:
+    """create_openai_app's API key, internal-error and body checks (outermost first) on an
+    app of another shape: the multi-model ingress, which reads a body to choose its model's
+    app (deployments/multi_model.py)."""
+    app.add_middleware(_RequestBodyMiddleware, max_bytes=max_request_body_bytes, timeout_s=request_body_timeout_s)
+    app.add_middleware(_InternalErrorMiddleware)
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
