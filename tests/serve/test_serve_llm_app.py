@@ -1,0 +1,162 @@
+"""Ray Serve LLM's llm_configs on the session cluster (import_path changed; tiny models and a
+local LoRA directory in place of hub ids and cloud storage): two models, one with LoRA, each
+autoscaled, behind one OpenAI ingress.
+
+- start-up succeeds; /v1/models lists each model and each adapter; a chat to each answers;
+  the engine options arrive as given (read back from each model's engine);
+- under load on one model, its requests land on its own deployment and it scales out while
+  the other model's deployment stays as it was (each autoscales on its own)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import ray
+
+from rayserve_paged.deployments.fleet_metrics import SCHEDULER_NAMESPACE, fleet_scheduler_names
+
+pytestmark = pytest.mark.ray
+
+APP = "servellm"
+AUTOSCALING = {
+    "min_replicas": 1, "max_replicas": 2, "initial_replicas": 1, "target_ongoing_requests": 1,
+    "upscale_delay_s": 1, "downscale_delay_s": 600, "metrics_interval_s": 1, "look_back_period_s": 2,
+}  # fmt: skip
+SMALL = {"ray_actor_options": {"num_cpus": 0.05}}  # + experimental_configs below: 0.3 CPUs per replica
+
+
+def _llm_configs(lora_root: str) -> dict:
+    """Ray Serve LLM's args (its LoRA and autoscaling examples' shapes)."""
+    cpus = {"scheduler_cpus": 0.05, "worker_cpus": 0.2}
+    return {
+        "llm_configs": [
+            {
+                "model_loading_config": {"model_id": "llama-chat", "model_source": "tiny-llama"},
+                "lora_config": {"dynamic_lora_loading_path": lora_root, "max_num_adapters_per_replica": 2},
+                "engine_kwargs": {
+                    "enable_lora": True, "max_lora_rank": 8, "max_loras": 1, "max_model_len": 256,
+                    "max_num_seqs": 6, "block_size": 8, "enable_prefix_caching": False, "device": "cpu",
+                    "kv_cache_memory_bytes": 32 << 20, "swap_space": 0.01,
+                },  # fmt: skip
+                "deployment_config": {"autoscaling_config": AUTOSCALING, **SMALL},
+                "experimental_configs": cpus,
+            },
+            {
+                "model_loading_config": {"model_id": "opt-base", "model_source": "tiny-opt"},
+                "engine_kwargs": {"max_model_len": 448, "max_num_seqs": 4, "device": "cpu", "seed": 3,
+                                  "enable_prefix_caching": False, "kv_cache_memory_bytes": 32 << 20,
+                                  "swap_space": 0.01},  # fmt: skip
+                "deployment_config": {"autoscaling_config": AUTOSCALING, "max_ongoing_requests": 16, **SMALL},
+                "experimental_configs": cpus,
+            },
+        ],
+        "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0.05}},
+    }
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, serve_port, tmp_path_factory):
+    from ray import serve
+
+    from rayserve_paged.app import build_openai_app
+    from rayserve_paged.models.tiny import resolve_model
+    from tests.peft_adapters import write_adapter
+
+    root = tmp_path_factory.mktemp("ray-serve-llm-loras")
+    base = resolve_model("tiny-llama")
+    write_adapter(base, root / "a0", "llama", "all", 8, 16, seed=1)
+    write_adapter(base, root / "a1", "llama", "mlp", 4, 8, seed=2)
+    serve.start(http_options={"host": "127.0.0.1", "port": serve_port})
+    serve.run(build_openai_app(_llm_configs(str(root))), name=APP, route_prefix="/")
+    yield f"http://127.0.0.1:{serve_port}"
+    serve.delete(APP)
+
+
+def _engines() -> dict[str, list]:
+    """Each model's scheduler actors, by the checkpoint their engine loaded."""
+    engines: dict[str, list] = {}
+    for name in fleet_scheduler_names(APP):
+        actor = ray.get_actor(name, namespace=SCHEDULER_NAMESPACE)
+        engines.setdefault(ray.get(actor.model_info.remote())["model"], []).append(actor)
+    return engines
+
+
+def _read(actor) -> tuple[dict, int]:
+    """(the engine's config, prompt tokens it has computed), read from the engine itself."""
+    return ray.get(actor.__ray_call__.remote(lambda self: (self.engine.config.model_dump(), self.engine.num_prompt_tokens)))
+
+
+def _chat(base: str, model: str, content: str = "Hi", max_tokens: int = 4) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+    response = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _replicas(deployment: str) -> dict[str, int]:
+    from ray import serve
+
+    return dict(serve.status().applications[APP].deployments[deployment].replica_states)
+
+
+def test_each_model_is_listed_answers_and_runs_its_engine_options(served):
+    listed = [card["id"] for card in httpx.get(f"{served}/v1/models", timeout=60).json()["data"]]
+    assert listed == ["llama-chat", "llama-chat:a0", "llama-chat:a1", "opt-base"]
+    for model in ("llama-chat", "llama-chat:a0", "opt-base"):
+        answer = _chat(served, model)
+        assert answer["model"] == model and answer["choices"][0]["message"]["role"] == "assistant"
+        assert answer["usage"]["completion_tokens"] > 0
+    engines = _engines()
+    assert {k: len(v) for k, v in engines.items()} == {"tiny-llama": 1, "tiny-opt": 1}
+    (llama, _), (opt, _) = _read(engines["tiny-llama"][0]), _read(engines["tiny-opt"][0])
+    assert (llama["max_num_seqs"], llama["block_size"], llama["max_model_len"], llama["enable_prefix_caching"]) == (
+        6, 8, 256, False)  # fmt: skip
+    assert (llama["max_loras"], llama["max_cpu_loras"], llama["max_lora_rank"], llama["enable_lora"]) == (1, 2, 8, True)
+    assert sorted(llama["lora_modules"]) == ["llama-chat:a0", "llama-chat:a1"]
+    assert llama["kv_cache_memory_gb"] == 32 / 1024 and llama["swap_space_gb"] == 0.01 and llama["device"] == "cpu"
+    assert (opt["max_num_seqs"], opt["max_model_len"], opt["seed"], opt["block_size"]) == (4, 448, 3, 16)
+    # one ingress for both models; each model its own deployment
+    assert set(_replicas_of_app()) == {"OpenAIIngress", "LLMServer:llama-chat", "LLMServer:opt-base"}
+
+
+def _replicas_of_app() -> dict[str, dict]:
+    from ray import serve
+
+    return {name: d.replica_states for name, d in serve.status().applications[APP].deployments.items()}
+
+
+def test_load_on_one_model_lands_on_its_deployment_and_scales_only_it(served):
+    (llama,) = _engines()["tiny-llama"]
+    _, llama_before = _read(llama)
+
+    async def load() -> list[int]:
+        async with httpx.AsyncClient(base_url=served, timeout=300) as http:
+            body = {"model": "opt-base", "prompt": "keep the replica busy", "max_tokens": 400, "ignore_eos": True,
+                    "temperature": 1.0, "seed": 1}  # fmt: skip
+            streams = [asyncio.ensure_future(http.post("/v1/completions", json=body)) for _ in range(6)]
+            prompt_tokens = []
+            deadline = time.monotonic() + 120
+            while _replicas("LLMServer:opt-base").get("RUNNING", 0) < 2:
+                assert time.monotonic() < deadline, _replicas_of_app()
+                # one request at a time to the other model: below its target, it must not scale
+                answer = await http.post("/v1/chat/completions", json={
+                    "model": "llama-chat", "messages": [{"role": "user", "content": "short"}], "max_tokens": 2})  # fmt: skip
+                assert answer.status_code == 200, answer.text
+                prompt_tokens.append(answer.json()["usage"]["prompt_tokens"])
+                await asyncio.sleep(0.5)
+            for stream in streams:
+                stream.cancel()
+            return prompt_tokens
+
+    llama_prompt_tokens = asyncio.run(load())
+    assert _replicas("LLMServer:opt-base") == {"RUNNING": 2}
+    assert _replicas("LLMServer:llama-chat") == {"RUNNING": 1}  # not scaled by the other model's load
+    engines = _engines()
+    assert len(engines["tiny-opt"]) == 2 and len(engines["tiny-llama"]) == 1
+    # the llama engine computed exactly its own requests' prompts: none of the opt load reached it
+    _, llama_after = _read(llama)
+    assert llama_after - llama_before == sum(llama_prompt_tokens) > 0
+    assert sum(_read(actor)[1] for actor in engines["tiny-opt"]) > 0
