@@ -299,17 +299,17 @@ def _model_spec(index: int, entry: dict[str, Any], defaults: dict[str, Any], own
     spec = ModelSpec(
         model_id, where, deployment_name_of(model_id), dict(defaults), {k: k for k in defaults}, set(defaults)
     )
-    _model_loading(spec, where, loading)
+    _model_loading(spec, loading)
     engine_kwargs = entry.pop("engine_kwargs", None) or {}
     if not isinstance(engine_kwargs, dict):
         raise LLMConfigError(f"{where}.engine_kwargs: expected a mapping")
-    _engine_kwargs(spec, where, engine_kwargs)
-    _deployment_config(spec, where, entry.pop("deployment_config", None) or {})
-    _lora_config(spec, where, entry.pop("lora_config", None), engine_kwargs)
-    _accelerator(spec, where, entry.pop("accelerator_type", None), entry.pop("accelerator_config", None))
-    _placement(spec, where, entry.pop("placement_group_config", None))
-    _runtime_env(spec, where, entry.pop("runtime_env", None))
-    _experimental(spec, where, entry.pop("experimental_configs", None) or {}, own_fields)
+    _engine_kwargs(spec, engine_kwargs)
+    _deployment_config(spec, entry.pop("deployment_config", None) or {})
+    _lora_config(spec, entry.pop("lora_config", None), engine_kwargs)
+    _accelerator(spec, entry.pop("accelerator_type", None), entry.pop("accelerator_config", None))
+    _placement(spec, entry.pop("placement_group_config", None))
+    _runtime_env(spec, entry.pop("runtime_env", None))
+    _experimental(spec, entry.pop("experimental_configs", None) or {}, own_fields)
     if entry.pop("llm_engine", "vLLM") != "vLLM":
         raise LLMConfigError(f"{where}.llm_engine: only vLLM (the name Ray Serve LLM accepts; it means this engine)")
     if entry.pop("log_engine_metrics", True) is not True:
@@ -320,18 +320,18 @@ def _model_spec(index: int, entry: dict[str, Any], defaults: dict[str, Any], own
     return spec
 
 
-def _set(spec: ModelSpec, where: str, field: str, value: Any, source: str) -> None:
+def _set(spec: ModelSpec, field: str, value: Any, source: str) -> None:
     """field = value, unless another key of the same entry already set it to another value
     (an app-wide default may be overridden)."""
     previous = spec.sources.get(field)
     if previous is not None and field not in spec.defaulted and previous != source and spec.args[field] != value:
-        raise LLMConfigError(f"{where}.{source}: sets {field}, which {previous} already set otherwise; give one")
+        raise LLMConfigError(f"{spec.where}.{source}: sets {field}, which {previous} already set otherwise; give one")
     spec.args[field] = value
     spec.sources[field] = source
     spec.defaulted.discard(field)
 
 
-def _model_loading(spec: ModelSpec, where: str, loading: dict[str, Any]) -> None:
+def _model_loading(spec: ModelSpec, loading: dict[str, Any]) -> None:
     loading = dict(loading)
     loading.pop("model_id")
     source = loading.pop("model_source", None)
@@ -339,38 +339,38 @@ def _model_loading(spec: ModelSpec, where: str, loading: dict[str, Any]) -> None
         source = spec.model_id  # Ray Serve LLM's default: the model id is the checkpoint's hub id
     if not isinstance(source, str) or source.startswith(CLOUD_PREFIXES):
         raise LLMConfigError(
-            f"{where}.model_loading_config.model_source: a local directory, a .gguf file, a built-in name "
+            f"{spec.where}.model_loading_config.model_source: a local directory, a .gguf file, a built-in name "
             "(smollm2, tiny-opt, tiny-llama) or a hub id; cloud mirrors are not read here"
         )
-    _set(spec, where, "model", source, "model_loading_config.model_source")
+    _set(spec, "model", source, "model_loading_config.model_source")
     tokenizer = loading.pop("tokenizer_source", None)
     if tokenizer is not None:
-        _set(spec, where, "tokenizer", tokenizer, "model_loading_config.tokenizer_source")
+        _set(spec, "tokenizer", tokenizer, "model_loading_config.tokenizer_source")
     for key in sorted(loading):
-        raise LLMConfigError(f"{where}.model_loading_config.{key}: not a field of ModelLoadingConfig")
+        raise LLMConfigError(f"{spec.where}.model_loading_config.{key}: not a field of ModelLoadingConfig")
 
 
-def _engine_kwargs(spec: ModelSpec, where: str, engine_kwargs: dict[str, Any]) -> None:
+def _engine_kwargs(spec: ModelSpec, engine_kwargs: dict[str, Any]) -> None:
     for key, value in engine_kwargs.items():
         source = f"engine_kwargs.{key}"
         arg = ENGINE_KWARGS.get(key)
         if arg is None:
             if key in UNSUPPORTED_ENGINE_KWARGS:
-                raise LLMConfigError(f"{where}.{source}: not supported here: {UNSUPPORTED_ENGINE_KWARGS[key]}")
+                raise LLMConfigError(f"{spec.where}.{source}: not supported here: {UNSUPPORTED_ENGINE_KWARGS[key]}")
             if key not in OWN_ENGINE_FIELDS and key not in _optional_engine_fields():
                 raise LLMConfigError(
-                    f"{where}.{source}: not an engine option here, neither one of vLLM's this project maps nor "
+                    f"{spec.where}.{source}: not an engine option here, neither one of vLLM's this project maps nor "
                     "one of its own (docs/API.md, 'vLLM engine arguments', lists them)"
                 )
-            _set(spec, where, key, value, source)
+            _set(spec, key, value, source)
             continue
         try:
             converted = arg.convert(value) if arg.convert is not None else value
         except ValueError as e:
-            raise LLMConfigError(f"{where}.{source}: {e}") from None
+            raise LLMConfigError(f"{spec.where}.{source}: {e}") from None
         if arg.field is not None:
-            _set(spec, where, arg.field, converted, source)
-    _check_engine_kwargs(spec, where, engine_kwargs)
+            _set(spec, arg.field, converted, source)
+    _check_engine_kwargs(spec, engine_kwargs)
 
 
 def _optional_engine_fields() -> frozenset[str]:
@@ -378,76 +378,76 @@ def _optional_engine_fields() -> frozenset[str]:
     return frozenset({"scheduling_policy", LORA_ROOT_FIELD}) & frozenset(EngineConfig.model_fields)
 
 
-def _check_engine_kwargs(spec: ModelSpec, where: str, engine_kwargs: dict[str, Any]) -> None:
+def _check_engine_kwargs(spec: ModelSpec, engine_kwargs: dict[str, Any]) -> None:
     served = engine_kwargs.get("served_model_name")
     if served is not None and served not in (spec.model_id, [spec.model_id]):
         raise LLMConfigError(
-            f"{where}.engine_kwargs.served_model_name: the served name is model_loading_config.model_id "
+            f"{spec.where}.engine_kwargs.served_model_name: the served name is model_loading_config.model_id "
             f"({spec.model_id!r}); give the same or leave it out"
         )
     auto = engine_kwargs.get("enable_auto_tool_choice")
     if auto is True and "tool_call_parser" not in spec.args:
-        raise LLMConfigError(f"{where}.engine_kwargs.enable_auto_tool_choice: needs tool_call_parser (hermes or llama3_json)")
+        raise LLMConfigError(f"{spec.where}.engine_kwargs.enable_auto_tool_choice: needs tool_call_parser (hermes or llama3_json)")
     if auto is False and "tool_call_parser" in engine_kwargs:
         raise LLMConfigError(
-            f"{where}.engine_kwargs.enable_auto_tool_choice: false, but tool_call_parser is set (here tool_choice "
+            f"{spec.where}.engine_kwargs.enable_auto_tool_choice: false, but tool_call_parser is set (here tool_choice "
             "`auto` is parsed whenever a parser is set; leave tool_call_parser out to turn it off)"
         )
     if "scheduling_policy" in engine_kwargs and "scheduling_policy" in _optional_engine_fields():
-        _set(spec, where, "scheduling_policy", engine_kwargs["scheduling_policy"], "engine_kwargs.scheduling_policy")
+        _set(spec, "scheduling_policy", engine_kwargs["scheduling_policy"], "engine_kwargs.scheduling_policy")
 
 
-def _deployment_config(spec: ModelSpec, where: str, config: dict[str, Any]) -> None:
+def _deployment_config(spec: ModelSpec, config: dict[str, Any]) -> None:
     if not isinstance(config, dict):
-        raise LLMConfigError(f"{where}.deployment_config: expected a mapping of Serve deployment options")
+        raise LLMConfigError(f"{spec.where}.deployment_config: expected a mapping of Serve deployment options")
     options = dict(spec.args.get("deployment_options", {}))
     for key, value in config.items():
         source = f"deployment_config.{key}"
         if key == "name":
             if not isinstance(value, str) or not value:
-                raise LLMConfigError(f"{where}.{source}: expected a non-empty string")
+                raise LLMConfigError(f"{spec.where}.{source}: expected a non-empty string")
             spec.deployment_name = value
         elif key == "num_replicas" and value == "auto":
             from ray.serve.config import AutoscalingConfig  # Serve's own defaults for "auto"
 
             auto = AutoscalingConfig.default().model_dump(exclude_unset=True)
-            _set(spec, where, "autoscaling_config", auto | (config.get("autoscaling_config") or {}), source)
+            _set(spec, "autoscaling_config", auto | (config.get("autoscaling_config") or {}), source)
         elif key == "autoscaling_config" and config.get("num_replicas") == "auto":
             continue  # merged into Serve's "auto" defaults above
         elif key == "user_config":
-            raise LLMConfigError(f"{where}.{source}: LLMServer takes no user_config (it has no reconfigure)")
+            raise LLMConfigError(f"{spec.where}.{source}: LLMServer takes no user_config (it has no reconfigure)")
         elif key in DEPLOYMENT_FIELDS:
-            _set(spec, where, key, value, source)
+            _set(spec, key, value, source)
         else:
             options[key] = value  # Serve validates it (serve.deployment)
     if options:
         spec.args["deployment_options"] = options
 
 
-def _lora_config(spec: ModelSpec, where: str, lora: Any, engine_kwargs: dict[str, Any]) -> None:
+def _lora_config(spec: ModelSpec, lora: Any, engine_kwargs: dict[str, Any]) -> None:
     if lora is None:
         return
     if not isinstance(lora, dict):
-        raise LLMConfigError(f"{where}.lora_config: expected a mapping")
+        raise LLMConfigError(f"{spec.where}.lora_config: expected a mapping")
     lora = dict(lora)
-    _set(spec, where, "enable_lora", True, "lora_config")
+    _set(spec, "enable_lora", True, "lora_config")
     num = lora.pop("max_num_adapters_per_replica", 16)  # Ray Serve LLM's default
     if isinstance(num, bool) or not isinstance(num, int) or num < 1:
-        raise LLMConfigError(f"{where}.lora_config.max_num_adapters_per_replica: expected a positive integer")
+        raise LLMConfigError(f"{spec.where}.lora_config.max_num_adapters_per_replica: expected a positive integer")
     source = "lora_config.max_num_adapters_per_replica"
     if "max_loras" not in engine_kwargs:
-        _set(spec, where, "max_loras", num, source)
+        _set(spec, "max_loras", num, source)
     if "max_cpu_loras" not in engine_kwargs:
-        _set(spec, where, "max_cpu_loras", max(num, spec.args.get("max_loras", 1)), source)
+        _set(spec, "max_cpu_loras", max(num, spec.args.get("max_loras", 1)), source)
     path = lora.pop("dynamic_lora_loading_path", None)
     if path is not None:
-        _set(spec, where, "lora_modules", _adapters_under(where, spec.model_id, path), "lora_config.dynamic_lora_loading_path")
+        _set(spec, "lora_modules", _adapters_under(spec.where, spec.model_id, path), "lora_config.dynamic_lora_loading_path")
         if LORA_ROOT_FIELD in EngineConfig.model_fields:
-            _set(spec, where, LORA_ROOT_FIELD, path, "lora_config.dynamic_lora_loading_path")
+            _set(spec, LORA_ROOT_FIELD, path, "lora_config.dynamic_lora_loading_path")
     for key in sorted(lora):
         if key in ("download_timeout_s", "max_download_tries"):
-            raise LLMConfigError(f"{where}.lora_config.{key}: adapters are read from a local directory; nothing is downloaded")
-        raise LLMConfigError(f"{where}.lora_config.{key}: not a field of Ray Serve LLM's LoraConfig")
+            raise LLMConfigError(f"{spec.where}.lora_config.{key}: adapters are read from a local directory; nothing is downloaded")
+        raise LLMConfigError(f"{spec.where}.lora_config.{key}: not a field of Ray Serve LLM's LoraConfig")
 
 
 def _adapters_under(where: str, model_id: str, path: Any) -> dict[str, str]:
@@ -466,30 +466,30 @@ def _adapters_under(where: str, model_id: str, path: Any) -> dict[str, str]:
     return adapters
 
 
-def _accelerator(spec: ModelSpec, where: str, accelerator_type: Any, accelerator_config: Any) -> None:
+def _accelerator(spec: ModelSpec, accelerator_type: Any, accelerator_config: Any) -> None:
     kind = None
     if accelerator_config is not None:
         if not isinstance(accelerator_config, dict) or set(accelerator_config) != {"kind"}:
-            raise LLMConfigError(f"{where}.accelerator_config: only {{kind: cpu}} or {{kind: gpu}} here")
+            raise LLMConfigError(f"{spec.where}.accelerator_config: only {{kind: cpu}} or {{kind: gpu}} here")
         kind = accelerator_config["kind"]
         if kind not in ("cpu", "gpu"):
-            raise LLMConfigError(f"{where}.accelerator_config.kind: cpu or gpu here (got {kind!r})")
-        _set(spec, where, "device", "cpu" if kind == "cpu" else "cuda", "accelerator_config.kind")
+            raise LLMConfigError(f"{spec.where}.accelerator_config.kind: cpu or gpu here (got {kind!r})")
+        _set(spec, "device", "cpu" if kind == "cpu" else "cuda", "accelerator_config.kind")
     if accelerator_type is None:
         return
     accelerator_type = "A10G" if accelerator_type == "A10" else accelerator_type  # as Ray Serve LLM
     if accelerator_type not in ray_accelerator_types():
-        raise LLMConfigError(f"{where}.accelerator_type: {accelerator_type!r} is not one of Ray's accelerator types")
+        raise LLMConfigError(f"{spec.where}.accelerator_type: {accelerator_type!r} is not one of Ray's accelerator types")
     if kind == "cpu":
-        raise LLMConfigError(f"{where}.accelerator_type: cannot be used with accelerator_config kind cpu")
+        raise LLMConfigError(f"{spec.where}.accelerator_type: cannot be used with accelerator_config kind cpu")
     if accelerator_type.startswith("TPU"):
-        raise LLMConfigError(f"{where}.accelerator_type: TPUs are not served here (CUDA GPUs or CPUs)")
-    _set(spec, where, "accelerator_type", accelerator_type, "accelerator_type")
+        raise LLMConfigError(f"{spec.where}.accelerator_type: TPUs are not served here (CUDA GPUs or CPUs)")
+    _set(spec, "accelerator_type", accelerator_type, "accelerator_type")
     device = spec.args.get("device", "auto")
     if device == "cpu":
-        raise LLMConfigError(f"{where}.accelerator_type: names a GPU, but {spec.sources['device']} says cpu")
+        raise LLMConfigError(f"{spec.where}.accelerator_type: names a GPU, but {spec.sources['device']} says cpu")
     if device == "auto":
-        _set(spec, where, "device", "cuda", "accelerator_type")
+        _set(spec, "device", "cuda", "accelerator_type")
 
 
 def ray_accelerator_types() -> frozenset[str]:
@@ -499,59 +499,59 @@ def ray_accelerator_types() -> frozenset[str]:
     return frozenset(v for k, v in vars(accelerators).items() if k.isupper() and isinstance(v, str))
 
 
-def _placement(spec: ModelSpec, where: str, config: Any) -> None:
+def _placement(spec: ModelSpec, config: Any) -> None:
     if config is None:
         return
     if not isinstance(config, dict):
-        raise LLMConfigError(f"{where}.placement_group_config: expected a mapping")
+        raise LLMConfigError(f"{spec.where}.placement_group_config: expected a mapping")
     config = dict(config)
     if "strategy" in config:
-        _set(spec, where, "placement_group_strategy", config.pop("strategy"), "placement_group_config.strategy")
+        _set(spec, "placement_group_strategy", config.pop("strategy"), "placement_group_config.strategy")
     per_worker = config.pop("bundle_per_worker", None)
     if per_worker is not None:
         source = "placement_group_config.bundle_per_worker"
         if not isinstance(per_worker, dict) or set(per_worker) - {"CPU", "GPU"}:
-            raise LLMConfigError(f"{where}.{source}: only CPU and GPU here (one bundle per TP rank)")
+            raise LLMConfigError(f"{spec.where}.{source}: only CPU and GPU here (one bundle per TP rank)")
         if "CPU" in per_worker:
-            _set(spec, where, "worker_cpus", per_worker["CPU"], source)
+            _set(spec, "worker_cpus", per_worker["CPU"], source)
         gpus = per_worker.get("GPU")
         if gpus is not None and gpus not in (0, 1):
-            raise LLMConfigError(f"{where}.{source}.GPU: 0 or 1 (each TP rank has one device)")
+            raise LLMConfigError(f"{spec.where}.{source}.GPU: 0 or 1 (each TP rank has one device)")
         if gpus is not None and spec.args.get("device", "auto") == "auto":
-            _set(spec, where, "device", "cuda" if gpus else "cpu", source)
+            _set(spec, "device", "cuda" if gpus else "cpu", source)
     for key in sorted(config):
         raise LLMConfigError(
-            f"{where}.placement_group_config.{key}: the bundles here are one for the replica, then one per TP rank; "
+            f"{spec.where}.placement_group_config.{key}: the bundles here are one for the replica, then one per TP rank; "
             "give strategy and bundle_per_worker (or experimental_configs.worker_cpus / scheduler_cpus)"
         )
 
 
-def _runtime_env(spec: ModelSpec, where: str, runtime_env: Any) -> None:
+def _runtime_env(spec: ModelSpec, runtime_env: Any) -> None:
     if runtime_env is None:
         return
     options = dict(spec.args.get("ray_actor_options", {"num_cpus": 0.1}))
     if "runtime_env" in options:
-        raise LLMConfigError(f"{where}.runtime_env: deployment_config.ray_actor_options.runtime_env is set too; give one")
+        raise LLMConfigError(f"{spec.where}.runtime_env: deployment_config.ray_actor_options.runtime_env is set too; give one")
     options["runtime_env"] = runtime_env
     spec.args["ray_actor_options"] = options  # deployment_config's options, plus the environment
 
 
-def _experimental(spec: ModelSpec, where: str, config: dict[str, Any], own_fields: frozenset[str]) -> None:
+def _experimental(spec: ModelSpec, config: dict[str, Any], own_fields: frozenset[str]) -> None:
     if not isinstance(config, dict):
-        raise LLMConfigError(f"{where}.experimental_configs: expected a mapping")
+        raise LLMConfigError(f"{spec.where}.experimental_configs: expected a mapping")
     for key, value in config.items():
         source = f"experimental_configs.{key}"
         if key == "num_ingress_replicas":
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise LLMConfigError(f"{where}.{source}: expected a positive integer")
+                raise LLMConfigError(f"{spec.where}.{source}: expected a positive integer")
             spec.num_ingress_replicas = value
         elif key in APP_WIDE_FIELDS:
-            raise LLMConfigError(f"{where}.{source}: an application-wide option: give it next to llm_configs")
+            raise LLMConfigError(f"{spec.where}.{source}: an application-wide option: give it next to llm_configs")
         elif key in own_fields:
-            _set(spec, where, key, value, source)
+            _set(spec, key, value, source)
         else:
             raise LLMConfigError(
-                f"{where}.{source}: not an option here (stream_batching_interval_ms, num_ingress_replicas, or an "
+                f"{spec.where}.{source}: not an option here (stream_batching_interval_ms, num_ingress_replicas, or an "
                 "AppArgs field)"
             )
 

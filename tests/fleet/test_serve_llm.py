@@ -384,3 +384,22 @@ def test_the_docs_carry_the_tables_of_the_code(doc):
         assert llm_config_table() in text
         assert "Coming from Ray Serve LLM" in text
     assert len(LLM_CONFIG_FIELDS) > 10
+
+
+def test_routing_prefix_applies_per_model(monkeypatch):
+    """Each model under `routing: prefix` gets its own PrefixAffinityRouter over its own
+    replicas; the other model keeps Serve's router."""
+    models = [
+        {"model_loading_config": {"model_id": "chat", "model_source": "tiny-llama"},
+         "experimental_configs": {"routing": "prefix", "routing_imbalance_threshold": 3}},
+        {"model_loading_config": {"model_id": "base", "model_source": "tiny-opt"}},
+    ]  # fmt: skip
+    bound = _recorded(monkeypatch, {"llm_configs": models})
+    chat, base = bound["LLMServer:chat"], bound["LLMServer:base"]
+    assert chat["cls"].__name__ == "RoutedLLMServer" and base["cls"].__name__ == "ModelServer"
+    router = chat["options"]["request_router_config"]
+    assert router["request_router_class"].endswith("PrefixAffinityRouter")
+    assert router["request_router_kwargs"] == {"imbalance_threshold": 3}
+    assert "request_router_config" not in base["options"]
+    # one model under prefix routing is served through the ingress too (the router needs it)
+    assert set(_recorded(monkeypatch, {"llm_configs": models[:1]})) == {"LLMServer:chat", "OpenAIIngress"}
