@@ -1,6 +1,6 @@
-"""Ray Serve LLM's llm_configs on the session cluster (import_path changed; tiny models and a
-local LoRA directory in place of hub ids and cloud storage): two models, one with LoRA, each
-autoscaled, behind one OpenAI ingress.
+"""Ray Serve LLM's llm_configs on the session cluster (import_path changed; tiny models, a
+local LoRA directory and a CPU in place of hub ids, cloud storage and an A10G): two models,
+one with LoRA, each autoscaled, behind one OpenAI ingress; and one model, served in one hop.
 
 - start-up succeeds; /v1/models lists each model and each adapter; a chat to each answers;
   the engine options arrive as given (read back from each model's engine);
@@ -160,3 +160,29 @@ def test_load_on_one_model_lands_on_its_deployment_and_scales_only_it(served):
     _, llama_after = _read(llama)
     assert llama_after - llama_before == sum(llama_prompt_tokens) > 0
     assert sum(_read(actor)[1] for actor in engines["tiny-opt"]) > 0
+
+
+def test_one_model_shape_is_served_in_one_hop_under_its_id(served, serve_port):
+    """Ray Serve LLM's minimal example (one model, autoscaling_config) with a tiny model on
+    a CPU: the replica serves HTTP itself (no ingress deployment)."""
+    from ray import serve
+
+    from rayserve_paged.app import build_openai_app
+
+    config = {"llm_configs": [{
+        "model_loading_config": {"model_id": "qwen-0.5b", "model_source": "tiny-opt"},
+        "accelerator_config": {"kind": "cpu"},
+        "engine_kwargs": {"max_model_len": 320, "kv_cache_memory_bytes": 16 << 20, "swap_space": 0.01},
+        "deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2}, **SMALL},
+        "experimental_configs": {"scheduler_cpus": 0.05, "worker_cpus": 0.2},
+    }]}  # fmt: skip
+    serve.run(build_openai_app(config), name="servellm-one", route_prefix="/one")
+    try:
+        status = serve.status().applications["servellm-one"].deployments
+        assert {name: dict(d.replica_states) for name, d in status.items()} == {"LLMServer:qwen-0_5b": {"RUNNING": 1}}
+        base = f"http://127.0.0.1:{serve_port}/one"
+        cards = httpx.get(f"{base}/v1/models", timeout=60).json()["data"]
+        assert [(c["id"], c["max_model_len"]) for c in cards] == [("qwen-0.5b", 320)]
+        assert _chat(base, "qwen-0.5b")["model"] == "qwen-0.5b"
+    finally:
+        serve.delete("servellm-one")
