@@ -14,6 +14,11 @@ own, so an autoscaled replica always brings its own workers.
 which calls RoutedLLMServer by handle through PrefixAffinityRouter (deployments/routing.py):
 
     HTTP (Serve proxy) ──> OpenAIIngress ──(PrefixAffinityRouter)──> RoutedLLMServer ──> ...
+
+`build_openai_app(args)` (`import_path: rayserve_paged.app:build_openai_app`) takes Ray Serve
+LLM's `llm_configs` (serve_llm.py maps each entry onto AppArgs): one LLMServer deployment per
+model, behind one OpenAI ingress routing by `model` (deployments/multi_model.py); a single
+model under `routing: load` is served in one hop, as build_app does.
 """
 
 from __future__ import annotations
@@ -344,30 +349,6 @@ def llm_server_options(args: AppArgs) -> dict[str, Any]:
     return options
 
 
-def build_app(args: AppArgs | dict):
-    """Serve application builder (also what `serve run configs/*.yaml` calls)."""
-    from ray import serve
-
-    from rayserve_paged.deployments.llm_server import LLMServer
-
-    if is_llm_configs(args):  # Ray Serve LLM's shape under this import path too
-        return build_openai_app(args)
-    if not isinstance(args, AppArgs):
-        if "api_key" in args:  # before anything could echo it
-            raise ValueError(API_KEY_REFUSED)
-        args = AppArgs(**args)
-    engine = engine_config_of(args)
-    http = http_options_of(args)
-    server_kwargs = server_kwargs_of(args)
-    if args.routing == "prefix":
-        return _prefix_routed_app(args, engine, server_kwargs, http)
-    try:
-        llm = serve.deployment(serve.ingress()(LLMServer), **llm_server_options(args))
-    except TypeError as e:  # an option serve.deployment does not know (its own values raise ValidationError)
-        raise ValueError(f"deployment_options: {e}") from e
-    return llm.bind(engine.model_dump(), http=http, **server_kwargs)
-
-
 def http_options_of(args: AppArgs) -> dict[str, Any]:
     """create_openai_app's options (no API key here: the replicas read it from their
     environment, deployments/access.py)."""
@@ -396,6 +377,30 @@ def server_kwargs_of(args: AppArgs) -> dict[str, Any]:
         "stream_batching_interval_ms": args.stream_batching_interval_ms,
         "metrics_cache_s": args.metrics_cache_s,
     }
+
+
+def build_app(args: AppArgs | dict):
+    """Serve application builder (also what `serve run configs/*.yaml` calls)."""
+    from ray import serve
+
+    from rayserve_paged.deployments.llm_server import LLMServer
+
+    if is_llm_configs(args):  # Ray Serve LLM's shape under this import path too
+        return build_openai_app(args)
+    if not isinstance(args, AppArgs):
+        if "api_key" in args:  # before anything could echo it
+            raise ValueError(API_KEY_REFUSED)
+        args = AppArgs(**args)
+    engine = engine_config_of(args)
+    http = http_options_of(args)
+    server_kwargs = server_kwargs_of(args)
+    if args.routing == "prefix":
+        return _prefix_routed_app(args, engine, server_kwargs, http)
+    try:
+        llm = serve.deployment(serve.ingress()(LLMServer), **llm_server_options(args))
+    except TypeError as e:  # an option serve.deployment does not know (its own values raise ValidationError)
+        raise ValueError(f"deployment_options: {e}") from e
+    return llm.bind(engine.model_dump(), http=http, **server_kwargs)
 
 
 def router_config_of(args: AppArgs) -> dict[str, Any]:
