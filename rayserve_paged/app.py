@@ -44,6 +44,12 @@ class AppArgs(EngineConfig):
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None, description="Reads tool calls out of tool_choice 'auto' outputs (as vllm serve --tool-call-parser)."
     )
+    chat_template: str | None = Field(
+        None,
+        min_length=1,
+        description="A Jinja chat template in place of the tokenizer's: the template's text, or the path of a "
+        "file holding it, read when the app is built (vLLM's --chat-template).",
+    )
     allow_runtime_lora_updating: bool = Field(
         False,
         description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; behind the API "
@@ -364,7 +370,23 @@ def http_options_of(args: AppArgs) -> dict[str, Any]:
         "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
         "tool_call_parser": args.tool_call_parser,
         "allow_runtime_lora_updating": args.allow_runtime_lora_updating,
+        "chat_template": chat_template_of(args.chat_template),
     }
+
+
+def chat_template_of(value: str | None) -> str | None:
+    """The template's text: the file `value` names, else `value` itself when it reads as a
+    template (as vLLM resolves --chat-template). Read here, at build time, never in a replica."""
+    if value is None:
+        return None
+    from pathlib import Path
+
+    try:
+        return Path(value).read_text()
+    except (OSError, ValueError):
+        if any(c in value for c in "{}\n"):
+            return value
+        raise ValueError(f"chat_template: {value!r} is neither a readable file nor a Jinja template") from None
 
 
 def server_kwargs_of(args: AppArgs) -> dict[str, Any]:

@@ -107,6 +107,7 @@ ENGINE_KWARGS: dict[str, EngineArg] = {
     "max_lora_rank": EngineArg("max_lora_rank", "at most 64"),
     "max_cpu_loras": EngineArg("max_cpu_loras"),
     "tool_call_parser": EngineArg("tool_call_parser", "hermes, llama3_json"),
+    "chat_template": EngineArg("chat_template", "the template's text, or a file holding it"),
     "enable_auto_tool_choice": EngineArg(
         None, "true needs tool_call_parser (tool_choice `auto` is parsed whenever a parser is set)"
     ),
@@ -125,8 +126,6 @@ ENGINE_KWARGS: dict[str, EngineArg] = {
 UNSUPPORTED_ENGINE_KWARGS: dict[str, str] = {
     "speculative_config": "speculative decoding is not in this version",
     "reasoning_parser": "no reasoning parser: a model's reasoning stays in `content`",
-    "chat_template": "the chat template is the tokenizer's (its tokenizer_config.json or the GGUF's); "
-    "point engine_kwargs.tokenizer at a tokenizer directory carrying the template",
     "kv_cache_dtype": "the KV cache is kept in `dtype`",
     "cpu_offload_gb": "weights stay on the device; swap_space sizes the KV swap pool",
     "load_format": "the format is read from model_source (safetensors directory or .gguf file)",
@@ -400,6 +399,11 @@ def _check_engine_kwargs(spec: ModelSpec, engine_kwargs: dict[str, Any]) -> None
 def _deployment_config(spec: ModelSpec, config: dict[str, Any]) -> None:
     if not isinstance(config, dict):
         raise LLMConfigError(f"{spec.where}.deployment_config: expected a mapping of Serve deployment options")
+    if isinstance(config.get("num_replicas"), int) and config.get("autoscaling_config") is not None:
+        raise LLMConfigError(
+            f"{spec.where}.deployment_config.num_replicas: not with autoscaling_config (as Serve: give "
+            "autoscaling_config.initial_replicas)"
+        )
     options = dict(spec.args.get("deployment_options", {}))
     for key, value in config.items():
         source = f"deployment_config.{key}"

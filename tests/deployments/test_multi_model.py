@@ -96,3 +96,20 @@ async def test_the_guards_run_before_a_body_is_read(served):
         assert_openai_error(response, 413)
         response = await http.post("/v1/completions", json=_completion("smol"), headers=auth)
         assert response.status_code == 200 and response.json()["model"] == "smol"
+
+
+async def test_a_chat_template_replaces_the_tokenizers(tiny_opt_path, engine_client):
+    """vLLM's chat_template: the app renders conversations with it (a tokenizer of its own
+    here: the app sets the template on the tokenizer it is given)."""
+    from rayserve_paged.deployments.llm_server import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_opt_path)
+    template = "{% for m in messages %}<{{ m['role'] }}:{{ m['content'] }}>{% endfor %}"
+    app = create_openai_app(engine_client, tokenizer, "m", chat_template=template)
+    async with asgi_client(app) as http:
+        body = {"messages": [{"role": "user", "content": "Hi there"}]}
+        response = await http.post("/tokenize", json=body)
+        assert response.status_code == 200, response.text
+        tokens = response.json()["tokens"]
+        text = (await http.post("/detokenize", json={"tokens": tokens})).json()["prompt"]
+    assert text == "<user:Hi there>"

@@ -222,6 +222,7 @@ ENGINE_VALUES = {
     "seed": (None, 0), "enforce_eager": (True, True), "max_logprobs": (5, 5), "trust_remote_code": (True, True),
     "tokenizer": ("/tmp/tok", "/tmp/tok"), "device": ("cpu", "cpu"), "enable_lora": (True, True),
     "max_loras": (3, 3), "max_lora_rank": (32, 32), "max_cpu_loras": (4, 4), "tool_call_parser": ("hermes", "hermes"),
+    "chat_template": ("{{ messages[0]['content'] }}", "{{ messages[0]['content'] }}"),
 }  # fmt: skip
 CHECKED = {
     "enable_auto_tool_choice": True, "structured_outputs_config": {"backend": "guidance"},
@@ -296,6 +297,7 @@ def test_an_unsupported_engine_kwarg_fails_start_up_naming_it(kwargs, words):
         ({"accelerator_config": {"kind": "tpu"}}, ["accelerator_config.kind"]),
         ({"placement_group_config": {"bundles": [{"CPU": 1}]}}, ["placement_group_config.bundles"]),
         ({"deployment_config": {"user_config": {}}}, ["deployment_config.user_config"]),
+        ({"deployment_config": {"num_replicas": 2, "autoscaling_config": {}}}, ["deployment_config.num_replicas"]),
         ({"lora_config": {"download_timeout_s": 5}}, ["lora_config.download_timeout_s", "nothing is downloaded"]),
         ({"experimental_configs": {"require_api_key": True}}, ["experimental_configs.require_api_key", "next to llm_configs"]),
         ({"no_such_field": 1}, ["no_such_field", "not a field"]),
@@ -403,3 +405,16 @@ def test_routing_prefix_applies_per_model(monkeypatch):
     assert "request_router_config" not in base["options"]
     # one model under prefix routing is served through the ingress too (the router needs it)
     assert set(_recorded(monkeypatch, {"llm_configs": models[:1]})) == {"LLMServer:chat", "OpenAIIngress"}
+
+
+def test_chat_template_is_read_when_the_app_is_built(tmp_path):
+    from rayserve_paged.app import http_options_of
+
+    path = tmp_path / "template.jinja"
+    path.write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    assert http_options_of(AppArgs(model="tiny-opt", chat_template=str(path)))["chat_template"] == path.read_text()
+    inline = "{{ messages[0]['content'] }}"
+    assert http_options_of(AppArgs(model="tiny-opt", chat_template=inline))["chat_template"] == inline
+    assert http_options_of(AppArgs(model="tiny-opt"))["chat_template"] is None
+    with pytest.raises(ValueError, match="chat_template: .* neither a readable file nor a Jinja template"):
+        http_options_of(AppArgs(model="tiny-opt", chat_template=str(tmp_path / "missing.jinja")))
