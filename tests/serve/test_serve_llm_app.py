@@ -57,11 +57,9 @@ def _llm_configs(lora_root: str) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def served(ray_cluster, serve_port, tmp_path_factory):
-    from ray import serve
-
-    from rayserve_paged.app import build_openai_app
+@pytest.fixture
+def lora_root(ray_cluster, tmp_path_factory) -> str:
+    """A local dynamic_lora_loading_path: two random PEFT adapters for tiny-llama."""
     from rayserve_paged.models.tiny import resolve_model
     from tests.peft_adapters import write_adapter
 
@@ -69,10 +67,7 @@ def served(ray_cluster, serve_port, tmp_path_factory):
     base = resolve_model("tiny-llama")
     write_adapter(base, root / "a0", "llama", "all", 8, 16, seed=1)
     write_adapter(base, root / "a1", "llama", "mlp", 4, 8, seed=2)
-    serve.start(http_options={"host": "127.0.0.1", "port": serve_port})
-    serve.run(build_openai_app(_llm_configs(str(root))), name=APP, route_prefix="/")
-    yield f"http://127.0.0.1:{serve_port}"
-    serve.delete(APP)
+    return str(root)
 
 
 def _engines() -> dict[str, list]:
@@ -96,44 +91,47 @@ def _chat(base: str, model: str, content: str = "Hi", max_tokens: int = 4) -> di
     return response.json()
 
 
-def _replicas(deployment: str) -> dict[str, int]:
+def _replicas_of_app() -> dict[str, dict[str, int]]:
     from ray import serve
 
-    return dict(serve.status().applications[APP].deployments[deployment].replica_states)
+    return {name: dict(d.replica_states) for name, d in serve.status().applications[APP].deployments.items()}
 
 
-def test_each_model_is_listed_answers_and_runs_its_engine_options(served):
-    listed = [card["id"] for card in httpx.get(f"{served}/v1/models", timeout=60).json()["data"]]
+def _replicas(deployment: str) -> dict[str, int]:
+    return _replicas_of_app()[deployment]
+
+
+def test_two_models_each_listed_answering_on_its_own_deployment_autoscaled_on_its_own(
+    serve_session, serve_port, lora_root
+):
+    from rayserve_paged.app import build_openai_app
+
+    serve_session.run(build_openai_app(_llm_configs(lora_root)), name=APP, route_prefix="/")
+    base = f"http://127.0.0.1:{serve_port}"
+    # -- start-up: every model listed, each answers, each engine runs the options it was given
+    listed = [card["id"] for card in httpx.get(f"{base}/v1/models", timeout=60).json()["data"]]
     assert listed == ["llama-chat", "llama-chat:a0", "llama-chat:a1", "opt-base"]
     for model in ("llama-chat", "llama-chat:a0", "opt-base"):
-        answer = _chat(served, model)
+        answer = _chat(base, model)
         assert answer["model"] == model and answer["choices"][0]["message"]["role"] == "assistant"
         assert answer["usage"]["completion_tokens"] > 0
     engines = _engines()
     assert {k: len(v) for k, v in engines.items()} == {"tiny-llama": 1, "tiny-opt": 1}
-    (llama, _), (opt, _) = _read(engines["tiny-llama"][0]), _read(engines["tiny-opt"][0])
-    assert (llama["max_num_seqs"], llama["block_size"], llama["max_model_len"], llama["enable_prefix_caching"]) == (
-        6, 8, 256, False)  # fmt: skip
-    assert (llama["max_loras"], llama["max_cpu_loras"], llama["max_lora_rank"], llama["enable_lora"]) == (1, 2, 8, True)
-    assert sorted(llama["lora_modules"]) == ["llama-chat:a0", "llama-chat:a1"]
-    assert llama["kv_cache_memory_gb"] == 32 / 1024 and llama["swap_space_gb"] == 0.01 and llama["device"] == "cpu"
-    assert (opt["max_num_seqs"], opt["max_model_len"], opt["seed"], opt["block_size"]) == (4, 448, 3, 16)
+    (llama_config, _), (opt_config, _) = _read(engines["tiny-llama"][0]), _read(engines["tiny-opt"][0])
+    llama_options = ("max_num_seqs", "block_size", "max_model_len", "enable_prefix_caching", "max_loras",
+                     "max_cpu_loras", "max_lora_rank", "enable_lora", "kv_cache_memory_gb", "swap_space_gb", "device")  # fmt: skip
+    assert [llama_config[k] for k in llama_options] == [6, 8, 256, False, 1, 2, 8, True, 32 / 1024, 0.01, "cpu"]
+    assert sorted(llama_config["lora_modules"]) == ["llama-chat:a0", "llama-chat:a1"]
+    assert [opt_config[k] for k in ("max_num_seqs", "max_model_len", "seed", "block_size")] == [4, 448, 3, 16]
     # one ingress for both models; each model its own deployment
     assert set(_replicas_of_app()) == {"OpenAIIngress", "LLMServer:llama-chat", "LLMServer:opt-base"}
 
-
-def _replicas_of_app() -> dict[str, dict]:
-    from ray import serve
-
-    return {name: d.replica_states for name, d in serve.status().applications[APP].deployments.items()}
-
-
-def test_load_on_one_model_lands_on_its_deployment_and_scales_only_it(served):
+    # -- load on one model: its requests land on its deployment, which alone scales out
     (llama,) = _engines()["tiny-llama"]
     _, llama_before = _read(llama)
 
     async def load() -> list[int]:
-        async with httpx.AsyncClient(base_url=served, timeout=300) as http:
+        async with httpx.AsyncClient(base_url=base, timeout=300) as http:
             body = {"model": "opt-base", "prompt": "keep the replica busy", "max_tokens": 400, "ignore_eos": True,
                     "temperature": 1.0, "seed": 1}  # fmt: skip
             streams = [asyncio.ensure_future(http.post("/v1/completions", json=body)) for _ in range(6)]
@@ -162,13 +160,12 @@ def test_load_on_one_model_lands_on_its_deployment_and_scales_only_it(served):
     assert sum(_read(actor)[1] for actor in engines["tiny-opt"]) > 0
 
 
-def test_one_model_shape_is_served_in_one_hop_under_its_id(served, serve_port):
+def test_one_model_shape_is_served_in_one_hop_under_its_id(serve_session, serve_port):
     """Ray Serve LLM's minimal example (one model, autoscaling_config) with a tiny model on
     a CPU: the replica serves HTTP itself (no ingress deployment)."""
-    from ray import serve
-
     from rayserve_paged.app import build_openai_app
 
+    serve = serve_session
     config = {"llm_configs": [{
         "model_loading_config": {"model_id": "qwen-0.5b", "model_source": "tiny-opt"},
         "accelerator_config": {"kind": "cpu"},
@@ -177,12 +174,9 @@ def test_one_model_shape_is_served_in_one_hop_under_its_id(served, serve_port):
         "experimental_configs": {"scheduler_cpus": 0.05, "worker_cpus": 0.2},
     }]}  # fmt: skip
     serve.run(build_openai_app(config), name="servellm-one", route_prefix="/one")
-    try:
-        status = serve.status().applications["servellm-one"].deployments
-        assert {name: dict(d.replica_states) for name, d in status.items()} == {"LLMServer:qwen-0_5b": {"RUNNING": 1}}
-        base = f"http://127.0.0.1:{serve_port}/one"
-        cards = httpx.get(f"{base}/v1/models", timeout=60).json()["data"]
-        assert [(c["id"], c["max_model_len"]) for c in cards] == [("qwen-0.5b", 320)]
-        assert _chat(base, "qwen-0.5b")["model"] == "qwen-0.5b"
-    finally:
-        serve.delete("servellm-one")
+    status = serve.status().applications["servellm-one"].deployments
+    assert {name: dict(d.replica_states) for name, d in status.items()} == {"LLMServer:qwen-0_5b": {"RUNNING": 1}}
+    base = f"http://127.0.0.1:{serve_port}/one"
+    cards = httpx.get(f"{base}/v1/models", timeout=60).json()["data"]
+    assert [(c["id"], c["max_model_len"]) for c in cards] == [("qwen-0.5b", 320)]
+    assert _chat(base, "qwen-0.5b")["model"] == "qwen-0.5b"
