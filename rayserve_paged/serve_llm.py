@@ -200,7 +200,9 @@ DEPLOYMENT_FIELDS = frozenset(
     }
 )
 
-LORA_ROOT_FIELD = "lora_modules_root"  # the load root of runtime adapter loads, where EngineConfig has one
+LORA_ROOT_FIELD = "lora_modules_root"  # the load root of runtime adapter loads, where AppArgs has one
+# options this version may lack that take vLLM's names when they exist (AppArgs validates them)
+OPTIONAL_FIELDS = frozenset({"scheduling_policy", LORA_ROOT_FIELD})
 CLOUD_PREFIXES = ("s3://", "gs://", "abfss://", "azure://", "pyarrow-")
 
 
@@ -302,9 +304,9 @@ def _model_spec(index: int, entry: dict[str, Any], defaults: dict[str, Any], own
     engine_kwargs = entry.pop("engine_kwargs", None) or {}
     if not isinstance(engine_kwargs, dict):
         raise LLMConfigError(f"{where}.engine_kwargs: expected a mapping")
-    _engine_kwargs(spec, engine_kwargs)
+    _engine_kwargs(spec, engine_kwargs, own_fields)
     _deployment_config(spec, entry.pop("deployment_config", None) or {})
-    _lora_config(spec, entry.pop("lora_config", None), engine_kwargs)
+    _lora_config(spec, entry.pop("lora_config", None), engine_kwargs, own_fields)
     _accelerator(spec, entry.pop("accelerator_type", None), entry.pop("accelerator_config", None))
     _placement(spec, entry.pop("placement_group_config", None))
     _runtime_env(spec, entry.pop("runtime_env", None))
@@ -349,14 +351,17 @@ def _model_loading(spec: ModelSpec, loading: dict[str, Any]) -> None:
         raise LLMConfigError(f"{spec.where}.model_loading_config.{key}: not a field of ModelLoadingConfig")
 
 
-def _engine_kwargs(spec: ModelSpec, engine_kwargs: dict[str, Any]) -> None:
+def _engine_kwargs(spec: ModelSpec, engine_kwargs: dict[str, Any], own_fields: frozenset[str]) -> None:
     for key, value in engine_kwargs.items():
         source = f"engine_kwargs.{key}"
         arg = ENGINE_KWARGS.get(key)
+        if key in OPTIONAL_FIELDS & own_fields:  # vLLM's option exists here under its name: AppArgs checks it
+            _set(spec, key, value, source)
+            continue
         if arg is None:
             if key in UNSUPPORTED_ENGINE_KWARGS:
                 raise LLMConfigError(f"{spec.where}.{source}: not supported here: {UNSUPPORTED_ENGINE_KWARGS[key]}")
-            if key not in OWN_ENGINE_FIELDS and key not in _optional_engine_fields():
+            if key not in OWN_ENGINE_FIELDS:
                 raise LLMConfigError(
                     f"{spec.where}.{source}: not an engine option here, neither one of vLLM's this project maps nor "
                     "one of its own (docs/API.md, 'vLLM engine arguments', lists them)"
@@ -370,11 +375,6 @@ def _engine_kwargs(spec: ModelSpec, engine_kwargs: dict[str, Any]) -> None:
         if arg.field is not None:
             _set(spec, arg.field, converted, source)
     _check_engine_kwargs(spec, engine_kwargs)
-
-
-def _optional_engine_fields() -> frozenset[str]:
-    """EngineConfig fields other work may add that vLLM names alike (taken when present)."""
-    return frozenset({"scheduling_policy", LORA_ROOT_FIELD}) & frozenset(EngineConfig.model_fields)
 
 
 def _check_engine_kwargs(spec: ModelSpec, engine_kwargs: dict[str, Any]) -> None:
@@ -392,8 +392,6 @@ def _check_engine_kwargs(spec: ModelSpec, engine_kwargs: dict[str, Any]) -> None
             f"{spec.where}.engine_kwargs.enable_auto_tool_choice: false, but tool_call_parser is set (here tool_choice "
             "`auto` is parsed whenever a parser is set; leave tool_call_parser out to turn it off)"
         )
-    if "scheduling_policy" in engine_kwargs and "scheduling_policy" in _optional_engine_fields():
-        _set(spec, "scheduling_policy", engine_kwargs["scheduling_policy"], "engine_kwargs.scheduling_policy")
 
 
 def _deployment_config(spec: ModelSpec, config: dict[str, Any]) -> None:
@@ -428,7 +426,7 @@ def _deployment_config(spec: ModelSpec, config: dict[str, Any]) -> None:
         spec.args["deployment_options"] = options
 
 
-def _lora_config(spec: ModelSpec, lora: Any, engine_kwargs: dict[str, Any]) -> None:
+def _lora_config(spec: ModelSpec, lora: Any, engine_kwargs: dict[str, Any], own_fields: frozenset[str]) -> None:
     if lora is None:
         return
     if not isinstance(lora, dict):
@@ -446,7 +444,7 @@ def _lora_config(spec: ModelSpec, lora: Any, engine_kwargs: dict[str, Any]) -> N
     path = lora.pop("dynamic_lora_loading_path", None)
     if path is not None:
         _set(spec, "lora_modules", _adapters_under(spec.where, spec.model_id, path), "lora_config.dynamic_lora_loading_path")
-        if LORA_ROOT_FIELD in EngineConfig.model_fields:
+        if LORA_ROOT_FIELD in own_fields:
             _set(spec, LORA_ROOT_FIELD, path, "lora_config.dynamic_lora_loading_path")
     for key in sorted(lora):
         if key in ("download_timeout_s", "max_download_tries"):

@@ -418,3 +418,19 @@ def test_chat_template_is_read_when_the_app_is_built(tmp_path):
     assert http_options_of(AppArgs(model="tiny-opt"))["chat_template"] is None
     with pytest.raises(ValueError, match="chat_template: .* neither a readable file nor a Jinja template"):
         http_options_of(AppArgs(model="tiny-opt", chat_template=str(tmp_path / "missing.jinja")))
+
+
+def test_options_this_version_lacks_take_vllms_names_once_they_exist(tmp_path):
+    """scheduling_policy and the LoRA load root are not AppArgs fields in this version: the
+    first is refused past fcfs (above), the second not set. Where AppArgs has them, the
+    vLLM / Ray Serve LLM values go to them as given (AppArgs validates)."""
+    root = _adapter_dir(tmp_path / "loras", "a")
+    entry = {"model_loading_config": {"model_id": "m", "model_source": "tiny-llama"},
+             "engine_kwargs": {"scheduling_policy": "priority"},
+             "lora_config": {"dynamic_lora_loading_path": str(root)}}  # fmt: skip
+    (spec,) = translate({"llm_configs": [entry]}, OWN | {"scheduling_policy", "lora_modules_root"}).models
+    assert spec.args["scheduling_policy"] == "priority" and spec.args["lora_modules_root"] == str(root)
+    entry["engine_kwargs"] = {}
+    (spec,) = translate({"llm_configs": [entry]}, OWN).models
+    assert ("lora_modules_root" in spec.args) == ("lora_modules_root" in OWN)
+    assert spec.args["lora_modules"] == {"m:a": str(root / "a")}  # registered at start-up either way
