@@ -260,12 +260,16 @@ def create_openai_app(
     tool_call_parser: str | None = None,
     tokenizer_pool: TokenizerPool | None = None,
     allow_runtime_lora_updating: bool = False,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible FastAPI app over `client` (docs/API.md describes the API).
     With `api_key`, every route but `open_paths` requires it. Tokenizer work runs in
     `tokenizer_pool` (the replica's; a pool of its own when None). With
     `allow_runtime_lora_updating`, POST /v1/load_lora_adapter and /v1/unload_lora_adapter
-    exist (vLLM's routes, off by default as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    exist (vLLM's routes, off by default as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING). A
+    `chat_template` replaces the tokenizer's (vLLM's --chat-template)."""
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     serving = GenerationPipeline(
         client, tokenizer, served_model_name, max_tokenizer_queue, enable_prompt_tokens_details, tokenizer_pool
     )
@@ -354,3 +358,19 @@ def create_openai_app(
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
     return app
+
+
+def add_request_guards(
+    app: FastAPI,
+    api_key: str | None,
+    open_paths: Iterable[str] = DEFAULT_OPEN_PATHS,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
+) -> None:
+    """create_openai_app's API key, internal-error and body checks (outermost first) on an
+    app of another shape: the multi-model ingress, which reads a body to choose its model's
+    app (deployments/multi_model.py)."""
+    app.add_middleware(_RequestBodyMiddleware, max_bytes=max_request_body_bytes, timeout_s=request_body_timeout_s)
+    app.add_middleware(_InternalErrorMiddleware)
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))

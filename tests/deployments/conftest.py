@@ -104,14 +104,14 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
     return error
 
 
-def record_binds(monkeypatch, args: AppArgs) -> dict[str, dict]:
-    """build_app(args) with serve.deployment recorded: {name: {options, args, kwargs}}."""
+def record_binds(monkeypatch, args: AppArgs | dict, build=build_app) -> dict[str, dict]:
+    """build(args) (build_app's) with serve.deployment recorded: {name: {cls, options, args, kwargs}}."""
     from ray import serve
 
     bound: dict[str, dict] = {}
 
     def deployment(cls, **options):
-        record = bound.setdefault(options["name"], {"options": options})
+        record = bound.setdefault(options["name"], {"cls": cls, "options": options})
 
         class _Deployment:
             @staticmethod
@@ -122,5 +122,5 @@ def record_binds(monkeypatch, args: AppArgs) -> dict[str, dict]:
         return _Deployment()
 
     monkeypatch.setattr(serve, "deployment", deployment)
-    build_app(args)
+    build(args)
     return bound
