@@ -100,6 +100,9 @@ def run_in_session(command: list[str], timeout: float, **options) -> tuple[int, 
         stdout, stderr = process.communicate()
         print(stdout[-4000:], stderr[-2000:], sep="\n")
         raise TimeoutError(f"{' '.join(command[:3])} ... killed with its process group after {timeout} s") from None
+    except BaseException:  # this run is ending (SIGTERM, Ctrl-C): the group must not outlive it
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
     return process.returncode, stdout, stderr
 
 
