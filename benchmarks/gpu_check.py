@@ -56,6 +56,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -152,6 +153,9 @@ def planned(args: argparse.Namespace, has_cuda: bool) -> tuple[list[str], dict[s
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    # a timeout's SIGTERM ends the run through the finally below (temporary folders removed);
+    # every finished section is in the report already
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     packages = package_versions()
     print(f"[gpu_check] python {platform.python_version()} ({sys.executable})", flush=True)
     print("[gpu_check] " + ", ".join(f"{name} {version}" for name, version in packages.items()), flush=True)

@@ -100,6 +100,9 @@ def run_in_session(command: list[str], timeout: float, **options) -> tuple[int, 
         stdout, stderr = process.communicate()
         print(stdout[-4000:], stderr[-2000:], sep="\n")
         raise TimeoutError(f"{' '.join(command[:3])} ... killed with its process group after {timeout} s") from None
+    except BaseException:  # this run is ending (SIGTERM, Ctrl-C): the group must not outlive it
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
     return process.returncode, stdout, stderr
 
 
@@ -464,7 +467,7 @@ def report_lines(report: dict) -> list[str]:
     if decode:
         lines.append(
             "decode            dtype     batch context rule picks        ms    GB/s  %copy  paged/dense"
-            "  single_ms  partitioned_ms"
+            "  single_ms  partitioned_ms  (L2: working set fits in L2, timed after a flush)"
         )
         for row in decode:
             fraction = row.get("fraction_of_copy_bandwidth")
@@ -472,7 +475,7 @@ def report_lines(report: dict) -> list[str]:
                 f"                  {row['dtype']:<9} {row['batch']:>5} {row['context']:>7} {row['variant']:<11}"
                 f" {row['ms']:>8.4f} {row['gbps']:>7.0f} {100 * fraction if fraction else float('nan'):>5.1f}%"
                 f" {row.get('paged_over_dense', float('nan')):>12.2f} {row['single_ms']:>10.4f}"
-                f" {row['partitioned_ms']:>15.4f}"
+                f" {row['partitioned_ms']:>15.4f}{'  L2' if row.get('fits_l2') else ''}"
             )
     prefill = [row for row in report.get("prefill", []) if "ms" in row]
     if prefill:
@@ -486,7 +489,8 @@ def report_lines(report: dict) -> list[str]:
     if quant:
         lines.append(f"quant             {quant['device']}: rows, layer, kernel, max error / bound, ms (bf16 F.linear ms)")
         for row in quant["rows"]:
-            timing = f" {row['ms']:.4f} ({row['bf16_ms']:.4f})" if "ms" in row else ""
+            timing = (f" {row['ms']:.4f} ({row['bf16_ms']:.4f}; bf16 / quant {row['bf16_over_quant']:.2f})"
+                      if "ms" in row else "")  # fmt: skip
             lines.append(f"                  {row['rows']:>4} {row['layer']:<5} {row['kernel']:<22} "
                          f"{row['error_over_bound']:.3f}{timing}")  # fmt: skip
     return lines

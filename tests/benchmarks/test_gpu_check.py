@@ -328,3 +328,28 @@ def test_pytest_starts_where_pydantic_does_not_import():
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def test_a_terminated_run_keeps_its_report_and_removes_its_folders(tmp_path, carried_wheels):
+    """What the machine's timeout does (SIGTERM) in the middle of a section: the report holds
+    what finished, and the wheel folder is removed on the way out."""
+    import signal
+
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    for wheel in carried_wheels.glob("prometheus_client-*.whl"):
+        (folder / wheel.name).symlink_to(wheel)
+    out = tmp_path / "out"
+    command = [sys.executable, "benchmarks/gpu_check.py", str(out), "--quick", "--cpu-backend", "torch", "--wheels",
+               str(folder), "--only", "runner"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=ROOT, env=hiding_env(tmp_path / "hide", IMAGE_LACKS),
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    for line in process.stdout:
+        if line.startswith("[gpu_check] runner ("):
+            process.send_signal(signal.SIGTERM)
+            break
+    process.stdout.read()
+    assert process.wait(timeout=120) == 128 + signal.SIGTERM
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["wheels"]["installed"][0].startswith("prometheus_client") and "runner" not in report
+    assert not Path(report["wheels"]["target"]).exists()
