@@ -629,7 +629,7 @@ class ResponsesServing:
             "tools": self._chat_tools(request.tools),
             "tool_choice": _chat_tool_choice(request.tool_choice),
             "parallel_tool_calls": request.parallel_tool_calls,
-            "response_format": request.text.format.response_format() if request.text and request.text.format else None,
+            "response_format": _chat_response_format(request),
             "stream": request.stream,
             "stream_options": {"include_usage": True} if request.stream else None,
         }
@@ -727,6 +727,18 @@ class ResponsesServing:
         page = items[:limit]
         return InputItemList(data=page, first_id=page[0]["id"] if page else None,
                              last_id=page[-1]["id"] if page else None, has_more=len(items) > limit)  # fmt: skip
+
+
+def _chat_response_format(request: ResponsesRequest) -> dict[str, Any] | None:
+    """text.format constrains the answer's text; a forced call (tool_choice 'required' or a
+    function) answers with calls and no text, so the format has nothing to constrain then
+    (OpenAI accepts both together; the chat route's constraint is the call's schema)."""
+    if request.text is None or request.text.format is None:
+        return None
+    response_format = request.text.format.response_format()
+    if request.tools and request.tool_choice not in (None, "none", "auto"):
+        return None
+    return response_format
 
 
 def _chat_tool_choice(tool_choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
