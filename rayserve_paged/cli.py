@@ -27,6 +27,7 @@ BENCHMARKS = {
     "structured-outputs": "benchmarks.structured_outputs",
     "quantized": "benchmarks.quantized",
     "lora": "benchmarks.lora",
+    "responses-host": "benchmarks.responses_host",
 }
 
 DEMO_QUESTIONS = [

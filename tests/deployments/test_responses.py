@@ -260,6 +260,16 @@ async def test_bad_fields_are_400s_naming_the_param(http, extra, param):
         assert_openai_error(await http.post("/v1/responses", json=body), 400, param)
 
 
+async def test_a_lone_surrogate_anywhere_is_a_400(http):
+    for extra in ({"input": "\ud800"}, {"instructions": "\udfff"},
+                  {"input": [{"type": "function_call_output", "call_id": "c", "output": "\ud800"}]},
+                  {"input": [{"role": "user", "content": [{"type": "input_text", "text": "\ud800"}]}]},
+                  {"tools": [{"type": "function", "name": "\ud800"}]}):  # fmt: skip
+        content = json.dumps({**BASE, "input": "x", **extra})  # ASCII: the surrogate travels as an escape
+        response = await http.post("/v1/responses", content=content, headers={"content-type": "application/json"})
+        assert_openai_error(response, 400, None, "lone surrogate")
+
+
 _TEXT = st.text(max_size=8)
 _JSON = st.recursive(st.none() | st.booleans() | st.integers() | _TEXT,
                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TEXT, inner, max_size=3),

@@ -114,6 +114,7 @@ class ResponsesRequest(RequestModel):
     frequency_penalty: float | None = _F["frequency_penalty"]
     repetition_penalty: float | None = _F["repetition_penalty"]
     cache_salt: str | None = _F["cache_salt"]
+    ignore_eos: bool = _F["ignore_eos"]
     tools: list[dict[str, Any]] | None = Field(
         None, description="Function tools: {type: 'function', name, description, parameters, strict}."
     )
@@ -634,7 +635,7 @@ class ResponsesServing:
             "stream_options": {"include_usage": True} if request.stream else None,
         }
         for name in ("temperature", "top_p", "seed", "stop", "top_k", "min_p", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "cache_salt", "user"):  # fmt: skip
+                     "frequency_penalty", "repetition_penalty", "cache_salt", "ignore_eos", "user"):  # fmt: skip
             body[name] = getattr(request, name)
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
