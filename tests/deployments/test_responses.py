@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from rayserve_paged.deployments.openai_ingress import ROUTING_SESSION, create_openai_app, routing_session
 from rayserve_paged.deployments.serving.response_store import ResponseStore, ResponseStoreConfig, StoredResponse
 from rayserve_paged.deployments.serving.responses import OutputItems
+from rayserve_paged.engine.frontend import EngineUnavailable
 from tests.deployments.conftest import MAX_MODEL_LEN, MODEL, asgi_client, assert_openai_error
 from tests.deployments.test_limits import _assert_overloaded, _GatedClient
 
@@ -367,6 +368,25 @@ async def test_limits_and_key_as_on_chat(engine_client, engine):
         _assert_overloaded(await http.post("/v1/responses", json={**BASE, "input": "y"}))
         client.gate.set()
         assert (await held).status_code == 200
+
+
+async def test_a_failure_mid_stream_ends_with_response_failed(engine_client, engine):
+    class Failing(_GatedClient):
+        async def generate_stream(self, prompt, sampling_params, request_id):
+            async for output in self.inner.generate_stream(prompt, sampling_params, request_id):
+                yield output
+                raise EngineUnavailable("the model process died")
+
+    app = create_openai_app(Failing(engine_client), engine.tokenizer, MODEL)
+    async with asgi_client(app) as http:
+        response = await http.post("/v1/responses", json={**BASE, "input": "x", "stream": True})
+        events = _events(response)
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        failed = events[-1]
+        assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+        assert failed["response"]["error"]["code"] == "engine_unavailable"
+        assert (await http.get(f"/v1/responses/{failed['response']['id']}")).json() == failed["response"]
+    assert engine_client.aborted  # the request left unfinished was aborted
 
 
 def test_reasoning_content_becomes_a_reasoning_item_before_the_message():

@@ -355,6 +355,14 @@ class OutputItems:
 
     # ------------------------------------------------------------ what comes in
 
+    def feed(self, delta: dict[str, Any]) -> None:
+        """A chat delta (or a whole chat message): its reasoning (vLLM's `reasoning_content`,
+        or its newer name `reasoning`), its text, its calls."""
+        self.reasoning(delta.get("reasoning_content") or delta.get("reasoning") or "")
+        self.content(delta.get("content") or "")
+        for piece in delta.get("tool_calls") or ():
+            self.tool_call(piece)
+
     def reasoning(self, text: str) -> None:
         if text:
             self._text("reasoning", text)
@@ -561,10 +569,8 @@ class ResponsesServing:
             (choice,) = body["choices"]
             message = choice["message"]
             output = OutputItems(is_streaming=False)
-            output.reasoning(message.get("reasoning_content") or "")
-            output.content(message.get("content") or "")
-            for i, call in enumerate(message.get("tool_calls") or []):
-                output.tool_call({"index": i, **call})
+            calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls") or [])]
+            output.feed({**message, "tool_calls": calls})  # the whole answer as one delta
             status = _status_of(choice["finish_reason"])
             final = record.final(output.finish(status), status, _usage(body["usage"]))
             return Response(final, media_type="application/json")
@@ -588,11 +594,7 @@ class ResponsesServing:
                         error = body["error"]
                         continue
                     for choice in body["choices"]:
-                        delta = choice["delta"]
-                        output.reasoning(delta.get("reasoning_content") or "")
-                        output.content(delta.get("content") or "")
-                        for piece in delta.get("tool_calls") or ():
-                            output.tool_call(piece)
+                        output.feed(choice["delta"])
                         finish_reason = choice["finish_reason"] or finish_reason
                     usage = body.get("usage") or usage
                 if chunk.endswith("data: [DONE]\n\n"):
