@@ -15,6 +15,13 @@ most events per token a stream can have, where a richer event costs most. Two CP
 figures: the process's (all threads: the engine's steps, the event loop, the tokenizer
 pool), and the event loop thread's alone (the routes, the front end's detokenizing and
 the events; the engine steps on its own thread), where the routes differ.
+
+    rayserve-paged bench responses-host --store --out DIR
+
+instead times what a continuation's lookup costs: a conversation of `--turns` turns kept in
+the replica's ResponseStore (put, then get and parse), against the same bytes kept in a Ray
+actor and fetched with one remote call (the shared store `routing: prefix` could use
+instead of the session rule; a local Ray instance of two CPUs).
 """
 
 from __future__ import annotations
@@ -145,6 +152,59 @@ async def sitting(args) -> list[dict]:
     return records
 
 
+def measure_store(turns: int, repeat: int) -> dict:
+    """Microseconds per lookup: the local store against a Ray actor holding the same bytes."""
+    import ray
+
+    from rayserve_paged.deployments.serving.response_store import ResponseStore, StoredResponse
+
+    turn = [{"id": f"msg_{i:032x}", "type": "message", "role": "user" if i % 2 else "assistant",
+             "content": [{"type": "input_text", "text": "a sentence of a conversation " * 4}], "status": "completed"}
+            for i in range(2 * turns)]  # fmt: skip
+    response_json = json.dumps({"id": "resp_x", "output": turn[-1:]}).encode()
+    conversation_json = json.dumps(turn).encode()
+    store = ResponseStore()
+    t0 = time.perf_counter()
+    for i in range(repeat):
+        store.put(f"resp_{i}", StoredResponse(response_json, conversation_json, 1, "resp_0"))
+    put_us = (time.perf_counter() - t0) / repeat * 1e6
+    t0 = time.perf_counter()
+    for i in range(repeat):
+        entry = store.get(f"resp_{i}")
+        json.loads(entry.conversation_json)
+    get_us = (time.perf_counter() - t0) / repeat * 1e6
+
+    @ray.remote(num_cpus=0)
+    class SharedStore:
+        def __init__(self):
+            self.entries = {}
+
+        def put(self, key, value):
+            self.entries[key] = value
+
+        def get(self, key):
+            return self.entries.get(key)
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        actor = SharedStore.remote()
+        ray.get(actor.put.remote("warm", conversation_json))
+        t0 = time.perf_counter()
+        for i in range(repeat):
+            ray.get(actor.put.remote(f"resp_{i}", conversation_json))
+        actor_put_us = (time.perf_counter() - t0) / repeat * 1e6
+        t0 = time.perf_counter()
+        for i in range(repeat):
+            json.loads(ray.get(actor.get.remote(f"resp_{i}")))
+        actor_get_us = (time.perf_counter() - t0) / repeat * 1e6
+    finally:
+        ray.shutdown()
+    return {"turns": turns, "conversation_bytes": len(conversation_json), "repeat": repeat,
+            "local_put_us": round(put_us, 1), "local_get_us": round(get_us, 1),
+            "actor_put_us": round(actor_put_us, 1), "actor_get_us": round(actor_get_us, 1),
+            "loadavg": load_average()}  # fmt: skip
+
+
 def summarize(records: list[dict]) -> dict:
     summary = {}
     for key in ("cpu_s_per_1k_tokens", "loop_cpu_s_per_1k_tokens"):
@@ -167,8 +227,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3, help="chat, responses, chat, ... this many times each")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--store", action="store_true", help="time a continuation's lookup instead (above)")
+    parser.add_argument("--turns", type=int, default=10, help="--store: turns in the stored conversation")
     parser.add_argument("--out", help="write the records and their summary as JSON in this directory")
     args = parser.parse_args(argv)
+    if args.store:
+        record = measure_store(args.turns, 200 * args.repeat)
+        print(json.dumps(record))
+        if args.out:
+            write_json(args.out, "responses_store.json", record)
+        return 0
     records = asyncio.run(sitting(args))
     summary = summarize(records)
     print(json.dumps(summary))
