@@ -402,3 +402,24 @@ def test_reasoning_content_becomes_a_reasoning_item_before_the_message():
         "output_item.added", "content_part.added", "reasoning_text.delta", "reasoning_text.delta",
         "reasoning_text.done", "content_part.done"]  # fmt: skip
     assert events[-1]["type"] == "response.output_item.done" and events[-1]["item"] == items[1]
+
+
+def test_text_then_calls_in_pieces_become_one_item_each_in_order():
+    """The chat stream's shapes for `auto` (text, then calls) and for calls streamed in
+    pieces (the first piece with id and name, then arguments; a new index, a new call)."""
+    output = OutputItems(is_streaming=True)
+    output.emit("response.created", response={})
+    output.emit("response.in_progress", response={})
+    output.feed({"role": "assistant", "content": ""})
+    output.feed({"content": "Let me look."})
+    pieces = [(0, "call_a", "get_weather", '{"city": '), (0, None, None, '"Rome"}'), (1, "call_b", "get_time", "{}")]
+    for index, call_id, name, arguments in pieces:
+        function = {"arguments": arguments, **({"name": name} if name else {})}
+        output.feed({"tool_calls": [{"index": index, "function": function, **({"id": call_id} if call_id else {})}]})
+    items = output.finish("completed")
+    output.emit_response("response.completed", json.dumps({"output": items}))
+    events = [json.loads(e.split("\ndata: ")[1]) for e in output.take_events().split("\n\n") if e]
+    final = _check_stream(events)
+    assert [(i["type"], i.get("call_id"), i.get("arguments")) for i in final["output"]] == [
+        ("message", None, None), ("function_call", "call_a", '{"city": "Rome"}'), ("function_call", "call_b", "{}")]
+    assert final["output"][0]["content"][0]["text"] == "Let me look."
