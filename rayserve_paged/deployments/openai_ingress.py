@@ -38,7 +38,6 @@ import hmac
 import logging
 import time
 from collections.abc import Iterable
-
 from typing import Literal
 
 from fastapi import FastAPI, Query, Request
