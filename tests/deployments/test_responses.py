@@ -147,6 +147,11 @@ async def test_function_call_and_its_output_round_trip(client):
     (call,) = first.output
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
     jsonschema.validate(json.loads(call.arguments), WEATHER)
+    async with client.responses.stream(**{**BASE, "max_output_tokens": 60}, input="Weather in Paris?", tools=TOOLS,
+                                       tool_choice={"type": "function", "name": "get_weather"}) as stream:  # fmt: skip
+        done = [e.arguments async for e in stream if e.type == "response.function_call_arguments.done"]
+        streamed = await stream.get_final_response()
+    assert done == [call.arguments] and [(c.name, c.arguments) for c in streamed.output] == [(call.name, call.arguments)]
     result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "clear"}'}
     answer = {**BASE, "text": {"format": {"type": "json_schema", "name": "city", "schema": City.model_json_schema()}},
               "max_output_tokens": 40}  # fmt: skip
