@@ -126,6 +126,7 @@ async def test_create_and_stream_give_the_same_response(http, client):
     final = _check_stream(events)
     assert _without_ids(final) == _without_ids(plain)
     assert sum(e["type"] == "response.output_text.delta" for e in events) > 1  # token by token, not at the end
+    assert (await http.get(f"/v1/responses/{final['id']}")).json() == final  # stored once the stream ended
     # the openai client: output_text, and the stream helper's final response (of a completed one)
     response = await client.responses.create(**body)
     assert response.output_text == message["content"][0]["text"]

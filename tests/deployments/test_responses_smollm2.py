@@ -1,6 +1,7 @@
 """The README's `client.responses.create` call: SmolLM2-135M-Instruct as `make run` serves it
 (configs/smollm2.yaml's engine, in this process), answering through /v1/responses with the
-official openai client, plainly and through the stream helper alike."""
+official openai client (one call: the model costs seconds; the tiny model's tests hold the
+stream to the plain answer)."""
 
 from __future__ import annotations
 
@@ -37,9 +38,3 @@ async def test_smollm2_answers_through_responses(smollm2):
             )
             assert (response.output_text, response.status) == (ANSWER, "completed")
             assert response.usage.output_tokens == 8 and response.output[0].type == "message"
-            async with client.responses.stream(
-                model="smollm2", input="What is the capital of France?", max_output_tokens=24, temperature=0
-            ) as stream:
-                deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
-                final = await stream.get_final_response()
-            assert "".join(deltas) == final.output_text == ANSWER and len(deltas) > 1
