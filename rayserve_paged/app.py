@@ -29,6 +29,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.deployments.access import API_KEY_ENV, API_KEY_FILE_ENV, API_KEY_REFUSED, DEFAULT_OPEN_PATHS
+from rayserve_paged.deployments.serving.response_store import ResponseStoreConfig
 from rayserve_paged.engine.frontend import STREAM_BATCHING_INTERVAL_MS
 from rayserve_paged.serve_llm import LLMConfigError, ModelSpec, error_source, is_llm_configs, translate
 from rayserve_paged.telemetry import TelemetryConfig
@@ -55,6 +56,12 @@ class AppArgs(EngineConfig):
         description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; behind the API "
         "key; as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING). Each call changes the replica that answers it only. "
         "Not with routing: prefix.",
+    )
+    responses_store: ResponseStoreConfig = Field(
+        default_factory=ResponseStoreConfig,
+        description="Bounds of the stored responses of /v1/responses (previous_response_id, GET "
+        "/v1/responses/{id}), kept in memory by each process that serves HTTP: each LLMServer replica "
+        "(routing: load) or each OpenAIIngress replica (routing: prefix). docs/API.md, Responses.",
     )
     unauthenticated_paths: list[str] = Field(
         default_factory=lambda: list(DEFAULT_OPEN_PATHS),
@@ -371,6 +378,7 @@ def http_options_of(args: AppArgs) -> dict[str, Any]:
         "tool_call_parser": args.tool_call_parser,
         "allow_runtime_lora_updating": args.allow_runtime_lora_updating,
         "chat_template": chat_template_of(args.chat_template),
+        "responses_store": args.responses_store.model_dump(),
     }
 
 

@@ -29,6 +29,7 @@ BENCHMARKS = {
     "lora": "benchmarks.lora",
     "stream-cadence": "benchmarks.stream_cadence",
     "report": "benchmarks.report",
+    "responses-host": "benchmarks.responses_host",
 }
 
 DEMO_QUESTIONS = [

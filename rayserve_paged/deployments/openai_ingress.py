@@ -38,8 +38,9 @@ import hmac
 import logging
 import time
 from collections.abc import Iterable
+from typing import Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray.serve.exceptions import BackPressureError
@@ -70,6 +71,13 @@ from rayserve_paged.deployments.serving.chat import ChatCompletionRequest, ChatC
 from rayserve_paged.deployments.serving.completions import CompletionRequest, CompletionResponse, CompletionServing
 from rayserve_paged.deployments.serving.lora import LoadLoRAAdapterRequest, LoRAServing, UnloadLoRAAdapterRequest
 from rayserve_paged.deployments.serving.pipeline import MAX_TOKENIZER_QUEUE, GenerationPipeline
+from rayserve_paged.deployments.serving.response_store import ResponseStore, ResponseStoreConfig
+from rayserve_paged.deployments.serving.responses import (
+    DeletedResponse,
+    InputItemList,
+    ResponsesRequest,
+    ResponsesServing,
+)
 from rayserve_paged.deployments.serving.tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -89,7 +97,7 @@ SESSION_HEADER = "x-session-id"
 # the session of the request being served (the engine client of a fleet's ingress reads it)
 ROUTING_SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("routing_session", default=None)
 # what admission counts: the routes that tokenize or generate
-ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"})
 
 
 class _APIKeyMiddleware:
@@ -261,13 +269,15 @@ def create_openai_app(
     tokenizer_pool: TokenizerPool | None = None,
     allow_runtime_lora_updating: bool = False,
     chat_template: str | None = None,
+    responses_store: ResponseStoreConfig | dict | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible FastAPI app over `client` (docs/API.md describes the API).
     With `api_key`, every route but `open_paths` requires it. Tokenizer work runs in
     `tokenizer_pool` (the replica's; a pool of its own when None). With
     `allow_runtime_lora_updating`, POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     exist (vLLM's routes, off by default as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING). A
-    `chat_template` replaces the tokenizer's (vLLM's --chat-template)."""
+    `chat_template` replaces the tokenizer's (vLLM's --chat-template). `responses_store`
+    bounds the stored responses of /v1/responses (ResponseStoreConfig)."""
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     serving = GenerationPipeline(
@@ -277,6 +287,8 @@ def create_openai_app(
     completion = CompletionServing(serving)
     tokenization = TokenizationServing(serving, chat)
     lora = LoRAServing(serving)
+    store_config = ResponseStoreConfig.model_validate(responses_store or {})
+    responses = ResponsesServing(chat, ResponseStore(store_config))
     app = FastAPI(
         title="rayserve-paged",
         summary="OpenAI-compatible LLM serving with PagedAttention on Ray Serve",
@@ -313,6 +325,30 @@ def create_openai_app(
     async def chat_completions(request: ChatCompletionRequest, http: Request) -> Response:
         ROUTING_SESSION.set(routing_session(http.headers.get(SESSION_HEADER), request.user))
         return await chat.create_chat_completion(request, http.scope.get(SCOPE_KEY))
+
+    @app.post("/v1/responses", response_model=None)
+    async def create_response(request: ResponsesRequest, http: Request) -> Response:
+        # the session: the header, else `user`, else the conversation a continuation extends
+        session = http.headers.get(SESSION_HEADER) or request.user or responses.conversation_of(request)
+        ROUTING_SESSION.set(routing_session(session, None))
+        return await responses.create_response(request, http.scope.get(SCOPE_KEY))
+
+    @app.get("/v1/responses/{response_id}", response_model=None)
+    async def get_response(response_id: str) -> Response:
+        return responses.get_response(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> DeletedResponse:
+        return responses.delete_response(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(
+        response_id: str,
+        limit: int = Query(20, ge=1, le=100),
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+    ) -> InputItemList:
+        return responses.input_items(response_id, limit, order, after)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
