@@ -5,23 +5,43 @@ and the parsers that find them in free output (tool_choice "auto").
                              each naming one of the tools and meeting its parameter schema
     tool_choice named        the output is the named function's arguments (its schema)
     tool_choice "auto"       the model writes what it likes; the deployment's parser
-                             (`tool_call_parser`) reads calls out of it:
-        hermes        <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen,
-                      Hermes, SmolLM2 templates); text outside the tags is content
+                             (`tool_call_parser`, vLLM's names) reads calls out of it:
+        hermes        <tool_call>{"name": ..., "arguments": {...}}</tool_call>, one or more
+                      (Qwen, Hermes, SmolLM2 templates); text outside the tags is content
         llama3_json   the whole output is {"name": ..., "parameters": {...}} (or several
                       separated by ';'), optionally after <|python_tag|>
+        mistral       [TOOL_CALLS] then a JSON array of {"name", "arguments"} objects, or
+                      name{...} / name[ARGS]{...} after each [TOOL_CALLS]; text before is content
+        pythonic      the whole output is a Python list of calls with literal keyword
+                      arguments, [f(a=1), g(b="x")] (Llama 3.2 / 4 templates)
+
+A call is a call only when it names one of the declared tools and, for a `strict` tool or
+one without `parameters` (it takes no arguments), its arguments meet the tool's schema;
+anything else stays text, as vLLM's parsers leave it.
+
+Every reader here is a stream: `feed(text)` returns the pieces that can be sent now,
+`finish()` the rest. A piece is content text, a `CallStart` (a call's id, type and name)
+or `CallArguments` (more of a call's arguments). The plain (non-streamed) answer is the same
+reader fed the whole text (`read_all`), so a stream and a plain answer always agree.
 
 Pure Python on plain dicts: the HTTP layer and the offline LLM share it.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import random
 import re
+import string
 import uuid
 from dataclasses import dataclass
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+import jsonschema
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+# a tool without `parameters` takes no arguments (as OpenAI reads such a definition)
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 class ToolChoiceError(ValueError):
@@ -45,10 +65,28 @@ class ToolCall:
         return call
 
 
-def tool_functions(tools: list[dict] | None) -> dict[str, dict]:
-    """name -> its parameter schema, checked: every tool is {"type": "function", "function":
-    {"name": str, "parameters": object}} with unique names."""
-    functions: dict[str, dict] = {}
+@dataclass(slots=True)
+class CallStart:
+    """A call begins: its id, type and name are sent first (arguments follow)."""
+
+    index: int
+    call: ToolCall
+
+
+@dataclass(slots=True)
+class CallArguments:
+    index: int
+    text: str
+
+
+Piece = str | CallStart | CallArguments
+
+
+def _check_tools(tools: list[dict] | None) -> list[tuple[str, dict, bool]]:
+    """(name, parameters schema, strict) of each tool, checked: every tool is {"type":
+    "function", "function": {"name": str, "parameters": object, "strict": bool}} with unique
+    names; a tool without parameters takes none."""
+    checked: list[tuple[str, dict, bool]] = []
     for i, tool in enumerate(tools or []):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
@@ -56,13 +94,92 @@ def tool_functions(tools: list[dict] | None) -> dict[str, dict]:
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise ToolChoiceError(f"tools[{i}].function.name: a non-empty string is required")
-        if name in functions:
+        if any(name == n for n, _, _ in checked):
             raise ToolChoiceError(f"tools[{i}].function.name: {name!r} is defined twice")
-        parameters = function.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(parameters, dict):
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
             raise ToolChoiceError(f"tools[{i}].function.parameters: a JSON schema object is required")
-        functions[name] = parameters
-    return functions
+        strict = function.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise ToolChoiceError(f"tools[{i}].function.strict: must be true or false")
+        checked.append((name, NO_ARGUMENTS if parameters is None else parameters, parameters is None or bool(strict)))
+    return checked
+
+
+def tool_functions(tools: list[dict] | None) -> dict[str, dict]:
+    """name -> its parameter schema (NO_ARGUMENTS for a tool without parameters), checked."""
+    return {name: schema for name, schema, _ in _check_tools(tools)}
+
+
+class ToolSet:
+    """The declared tools, as the parsers check calls against them: a call names one of
+    them, and a strict tool's (or a tool without parameters') arguments meet its schema.
+
+    Under tool_choice "auto" nothing constrains the output, so strictness is checked on the
+    finished call: a call that fails it is not a call (its text stays content). The check is
+    jsonschema's; `pattern` is refused for such a tool (400), since a regular expression
+    from the request would run on model output in Python's backtracking engine."""
+
+    def __init__(self, tools: list[dict] | None) -> None:
+        self._validators: dict[str, jsonschema.protocols.Validator | None] = {}
+        for i, (name, schema, strict) in enumerate(_check_tools(tools)):
+            if not strict:
+                self._validators[name] = None
+                continue
+            if _has_key(schema, ("pattern", "patternProperties")):
+                raise ToolChoiceError(
+                    f"tools[{i}].function.strict: with tool_choice 'auto' a strict tool's arguments are checked "
+                    "after generation, and 'pattern' is not checked there; use tool_choice 'required' or a named "
+                    "function (the output is then constrained to the schema)"
+                )
+            try:
+                cls = jsonschema.validators.validator_for(schema)
+                cls.check_schema(schema)
+            except jsonschema.SchemaError as e:
+                raise ToolChoiceError(f"tools[{i}].function.parameters: not a valid JSON schema ({e.message})") from None
+            self._validators[name] = cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._validators
+
+    def call(self, name, arguments, id: str = "") -> ToolCall | None:
+        """The call, when it is one: `arguments` a JSON object (or its JSON text)."""
+        if not isinstance(name, str) or name not in self._validators:
+            return None
+        if isinstance(arguments, str):
+            try:
+                value = json.loads(arguments)
+            except ValueError:
+                return None
+            text = arguments
+        else:
+            value, text = arguments, _json_text(arguments)
+        if not isinstance(value, dict):
+            return None
+        validator = self._validators[name]
+        if validator is not None and not validator.is_valid(value):
+            return None
+        return ToolCall(name, text, id)
+
+
+def _has_key(schema, keys: tuple[str, ...]) -> bool:
+    if isinstance(schema, dict):
+        return any(k in schema for k in keys) or any(_has_key(v, keys) for v in schema.values())
+    if isinstance(schema, list):
+        return any(_has_key(v, keys) for v in schema)
+    return False
+
+
+def _json_text(value) -> str:
+    """JSON text of a parsed value as OpenAI sends arguments (UTF-8, not escaped); a lone
+    surrogate (model text such as "\\ud800" decodes to one) stays an escape, so the answer
+    can always be encoded."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return text
 
 
 def named_function(tool_choice) -> str | None:
@@ -108,136 +225,388 @@ def forced_schema(tools: list[dict] | None, tool_choice, parallel_tool_calls: bo
     return array
 
 
+# --------------------------------------------------------------------------- reading outputs
+
+
+def read_all(stream, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole output read by `stream` (content None when empty)."""
+    return collect([*stream.feed(text), *stream.finish()])
+
+
+def collect(pieces: list[Piece]) -> tuple[str | None, list[ToolCall]]:
+    content, calls = [], {}
+    for piece in pieces:
+        if isinstance(piece, str):
+            content.append(piece)
+        elif isinstance(piece, CallStart):
+            calls[piece.index] = ToolCall(piece.call.name, "", piece.call.id)
+        else:
+            calls[piece.index].arguments += piece.text
+    return "".join(content) or None, list(calls.values())
+
+
 def forced_calls(text: str, tool_choice) -> list[ToolCall]:
-    """The calls in an output produced under forced_schema's constraint; none when the text
-    is not whole (a stop string or an abort cut it)."""
+    """The calls in a whole output produced under forced_schema's constraint; none when
+    the text is not whole (a stop string or an abort cut it)."""
     try:
-        value = json.loads(text)
+        json.loads(text)
     except ValueError:
         return []
+    return read_all(forced_stream(tool_choice), text)[1]
+
+
+def forced_stream(tool_choice):
     name = named_function(tool_choice)
-    if name is not None:
-        return [ToolCall(name, text)]
-    if not isinstance(value, list) or not all(isinstance(c, dict) and "name" in c for c in value):
+    return NamedCallStream(name) if name is not None else RequiredCallStream()
+
+
+class NamedCallStream:
+    """A named tool choice: the whole output is the call's arguments, sent as they grow."""
+
+    def __init__(self, name: str) -> None:
+        self.call = ToolCall(name, "")
+        self.is_started = False
+
+    def feed(self, text: str) -> list[Piece]:
+        if not text:
+            return []
+        pieces: list[Piece] = [] if self.is_started else [CallStart(0, self.call)]
+        self.is_started = True
+        return [*pieces, CallArguments(0, text)]
+
+    def finish(self) -> list[Piece]:
         return []
-    return [ToolCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value]
+
+
+# `{"name": "<json string>", "parameters": ` : a call of "required"'s array up to its arguments
+_REQUIRED_HEAD = re.compile(r'\s*[\[,]?\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*(?=\S)')
+
+
+class RequiredCallStream:
+    """tool_choice "required": the output is [{"name": ..., "parameters": ...}, ...] (the
+    grammar writes the keys in this order). Each call is sent as soon as its name is whole,
+    then its arguments (the text of the "parameters" value, as written) as they grow."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.pos = 0  # where the next call's head is read
+        self.args_start = -1  # the current call's arguments begin here (-1: between calls)
+        self.num_sent = 0  # of the current call's argument characters
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[Piece]:
+        self.text += text
+        pieces: list[Piece] = []
+        while True:
+            if self.args_start < 0:
+                head = _REQUIRED_HEAD.match(self.text, self.pos)
+                if head is None:
+                    return pieces
+                try:
+                    name = json.loads(head.group(1))
+                except ValueError:
+                    return pieces
+                pieces.append(CallStart(self.num_calls, ToolCall(name, "")))
+                self.args_start, self.num_sent = head.end(), 0
+            end = json_value_end(self.text, self.args_start)
+            sent_to = len(self.text) if end is None else end
+            if sent_to > self.args_start + self.num_sent:
+                pieces.append(CallArguments(self.num_calls, self.text[self.args_start + self.num_sent : sent_to]))
+                self.num_sent = sent_to - self.args_start
+            if end is None:
+                return pieces
+            close = self.text.find("}", end)
+            if close == -1:
+                return pieces
+            self.pos, self.args_start = close + 1, -1
+            self.num_calls += 1
+
+    def finish(self) -> list[Piece]:
+        return []
+
+
+def json_value_end(text: str, start: int) -> int | None:
+    """Where the JSON value that begins at `start` ends (None: not whole yet). Objects,
+    arrays and strings end at their closing character; a bare number or literal at the
+    next character that cannot continue it."""
+    depth, in_string, escaped = 0, False, False
+    i = start
+    while i < len(text) and text[i] in " \t\n\r":
+        i += 1
+    if i < len(text) and text[i] not in '{["':
+        while i < len(text) and text[i] not in ",}] \t\n\r":
+            i += 1
+        return i if i < len(text) else None
+    for j in range(i, len(text)):
+        c = text[j]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+                if depth == 0:
+                    return j + 1
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
 
 
 # --------------------------------------------------------------------------- parsers (auto)
 
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+def parse_tool_calls(parser: str, text: str, tools: list[dict] | ToolSet | None = None) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a free output under `parser`; no calls found: (text, [])."""
+    content, calls = read_all(ToolCallStream(parser, tools), text)
+    return (content, calls) if calls else (text, [])
 
 
-def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a free output; no calls found: (text, [])."""
-    if parser == "hermes":
-        return _parse_hermes(text)
-    if parser == "llama3_json":
-        return _parse_llama3_json(text)
-    raise ValueError(f"tool_call_parser: expected one of {', '.join(TOOL_CALL_PARSERS)} (got {parser!r})")
-
-
-def _call_of(obj, arguments_key: str) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    arguments = obj.get(arguments_key, obj.get("arguments", {}))
-    return ToolCall(obj["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
-
-
-def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    start = text.find("<tool_call>")
-    if start == -1:
-        return text, []
-    calls = []
-    for body in _HERMES.findall(text[start:]):
-        try:
-            call = _call_of(json.loads(body), "arguments")
-        except ValueError:
-            call = None
-        if call is None:
-            return text, []  # not a well-formed call: the text stays content
-        calls.append(call)
-    content = text[:start].strip()
-    return content or None, calls
-
-
-def _parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
-    body = text.strip().removeprefix("<|python_tag|>").strip()
-    if not body.startswith("{"):
-        return text, []
-    calls = []
-    decoder = json.JSONDecoder()
-    pos = 0
-    while pos < len(body):
-        try:
-            obj, end = decoder.raw_decode(body, pos)
-        except ValueError:
-            return text, []
-        call = _call_of(obj, "parameters")
-        if call is None:
-            return text, []
-        calls.append(call)
-        pos = end
-        while pos < len(body) and body[pos] in " \t\n;":
-            pos += 1
-    return None, calls
+def check_parser(parser: str) -> str:
+    if parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser: expected one of {', '.join(TOOL_CALL_PARSERS)} (got {parser!r})")
+    return parser
 
 
 class ToolCallStream:
-    """A streamed free output under a parser: text that cannot be part of a call is sent as
-    content at once; from where a call may begin (hermes: "<tool_call>", or a piece of it at
-    the end of the text so far; llama3_json: an output that opens with "{" or
-    "<|python_tag|>") the text is held, and `finish` reads the calls out of it."""
+    """A free output under a parser, read as it streams.
 
-    def __init__(self, parser: str) -> None:
-        if parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool_call_parser: expected one of {', '.join(TOOL_CALL_PARSERS)} (got {parser!r})")
-        self.parser = parser
-        self.held = ""
-        self.is_holding = False  # a call may have begun: nothing more is sent until the end
-        self.num_sent = 0  # characters sent as content
+    Text that cannot be part of a call is sent as content at once. From where a call may
+    begin (hermes: "<tool_call>", or a piece of it at the end of the text so far; mistral:
+    "[TOOL_CALLS]"; llama3_json and pythonic: an output that opens with "{" or
+    "<|python_tag|>", or with "[") the text is held: hermes sends each call when its
+    closing tag arrives, the others read theirs at the end. Held text that holds no call
+    is sent as content. Whitespace next to a call is not content; so an output of calls
+    alone has content null.
+    """
 
-    def feed(self, text: str) -> str:
-        """The content that can be sent now."""
-        self.held += text
-        if self.is_holding:
-            return ""
+    def __init__(self, parser: str, tools: list[dict] | ToolSet | None = None) -> None:
+        self.parser = check_parser(parser)
+        self.tools = tools if isinstance(tools, ToolSet) else ToolSet(tools)
+        self.buf = ""  # text not sent yet, after `self.ws`
+        self.ws = ""  # whitespace held: content, unless a call follows it
+        self.is_after_call = False  # whitespace that follows a call is dropped
+        self.is_holding = False  # a call (or the calls) may have begun in `buf`
+        self.is_started = False  # any non-whitespace text seen (llama3_json, pythonic: at the start only)
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> list[Piece]:
+        self.buf += text
         if self.parser == "hermes":
-            start = self.held.find(_HERMES_OPEN)
-            if start != -1:
-                self.is_holding = True
-                return self._send(start)
-            return self._send(len(self.held) - _partial_suffix(self.held, _HERMES_OPEN))
-        body = self.held.lstrip()
-        if self.num_sent or not body:  # llama3_json calls are the whole output, from its start
-            return self._send(len(self.held)) if self.num_sent else ""
-        if body.startswith("{") or body.startswith(_PYTHON_TAG):
-            self.is_holding = True
-            return ""
-        if _PYTHON_TAG.startswith(body):
-            return ""  # perhaps the tag: wait for the next piece
-        return self._send(len(self.held))
+            return self._feed_hermes()
+        return self._feed_whole()
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(the content still to send, the calls)."""
+    def finish(self) -> list[Piece]:
+        pieces: list[Piece] = []
         if self.is_holding:
-            _, calls = parse_tool_calls(self.parser, self.held)
+            calls = self._read_held(self.buf)
             if calls:
-                return "", calls
-        rest, self.held = self.held, ""
-        return rest, []
+                self.ws = self.buf = ""
+                pieces += self._calls(calls)
+        rest, self.ws, self.buf = self.ws + self.buf, "", ""
+        if rest and not (self.is_after_call and not rest.strip()):
+            pieces.append(rest)
+        return pieces
 
-    def _send(self, end: int) -> str:
-        out, self.held = self.held[:end], self.held[end:]
-        self.num_sent += len(out)
+    # ---- hermes: calls anywhere, each closed by </tool_call>
+
+    def _feed_hermes(self) -> list[Piece]:
+        pieces: list[Piece] = []
+        while True:
+            if self.is_holding:
+                close = self.buf.find(_HERMES_CLOSE)
+                if close == -1:
+                    return pieces
+                end = close + len(_HERMES_CLOSE)
+                call = self._hermes_call(self.buf[len(_HERMES_OPEN) : close])
+                if call is None:  # not a call: its text is content
+                    pieces.append(self.ws + self.buf[:end])
+                    self.ws, self.is_after_call = "", False
+                else:
+                    self.ws = ""
+                    pieces += self._calls([call])
+                self.buf, self.is_holding = self.buf[end:], False
+                continue
+            if self.is_after_call:  # whitespace after a call: held, content only between texts
+                stripped = self.buf.lstrip()
+                self.ws += self.buf[: len(self.buf) - len(stripped)]
+                if not stripped:
+                    self.buf = ""
+                    return pieces
+                self.buf, self.is_after_call = stripped, False
+            start = self.buf.find(_HERMES_OPEN)
+            safe = start if start != -1 else len(self.buf) - partial_suffix(self.buf, _HERMES_OPEN)
+            pieces += self._send_text(self.buf[:safe])
+            self.buf = self.buf[safe:]
+            if start == -1:
+                return pieces
+            self.is_holding = True
+
+    def _hermes_call(self, body: str) -> ToolCall | None:
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        return self.tools.call(obj.get("name"), obj.get("arguments", {}))
+
+    # ---- llama3_json, pythonic: the whole output; mistral: from [TOOL_CALLS] on
+
+    def _feed_whole(self) -> list[Piece]:
+        if self.is_holding:
+            return []
+        if self.parser == "mistral":
+            start = self.buf.find(_MISTRAL_TAG)
+            safe = start if start != -1 else len(self.buf) - partial_suffix(self.buf, _MISTRAL_TAG)
+            pieces = self._send_text(self.buf[:safe])
+            self.buf, self.is_holding = self.buf[safe:], start != -1
+            return pieces
+        if self.is_started:
+            return self._send_text(self._take())
+        body = self.buf.lstrip()
+        if not body:
+            return []
+        opens = ("{", _PYTHON_TAG) if self.parser == "llama3_json" else ("[", _PYTHON_START)
+        if body.startswith(opens):
+            self.is_holding = True
+            return []
+        if any(o.startswith(body) for o in opens):
+            return []  # perhaps the tag: wait for the next piece
+        self.is_started = True
+        return self._send_text(self._take())
+
+    def _read_held(self, text: str) -> list[ToolCall]:
+        if self.parser == "hermes":
+            call = self._hermes_call(text[len(_HERMES_OPEN) :])  # the last call, not closed
+            return [call] if call is not None else []
+        if self.parser == "llama3_json":
+            return _llama3_json_calls(text, self.tools)
+        if self.parser == "mistral":
+            return _mistral_calls(text, self.tools)
+        return _pythonic_calls(text, self.tools)
+
+    # ---- shared
+
+    def _take(self) -> str:
+        out, self.buf = self.buf, ""
         return out
 
+    def _send_text(self, text: str) -> list[Piece]:
+        """Content, except the whitespace at its end (held: a call may follow it)."""
+        if not text:
+            return []
+        body = text.rstrip()
+        if not body:
+            self.ws += text
+            return []
+        held = self.ws if self.is_started or not self.calls else ""  # none between a first call and text
+        out, self.ws = held + body, text[len(body) :]
+        self.is_started = True
+        return [out]
 
-_HERMES_OPEN = "<tool_call>"
+    def _calls(self, calls: list[ToolCall]) -> list[Piece]:
+        pieces: list[Piece] = []
+        for call in calls:
+            index = len(self.calls)
+            self.calls.append(call)
+            pieces += [CallStart(index, call), CallArguments(index, call.arguments)]
+        self.is_after_call = True
+        return pieces
+
+
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
+_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
+_MISTRAL_TAG, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def _llama3_json_calls(text: str, tools: ToolSet) -> list[ToolCall]:
+    """Calls of `{"name": ..., "parameters": {...}}` objects separated by ';' (the whole
+    text); an object without "parameters" / "arguments", or naming no declared tool, makes
+    the whole text content (a plain JSON answer such as {"name": "Alice", "age": 30})."""
+    body = text.strip().removeprefix(_PYTHON_TAG).strip()
+    calls, pos, decoder = [], 0, json.JSONDecoder()
+    while pos < len(body):
+        try:
+            obj, pos = decoder.raw_decode(body, pos)
+        except ValueError:
+            return []
+        key = "parameters" if isinstance(obj, dict) and "parameters" in obj else "arguments"
+        call = tools.call(obj.get("name"), obj[key]) if isinstance(obj, dict) and key in obj else None
+        if call is None:
+            return []
+        calls.append(call)
+        while pos < len(body) and body[pos] in " \t\n\r;":
+            pos += 1
+    return calls
+
+
+def _mistral_calls(text: str, tools: ToolSet) -> list[ToolCall]:
+    """From the first [TOOL_CALLS]: a JSON array of {"name", "arguments"} (Mistral's v3
+    tokenizers), or `name{...}` / `name[ARGS]{...}` after each tag (v11 and later). Mistral's
+    templates need call ids of 9 letters and digits."""
+    parts = [p.strip() for p in text.split(_MISTRAL_TAG)[1:]]
+    found: list[tuple[object, object]] = []
+    if len(parts) == 1 and parts[0].startswith("["):
+        try:
+            value = json.loads(parts[0])
+        except ValueError:
+            return []
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            return []
+        found = [(v.get("name"), v.get("arguments", v.get("parameters", {}))) for v in value]
+    else:
+        for part in parts:
+            name, sep, arguments = part.partition(_MISTRAL_ARGS)
+            if not sep:
+                brace = part.find("{")
+                name, arguments = (part[:brace], part[brace:]) if brace != -1 else (part, "")
+            found.append((name.strip(), arguments.strip()))
+    calls = [tools.call(name, arguments, _mistral_id()) for name, arguments in found]
+    return calls if calls and all(c is not None for c in calls) else []
+
+
+def _mistral_id() -> str:
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
+def _pythonic_calls(text: str, tools: ToolSet) -> list[ToolCall]:
+    """The whole text is a Python list of calls, [name(key=literal, ...), ...]."""
+    body = text.strip().removeprefix(_PYTHON_START).removesuffix(_PYTHON_END).strip()
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return []
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return []
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return []
+        try:
+            arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return []
+        if None in arguments:  # **kwargs
+            return []
+        try:
+            call = tools.call(node.func.id, arguments)
+        except (TypeError, ValueError):  # a literal JSON cannot hold (bytes, a set, a complex number)
+            return []
+        if call is None:
+            return []
+        calls.append(call)
+    return calls
+
+
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that begins `marker` (it may be completed next)."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):

@@ -9,7 +9,15 @@ import jsonschema
 import pytest
 
 from rayserve_paged import LLM, SamplingParams
-from rayserve_paged.engine.tool_calls import ToolChoiceError, forced_calls, forced_schema, parse_tool_calls
+from rayserve_paged.engine.tool_calls import (
+    RequiredCallStream,
+    ToolCallStream,
+    ToolChoiceError,
+    collect,
+    forced_calls,
+    forced_schema,
+    parse_tool_calls,
+)
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
            "additionalProperties": False}  # fmt: skip
@@ -22,23 +30,23 @@ TOOLS = [
 def test_hermes_reads_calls_and_keeps_the_text_before_them():
     text = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
             '<tool_call>{"name": "ping", "arguments": {}}</tool_call>')  # fmt: skip
-    content, calls = parse_tool_calls("hermes", text)
+    content, calls = parse_tool_calls("hermes", text, TOOLS)
     assert content == "Checking."
     assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Rome"}'), ("ping", "{}")]
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
-    assert parse_tool_calls("hermes", "no calls here") == ("no calls here", [])
+    assert parse_tool_calls("hermes", "no calls here", TOOLS) == ("no calls here", [])
     broken = "<tool_call>{not json}</tool_call>"
-    assert parse_tool_calls("hermes", broken) == (broken, [])  # not a call: the text stays content
+    assert parse_tool_calls("hermes", broken, TOOLS) == (broken, [])  # not a call: the text stays content
 
 
 def test_llama3_json_reads_one_or_several_calls():
-    content, calls = parse_tool_calls("llama3_json", '<|python_tag|>{"name": "ping", "parameters": {"x": 1}}')
-    assert content is None and [(c.name, c.arguments) for c in calls] == [("ping", '{"x": 1}')]
-    _, calls = parse_tool_calls("llama3_json", '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}')
-    assert [c.name for c in calls] == ["a", "b"]
-    assert parse_tool_calls("llama3_json", "Hello {") == ("Hello {", [])
+    content, calls = parse_tool_calls("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}', TOOLS)
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Rome"}')]
+    two = '{"name": "ping", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "Paris"}}'
+    assert [c.name for c in parse_tool_calls("llama3_json", two, TOOLS)[1]] == ["ping", "get_weather"]
+    assert parse_tool_calls("llama3_json", "Hello {", TOOLS) == ("Hello {", [])
     with pytest.raises(ValueError, match="tool_call_parser"):
-        parse_tool_calls("mistral", "x")
+        parse_tool_calls("xml", "x")
 
 
 def test_forced_schemas():
@@ -85,23 +93,24 @@ def test_llm_chat_with_required_and_named_tools(tiny_paths):
 
 @pytest.mark.parametrize("pieces", [1, 3])
 def test_a_stream_sends_content_until_a_call_may_begin(pieces):
-    from rayserve_paged.engine.tool_calls import ToolCallStream
-
     def run(parser, text):
-        stream = ToolCallStream(parser)
+        stream = ToolCallStream(parser, TOOLS)
         size = max(1, len(text) // pieces) if pieces > 1 else 1  # one character at a time, or in chunks
-        sent = "".join(stream.feed(text[i : i + size]) for i in range(0, len(text), size))
-        rest, calls = stream.finish()
-        return sent, rest, [(c.name, c.arguments) for c in calls]
+        fed = [p for i in range(0, len(text), size) for p in stream.feed(text[i : i + size])]
+        sent = "".join(p for p in fed if isinstance(p, str))
+        end = stream.finish()
+        rest = "".join(p for p in end if isinstance(p, str))
+        return sent, rest, [(c.name, c.arguments) for c in collect(fed + end)[1]]
 
     call = '<tool_call>{"name": "ping", "arguments": {"x": 1}}</tool_call>'
-    sent, rest, calls = run("hermes", "Let me see. " + call)
-    assert sent == "Let me see. " and rest == "" and calls == [("ping", '{"x": 1}')]
+    sent, rest, calls = run("hermes", "Let me see. " + call.replace('{"x": 1}', "{}"))
+    assert sent == "Let me see." and rest == "" and calls == [("ping", "{}")]  # the space next to the call is not content
     # a "<" that starts no call is held only until it cannot be one
     assert run("hermes", "a < b <tool no") == ("a < b <tool no", "", [])
-    assert run("hermes", "x <tool") == ("x ", "<tool", [])  # it may have begun: held, then sent at the end
+    # it may have begun (and the space before it is content only if no call follows): held, sent at the end
+    assert run("hermes", "x <tool") == ("x", " <tool", [])
     sent, rest, calls = run("hermes", "a < b, <tool_call>{broken")
-    assert (sent, rest, calls) == ("a < b, ", "<tool_call>{broken", [])  # not a call: the rest is content
+    assert (sent, rest, calls) == ("a < b,", " <tool_call>{broken", [])  # not a call: the rest is content
     sent, rest, calls = run("llama3_json", '<|python_tag|>{"name": "ping", "parameters": {}}')
     assert (sent, rest, calls) == ("", "", [("ping", "{}")])
     sent, rest, calls = run("llama3_json", "Hello {there}")
