@@ -126,7 +126,11 @@ class ToolSet:
             if not strict:
                 self._validators[name] = None
                 continue
-            if _has_key(schema, ("pattern", "patternProperties")):
+            try:
+                has_pattern = _has_key(schema, ("pattern", "patternProperties"))
+            except RecursionError:
+                raise ToolChoiceError(f"tools[{i}].function.parameters: nested too deeply") from None
+            if has_pattern:
                 raise ToolChoiceError(
                     f"tools[{i}].function.strict: with tool_choice 'auto' a strict tool's arguments are checked "
                     "after generation, and 'pattern' is not checked there; use tool_choice 'required' or a named "
@@ -137,6 +141,8 @@ class ToolSet:
                 cls.check_schema(schema)
             except jsonschema.SchemaError as e:
                 raise ToolChoiceError(f"tools[{i}].function.parameters: not a valid JSON schema ({e.message})") from None
+            except RecursionError:
+                raise ToolChoiceError(f"tools[{i}].function.parameters: nested too deeply") from None
             self._validators[name] = cls(schema, format_checker=cls.FORMAT_CHECKER)
 
     def __contains__(self, name: str) -> bool:
@@ -149,7 +155,7 @@ class ToolSet:
         if isinstance(arguments, str):
             try:
                 value = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
                 return None
             text = arguments
         else:
@@ -157,7 +163,10 @@ class ToolSet:
         if not isinstance(value, dict):
             return None
         validator = self._validators[name]
-        if validator is not None and not validator.is_valid(value):
+        try:
+            if validator is not None and not validator.is_valid(value):
+                return None
+        except RecursionError:
             return None
         return ToolCall(name, text, id)
 
@@ -250,7 +259,7 @@ def forced_calls(text: str, tool_choice) -> list[ToolCall]:
     the text is not whole (a stop string or an abort cut it)."""
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return []
     return read_all(forced_stream(tool_choice), text)[1]
 
@@ -304,7 +313,7 @@ class RequiredCallStream:
                     return pieces
                 try:
                     name = json.loads(head.group(1))
-                except ValueError:
+                except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
                     return pieces
                 pieces.append(CallStart(self.num_calls, ToolCall(name, "")))
                 self.args_start, self.num_sent = head.end(), 0
@@ -451,7 +460,7 @@ class ToolCallStream:
     def _hermes_call(self, body: str) -> ToolCall | None:
         try:
             obj = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             return None
         if not isinstance(obj, dict):
             return None
@@ -536,7 +545,7 @@ def _llama3_json_calls(text: str, tools: ToolSet) -> list[ToolCall]:
     while pos < len(body):
         try:
             obj, pos = decoder.raw_decode(body, pos)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             return []
         key = "parameters" if isinstance(obj, dict) and "parameters" in obj else "arguments"
         call = tools.call(obj.get("name"), obj[key]) if isinstance(obj, dict) and key in obj else None
@@ -557,7 +566,7 @@ def _mistral_calls(text: str, tools: ToolSet) -> list[ToolCall]:
     if len(parts) == 1 and parts[0].startswith("["):
         try:
             value = json.loads(parts[0])
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             return []
         if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
             return []

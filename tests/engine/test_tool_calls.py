@@ -10,9 +10,11 @@ import pytest
 
 from rayserve_paged import LLM, SamplingParams
 from rayserve_paged.engine.tool_calls import (
+    CallStart,
     RequiredCallStream,
     ToolCallStream,
     ToolChoiceError,
+    ToolSet,
     collect,
     forced_calls,
     forced_schema,
@@ -115,3 +117,67 @@ def test_a_stream_sends_content_until_a_call_may_begin(pieces):
     assert (sent, rest, calls) == ("", "", [("ping", "{}")])
     sent, rest, calls = run("llama3_json", "Hello {there}")
     assert sent + rest == "Hello {there}" and calls == []
+
+
+STRICT = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER, "strict": True}}, TOOLS[1]]
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content", "calls"),
+    [
+        # only declared tools are called; the text of anything else stays content
+        ("hermes", '<tool_call>{"name": "rm", "arguments": {}}</tool_call>', None, []),
+        ("hermes", 'A\n<tool_call>{"name": "ping", "arguments": {}}</tool_call>\nB <tool_call>{"name": "ping"}'
+                   '</tool_call>\n\n', "A\nB", [("ping", "{}"), ("ping", "{}")]),
+        ("hermes", '<tool_call>{"name": "ping", "arguments": {"x": 1}}</tool_call>', None, []),  # takes no arguments
+        ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud800"}}</tool_call>', None,
+         [("get_weather", '{"city": "\\ud800"}')]),  # an escape to a lone surrogate stays an escape
+        ("hermes", "<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>", None, []),  # past json's depth
+        ("llama3_json", '{"name": "Alice", "age": 30}', None, []),  # a JSON answer, not a call
+        ("llama3_json", '{"name": "ping", "arguments": {}}', None, [("ping", "{}")]),
+        ("mistral", 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]', "Sure.",
+         [("get_weather", '{"city": "Rome"}')]),
+        ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]ping{}', None,
+         [("get_weather", '{"city": "Paris"}'), ("ping", "{}")]),
+        ("mistral", '[TOOL_CALLS][{"name": "rm", "arguments": {}}]', None, []),
+        ("pythonic", '[get_weather(city="Rome"), ping()]', None, [("get_weather", '{"city": "Rome"}'), ("ping", "{}")]),
+        ("pythonic", '<|python_start|>[ping()]<|python_end|>', None, [("ping", "{}")]),
+        ("pythonic", "[ping(), print(1)]", None, []),  # print is not a tool
+        ("pythonic", "[ping(1)]", None, []),  # positional arguments name nothing
+        ("pythonic", "[get_weather(city={1, 2})]", None, []),  # no JSON for a set
+        ("pythonic", "Just text [1]", None, []),
+    ],
+)
+def test_parsers_read_only_calls_of_the_declared_tools(parser, text, content, calls):
+    got_content, got = parse_tool_calls(parser, text, TOOLS)
+    assert [(c.name, c.arguments) for c in got] == calls
+    assert got_content == (content if calls else text)
+    stream = ToolCallStream(parser, TOOLS)  # the same, fed a character at a time
+    streamed = collect([p for c in text for p in stream.feed(c)] + stream.finish())
+    assert (streamed[0], [(c.name, c.arguments) for c in streamed[1]]) == (content if calls else text, calls)
+
+
+def test_strict_tools_are_checked_and_patterns_refused_under_auto():
+    ok = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    assert parse_tool_calls("hermes", ok, STRICT)[1][0].arguments == '{"city": "Rome"}'
+    bad = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    assert parse_tool_calls("hermes", bad, STRICT) == (bad, [])
+    assert parse_tool_calls("hermes", bad, TOOLS)[1]  # not strict: the call stands
+    patterned = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "^(a+)+$"}}}}}]  # fmt: skip
+    with pytest.raises(ToolChoiceError, match=r"^tools\[0\]\.function\.strict:"):
+        ToolSet(patterned)
+    with pytest.raises(ToolChoiceError, match=r"^tools\[0\]\.function\.strict:"):
+        ToolSet([{"type": "function", "function": {"name": "f", "strict": 1}}])
+
+
+def test_required_stream_sends_each_call_as_its_name_is_whole():
+    text = '[{"name": "get_weather", "parameters": {"city": "Ro}m\\"e"}}, {"name": "ping", "parameters": {}}]'
+    stream, pieces = RequiredCallStream(), []
+    for i, c in enumerate(text):
+        new = stream.feed(c)
+        pieces += new
+        if i == text.index('"parameters"') + len('"parameters": '):  # the first call's arguments begin
+            assert isinstance(pieces[0], CallStart) and pieces[0].call.name == "get_weather"
+    assert [(c.name, c.arguments) for c in collect(pieces)[1]] == [("get_weather", '{"city": "Ro}m\\"e"}'), ("ping", "{}")]
+    assert [(c.name, c.arguments) for c in forced_calls(text, "required")] == [(c.name, c.arguments) for c in collect(pieces)[1]]

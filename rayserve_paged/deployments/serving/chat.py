@@ -402,10 +402,10 @@ class ChatServing:
         if request.tool_choice not in (None, "auto"):
             return "forced"
         if self.tool_call_parser is None:
-            raise bad_request(
-                "tool_choice: 'auto' tool choice needs a tool_call_parser on the server (as vLLM's "
-                "--enable-auto-tool-choice and --tool-call-parser); this deployment has none: use tool_choice "
-                "'required', a named function or 'none'",
+            raise bad_request(  # vLLM's words, which clients look for, then ours
+                'tool_choice: "auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                "set (this deployment has no tool_call_parser; use tool_choice 'required', a named function or "
+                "'none')",
                 param="tool_choice",
             )
         try:
