@@ -300,6 +300,7 @@ class RequiredCallStream:
         self.text = ""
         self.pos = 0  # where the next call's head is read
         self.args_start = -1  # the current call's arguments begin here (-1: between calls)
+        self.args_end = JsonValueEnd(0)
         self.num_sent = 0  # of the current call's argument characters
         self.num_calls = 0
 
@@ -316,8 +317,8 @@ class RequiredCallStream:
                 except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
                     return pieces
                 pieces.append(CallStart(self.num_calls, ToolCall(name, "")))
-                self.args_start, self.num_sent = head.end(), 0
-            end = json_value_end(self.text, self.args_start)
+                self.args_start, self.args_end, self.num_sent = head.end(), JsonValueEnd(head.end()), 0
+            end = self.args_end.scan(self.text)
             sent_to = len(self.text) if end is None else end
             if sent_to > self.args_start + self.num_sent:
                 pieces.append(CallArguments(self.num_calls, self.text[self.args_start + self.num_sent : sent_to]))
@@ -334,38 +335,59 @@ class RequiredCallStream:
         return []
 
 
-def json_value_end(text: str, start: int) -> int | None:
-    """Where the JSON value that begins at `start` ends (None: not whole yet). Objects,
-    arrays and strings end at their closing character; a bare number or literal at the
-    next character that cannot continue it."""
-    depth, in_string, escaped = 0, False, False
-    i = start
-    while i < len(text) and text[i] in " \t\n\r":
-        i += 1
-    if i < len(text) and text[i] not in '{["':
-        while i < len(text) and text[i] not in ",}] \t\n\r":
-            i += 1
-        return i if i < len(text) else None
-    for j in range(i, len(text)):
-        c = text[j]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
+class JsonValueEnd:
+    """Where the JSON value that begins at `start` of a growing text ends (None: not whole
+    yet), each character read once however the text grows. Objects, arrays and strings end
+    at their closing character; a bare number or literal at the next character that cannot
+    continue it."""
+
+    def __init__(self, start: int) -> None:
+        self.pos = start  # the next character to read
+        self.is_bare: bool | None = None  # None: the value's first character not seen yet
+        self.depth = 0
+        self.in_string = self.escaped = False
+        self.end: int | None = None
+
+    def scan(self, text: str) -> int | None:
+        if self.end is not None:
+            return self.end
+        i, n = self.pos, len(text)
+        if self.is_bare is None:
+            while i < n and text[i] in " \t\n\r":
+                i += 1
+            if i == n:
+                self.pos = i
+                return None
+            self.is_bare = text[i] not in '{["'
+        if self.is_bare:
+            while i < n and text[i] not in ",}] \t\n\r":
+                i += 1
+            self.pos = i
+            self.end = i if i < n else None
+            return self.end
+        for j in range(i, n):
+            c = text[j]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        self.end = j + 1
+                        return self.end
             elif c == '"':
-                in_string = False
-                if depth == 0:
-                    return j + 1
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return None
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = j + 1
+                    return self.end
+        self.pos = n
+        return None
 
 
 # --------------------------------------------------------------------------- parsers (auto)
