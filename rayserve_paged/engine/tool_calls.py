@@ -140,7 +140,8 @@ class ToolSet:
                 cls = jsonschema.validators.validator_for(schema)
                 cls.check_schema(schema)
             except jsonschema.SchemaError as e:
-                raise ToolChoiceError(f"tools[{i}].function.parameters: not a valid JSON schema ({e.message})") from None
+                message = f"tools[{i}].function.parameters: not a valid JSON schema ({e.message})"
+                raise ToolChoiceError(message) from None
             except RecursionError:
                 raise ToolChoiceError(f"tools[{i}].function.parameters: nested too deeply") from None
             self._validators[name] = cls(schema, format_checker=cls.FORMAT_CHECKER)
@@ -393,7 +394,9 @@ class JsonValueEnd:
 # --------------------------------------------------------------------------- parsers (auto)
 
 
-def parse_tool_calls(parser: str, text: str, tools: list[dict] | ToolSet | None = None) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(
+    parser: str, text: str, tools: list[dict] | ToolSet | None = None
+) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a free output under `parser`; no calls found: (text, [])."""
     content, calls = read_all(ToolCallStream(parser, tools), text)
     return (content, calls) if calls else (text, [])

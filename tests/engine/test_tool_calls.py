@@ -7,6 +7,8 @@ import re
 
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rayserve_paged import LLM, SamplingParams
 from rayserve_paged.engine.tool_calls import (
@@ -181,3 +183,39 @@ def test_required_stream_sends_each_call_as_its_name_is_whole():
             assert isinstance(pieces[0], CallStart) and pieces[0].call.name == "get_weather"
     assert [(c.name, c.arguments) for c in collect(pieces)[1]] == [("get_weather", '{"city": "Ro}m\\"e"}'), ("ping", "{}")]
     assert [(c.name, c.arguments) for c in forced_calls(text, "required")] == [(c.name, c.arguments) for c in collect(pieces)[1]]
+
+
+FRAGMENTS = [
+    "Sure.", " ", "\n", "a < b", "<tool", "<tool_call>", "</tool_call>", '{"name": "ping", "arguments": {}}',
+    '{"name": "get_weather", "arguments": {"city": "Rome"}}', '{"name": "rm", "arguments": {}}', "{broken",
+    '{"name": "ping", "parameters": {}}', ";", "[TOOL_CALLS]", '[{"name": "ping", "arguments": {}}]', "ping{}",
+    "[ping()]", '[get_weather(city="Paris")]', "<|python_tag|>", "<think>", "</think>", "</thi", "x",
+]  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    parts=st.lists(st.sampled_from(FRAGMENTS), max_size=8),
+    parser=st.sampled_from(["hermes", "llama3_json", "mistral", "pythonic"]),
+    cuts=st.lists(st.integers(0, 400), max_size=6),
+)
+def test_a_stream_and_the_whole_text_always_agree(parts, parser, cuts):
+    """However the output is cut into deltas, the stream's content, calls and reasoning are
+    the plain answer's (the plain answer is the stream fed the whole text); with no calls the
+    content is the text itself."""
+    from rayserve_paged.engine.reasoning import ReasoningStream, parse_reasoning
+
+    text = "".join(parts)
+    bounds = sorted({0, len(text), *(c for c in cuts if c < len(text))})
+    deltas = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    content, calls = parse_tool_calls(parser, text, TOOLS)
+    stream = ToolCallStream(parser, TOOLS)
+    streamed = collect([p for d in deltas for p in stream.feed(d)] + stream.finish())
+    assert streamed[0] == (content if calls else text or None)
+    assert [(c.name, c.arguments) for c in streamed[1]] == [(c.name, c.arguments) for c in calls]
+    if not calls:
+        assert content == text
+    thinking = ReasoningStream()
+    pieces = [thinking.feed(d) for d in deltas] + [thinking.finish()]
+    reasoning, after = parse_reasoning(text)
+    assert ("".join(r for r, _ in pieces) or None, "".join(c for _, c in pieces) or None) == (reasoning, after)
