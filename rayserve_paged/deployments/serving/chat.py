@@ -1,6 +1,6 @@
 """/v1/chat/completions over the generation pipeline: the chat template, tool calls
-(forced by tool_choice, or read by the deployment's parser), chat logprobs and the
-streamed chunks."""
+(forced by tool_choice, or read by the deployment's parser), a thinking model's reasoning
+(the deployment's reasoning parser), chat logprobs and the streamed chunks."""
 
 from __future__ import annotations
 
@@ -260,7 +260,9 @@ class ChoiceReader:
     first), then the content and the tool calls (read by the request's tool stream). A
     stream feeds it each delta; a plain answer feeds it the whole text, so both agree."""
 
-    def __init__(self, is_thinking: bool, tools: ToolCallStream | None) -> None:
+    def __init__(self, is_thinking: bool, tools) -> None:
+        """`tools`: the request's tool stream (ToolCallStream, NamedCallStream or
+        RequiredCallStream: feed / finish), or None."""
         self.reasoning = ReasoningStream() if is_thinking else None
         self.tools = tools
         self.num_calls = 0
