@@ -149,6 +149,11 @@ class ToolSet:
     def __contains__(self, name: str) -> bool:
         return name in self._validators
 
+    def is_unchecked(self, name) -> bool:
+        """A declared tool whose arguments are not checked (not strict, with parameters):
+        its call can be sent before it is whole."""
+        return isinstance(name, str) and name in self._validators and self._validators[name] is None
+
     def call(self, name, arguments, id: str = "") -> ToolCall | None:
         """The call, when it is one: `arguments` a JSON object (or its JSON text)."""
         if not isinstance(name, str) or name not in self._validators:
@@ -300,40 +305,65 @@ class RequiredCallStream:
     def __init__(self) -> None:
         self.text = ""
         self.pos = 0  # where the next call's head is read
-        self.args_start = -1  # the current call's arguments begin here (-1: between calls)
-        self.args_end = JsonValueEnd(0)
-        self.num_sent = 0  # of the current call's argument characters
+        self.arguments: Arguments | None = None  # the current call's (None: between calls)
         self.num_calls = 0
 
     def feed(self, text: str) -> list[Piece]:
         self.text += text
         pieces: list[Piece] = []
         while True:
-            if self.args_start < 0:
+            if self.arguments is None:
                 head = _REQUIRED_HEAD.match(self.text, self.pos)
-                if head is None:
-                    return pieces
-                try:
-                    name = json.loads(head.group(1))
-                except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
+                name = _json_string(head.group(1)) if head is not None else None
+                if name is None:
                     return pieces
                 pieces.append(CallStart(self.num_calls, ToolCall(name, "")))
-                self.args_start, self.args_end, self.num_sent = head.end(), JsonValueEnd(head.end()), 0
-            end = self.args_end.scan(self.text)
-            sent_to = len(self.text) if end is None else end
-            if sent_to > self.args_start + self.num_sent:
-                pieces.append(CallArguments(self.num_calls, self.text[self.args_start + self.num_sent : sent_to]))
-                self.num_sent = sent_to - self.args_start
-            if end is None:
-                return pieces
-            close = self.text.find("}", end)
+                self.arguments = Arguments(head.end())
+            more, end = self.arguments.advance(self.text)
+            if more:
+                pieces.append(CallArguments(self.num_calls, more))
+            close = -1 if end is None else self.text.find("}", end)
             if close == -1:
                 return pieces
-            self.pos, self.args_start = close + 1, -1
+            self.pos, self.arguments = close + 1, None
             self.num_calls += 1
 
     def finish(self) -> list[Piece]:
         return []
+
+
+class Arguments:
+    """A call's arguments as they are generated: the text of the JSON value that begins at
+    `start`, each piece sent once."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.value_end = JsonValueEnd(start)
+        self.num_sent = 0
+
+    def advance(self, text: str, until: str | None = None) -> tuple[str, int | None]:
+        """(the arguments' text not sent yet, where the value ends: None while it is not
+        whole). With `until` (the tag that closes the call) the arguments also end where that
+        tag begins, whole or not, and a piece of it at the end of the text is held."""
+        end = self.value_end.scan(text)
+        if end is None and until is not None:
+            cut = text.find(until, max(self.start, self.start + self.num_sent - len(until)))
+            end = cut if cut != -1 else None
+            upto = end if end is not None else len(text) - partial_suffix(text, until)
+        else:
+            upto = len(text) if end is None else end
+        upto = max(upto, self.start + self.num_sent)
+        more = text[self.start + self.num_sent : upto]
+        self.num_sent = upto - self.start
+        return more, end
+
+
+def _json_string(text: str) -> str | None:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 class JsonValueEnd:
@@ -414,10 +444,12 @@ class ToolCallStream:
     Text that cannot be part of a call is sent as content at once. From where a call may
     begin (hermes: "<tool_call>", or a piece of it at the end of the text so far; mistral:
     "[TOOL_CALLS]"; llama3_json and pythonic: an output that opens with "{" or
-    "<|python_tag|>", or with "[") the text is held: hermes sends each call when its
-    closing tag arrives, the others read theirs at the end. Held text that holds no call
-    is sent as content. Whitespace next to a call is not content; so an output of calls
-    alone has content null.
+    "<|python_tag|>", or with "[") the text is held. hermes sends a call of a tool whose
+    arguments are not checked as it is generated (its name, then its arguments as they
+    grow: such a call, once sent, stays one), any other call when its closing tag arrives;
+    the other parsers read theirs at the end. Held text that holds no call is sent as
+    content. Whitespace next to a call is not content; so an output of calls alone has
+    content null.
     """
 
     def __init__(self, parser: str, tools: list[dict] | ToolSet | None = None) -> None:
@@ -429,6 +461,7 @@ class ToolCallStream:
         self.is_holding = False  # a call (or the calls) may have begun in `buf`
         self.is_started = False  # any non-whitespace text seen (llama3_json, pythonic: at the start only)
         self.calls: list[ToolCall] = []
+        self.live: tuple[int, Arguments] | None = None  # hermes: a call being sent as it is generated
 
     def feed(self, text: str) -> list[Piece]:
         self.buf += text
@@ -438,6 +471,9 @@ class ToolCallStream:
 
     def finish(self) -> list[Piece]:
         pieces: list[Piece] = []
+        if self.live is not None:  # sent already: a call, closed or not
+            self.buf = self.ws = ""
+            self.live, self.is_holding = None, False
         if self.is_holding:
             calls = self._read_held(self.buf)
             if calls:
@@ -453,6 +489,18 @@ class ToolCallStream:
     def _feed_hermes(self) -> list[Piece]:
         pieces: list[Piece] = []
         while True:
+            if self.is_holding and self.live is None:
+                pieces += self._start_live_call()
+            if self.live is not None:
+                index, arguments = self.live
+                more, end = arguments.advance(self.buf, _HERMES_CLOSE)
+                if more:
+                    pieces.append(CallArguments(index, more))
+                close = -1 if end is None else self.buf.find(_HERMES_CLOSE, end)
+                if close == -1:
+                    return pieces
+                self.buf, self.is_holding, self.live = self.buf[close + len(_HERMES_CLOSE) :], False, None
+                continue
             if self.is_holding:
                 close = self.buf.find(_HERMES_CLOSE)
                 if close == -1:
@@ -481,6 +529,19 @@ class ToolCallStream:
             if start == -1:
                 return pieces
             self.is_holding = True
+
+    def _start_live_call(self) -> list[Piece]:
+        """A call of a declared tool whose arguments are not checked is sent as it is
+        generated: its name once `{"name": "...", "arguments": ` is whole, then the arguments'
+        text (as written) as it grows. Other calls wait for their </tool_call>."""
+        head = _HERMES_HEAD.match(self.buf, len(_HERMES_OPEN))
+        name = _json_string(head.group(1)) if head is not None else None
+        if not self.tools.is_unchecked(name):
+            return []
+        index, call = len(self.calls), ToolCall(name, "")
+        self.calls.append(call)
+        self.live, self.ws, self.is_after_call = (index, Arguments(head.end())), "", True
+        return [CallStart(index, call)]
 
     def _hermes_call(self, body: str) -> ToolCall | None:
         try:
@@ -556,6 +617,7 @@ class ToolCallStream:
 
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
 _PYTHON_TAG = "<|python_tag|>"
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
 _MISTRAL_TAG, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"

@@ -135,6 +135,11 @@ STRICT = [{"type": "function", "function": {"name": "get_weather", "parameters":
         ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud800"}}</tool_call>', None,
          [("get_weather", '{"city": "\\ud800"}')]),  # an escape to a lone surrogate stays an escape
         ("hermes", "<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>", None, []),  # past json's depth
+        # a call sent as it was generated stays one, and its arguments end at its closing tag
+        ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call> then', "then",
+         [("get_weather", '{"city": ')]),
+        ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}', None,
+         [("get_weather", '{"city": "Rome"}')]),  # not closed: the output ended
         ("llama3_json", '{"name": "Alice", "age": 30}', None, []),  # a JSON answer, not a call
         ("llama3_json", '{"name": "ping", "arguments": {}}', None, [("ping", "{}")]),
         ("mistral", 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]', "Sure.",
@@ -190,6 +195,7 @@ FRAGMENTS = [
     '{"name": "get_weather", "arguments": {"city": "Rome"}}', '{"name": "rm", "arguments": {}}', "{broken",
     '{"name": "ping", "parameters": {}}', ";", "[TOOL_CALLS]", '[{"name": "ping", "arguments": {}}]', "ping{}",
     "[ping()]", '[get_weather(city="Paris")]', "<|python_tag|>", "<think>", "</think>", "</thi", "x",
+    '{"name": "get_weather", "arguments": {"city": ', '"Paris"}}', "}",
 ]  # fmt: skip
 
 
