@@ -41,13 +41,21 @@ async def hermes_client(hermes_app):
 
 
 async def streamed_and_plain(client, **request):
-    """(every arguments.done event, the helper's final message, the plain message, finish reasons)."""
-    done = []
-    async with client.chat.completions.stream(model=MODEL, messages=MESSAGES, tools=TOOLS, **request) as stream:
-        async for event in stream:
-            if event.type == "tool_calls.function.arguments.done":
-                done.append((event.index, event.name, event.arguments))
-        final = (await stream.get_final_completion()).choices[0]
+    """(every arguments.done event, the stream helper's final choice, the plain choice). The
+    helpers of the installed openai client: chat.completions.stream, and
+    beta.chat.completions.stream where the version still has it (each must agree)."""
+    beta = getattr(getattr(client, "beta", None), "chat", None)
+    helpers = [client.chat.completions.stream] + ([beta.completions.stream] if beta is not None else [])
+    answers = []
+    for helper in helpers:
+        done = []
+        async with helper(model=MODEL, messages=MESSAGES, tools=TOOLS, **request) as stream:
+            async for event in stream:
+                if event.type == "tool_calls.function.arguments.done":
+                    done.append((event.index, event.name, event.arguments))
+            final = (await stream.get_final_completion()).choices[0]
+        answers.append((done, calls_of(final), final.message.content, final.finish_reason))
+    assert all(a == answers[0] for a in answers)
     plain = (await client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, **request)).choices[0]
     return done, final, plain
 
