@@ -12,7 +12,8 @@ from rayserve_paged.core.sequence import SamplingParams, StructuredOutputsParams
 from rayserve_paged.engine.llm_engine import LLMEngine
 from rayserve_paged.engine.output_processor import OutputProcessor
 from rayserve_paged.engine.outputs import RequestOutput
-from rayserve_paged.engine.tool_calls import ToolSet, forced_calls, forced_schema, parse_tool_calls
+from rayserve_paged.engine.tool_calls import ToolSet, forced_calls, forced_schema
+from rayserve_paged.engine.tool_parsers import parse_tool_calls
 
 PromptLike = str | list[int] | dict
 

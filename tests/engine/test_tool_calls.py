@@ -1,4 +1,5 @@
-"""Tool-call schemas and parsers (engine/tool_calls.py) and LLM.chat with tools."""
+"""Tool-call schemas and forced-call streams (engine/tool_calls.py), the parsers
+(engine/tool_parsers.py) and LLM.chat with tools."""
 
 from __future__ import annotations
 
@@ -14,14 +15,13 @@ from rayserve_paged import LLM, SamplingParams
 from rayserve_paged.engine.tool_calls import (
     CallStart,
     RequiredCallStream,
-    ToolCallStream,
     ToolChoiceError,
     ToolSet,
     collect,
     forced_calls,
     forced_schema,
-    parse_tool_calls,
 )
+from rayserve_paged.engine.tool_parsers import ToolCallStream, parse_tool_calls
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
            "additionalProperties": False}  # fmt: skip

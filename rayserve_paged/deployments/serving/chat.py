@@ -35,18 +35,16 @@ from rayserve_paged.deployments.sse import EventFrame, EventStreamResponse, json
 from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
 from rayserve_paged.engine.reasoning import ReasoningStream, check_reasoning_parser, end_token_id, is_thinking
 from rayserve_paged.engine.tool_calls import (
-    CallArguments,
     CallStart,
     Piece,
-    ToolCallStream,
     ToolChoiceError,
     ToolSet,
-    check_parser,
     collect,
     forced_calls,
     forced_schema,
     forced_stream,
 )
+from rayserve_paged.engine.tool_parsers import ToolCallStream, check_parser
 
 # chat_template_kwargs may not set what the server passes the template itself
 RESERVED_TEMPLATE_KWARGS = frozenset({
