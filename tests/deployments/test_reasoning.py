@@ -142,3 +142,21 @@ async def test_reserved_template_kwargs_are_a_400(thinking_http):
     body = {"model": MODEL, "messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": False}}
     response = await thinking_http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400 and "add_generation_prompt" in response.json()["error"]["message"]
+
+
+def test_when_a_prompt_has_ended_the_reasoning():
+    from rayserve_paged.engine.reasoning import is_thinking
+
+    assert is_thinking("qwen3", "<|assistant|>\n", None)
+    assert not is_thinking("qwen3", "<|assistant|>\n<think>\n\n</think>\n\n", None)  # closed in the prompt
+    assert is_thinking("qwen3", "<think>a</think>b</s>\n<|assistant|>\n", None)  # an earlier turn's reasoning
+    assert not is_thinking("qwen3", "<|assistant|>\n", {"enable_thinking": False})
+    assert is_thinking("deepseek_r1", "<|assistant|>\n", {"enable_thinking": False})  # qwen3's switch only
+    assert not is_thinking(None, "<|assistant|>\n", None)
+
+
+async def test_a_reasoning_parser_needs_the_end_token(engine_client, engine):
+    with pytest.raises(ValueError, match="</think>"):
+        create_openai_app(engine_client, engine.tokenizer, "tiny-opt", reasoning_parser="qwen3")
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        create_openai_app(engine_client, engine.tokenizer, "tiny-opt", reasoning_parser="o1")
