@@ -42,8 +42,15 @@ class AppArgs(EngineConfig):
     model_config = ConfigDict(**EngineConfig.model_config, hide_input_in_errors=True)
 
     served_model_name: str | None = Field(None, description="Model name in the API; defaults to `model`.")
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
-        None, description="Reads tool calls out of tool_choice 'auto' outputs (as vllm serve --tool-call-parser)."
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = Field(
+        None,
+        description="Reads tool calls out of tool_choice 'auto' outputs (as vllm serve --enable-auto-tool-choice "
+        "--tool-call-parser); without it, tool_choice 'auto' is a 400.",
+    )
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
+        None,
+        description="Moves a thinking model's <think>...</think> text into reasoning_content, and starts a "
+        "request's constraint after it (as vllm serve --reasoning-parser).",
     )
     chat_template: str | None = Field(
         None,
@@ -376,6 +383,7 @@ def http_options_of(args: AppArgs) -> dict[str, Any]:
         "require_api_key": args.require_api_key,
         "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
         "tool_call_parser": args.tool_call_parser,
+        "reasoning_parser": args.reasoning_parser,
         "allow_runtime_lora_updating": args.allow_runtime_lora_updating,
         "chat_template": chat_template_of(args.chat_template),
         "responses_store": args.responses_store.model_dump(),

@@ -106,7 +106,8 @@ ENGINE_KWARGS: dict[str, EngineArg] = {
     "max_loras": EngineArg("max_loras", "device slots"),
     "max_lora_rank": EngineArg("max_lora_rank", "at most 64"),
     "max_cpu_loras": EngineArg("max_cpu_loras"),
-    "tool_call_parser": EngineArg("tool_call_parser", "hermes, llama3_json"),
+    "tool_call_parser": EngineArg("tool_call_parser", "hermes, llama3_json, mistral, pythonic"),
+    "reasoning_parser": EngineArg("reasoning_parser", "qwen3, deepseek_r1"),
     "chat_template": EngineArg("chat_template", "the template's text, or a file holding it"),
     "enable_auto_tool_choice": EngineArg(
         None, "true needs tool_call_parser (tool_choice `auto` is parsed whenever a parser is set)"
@@ -125,7 +126,6 @@ ENGINE_KWARGS: dict[str, EngineArg] = {
 # vLLM engine arguments with no equivalent here, and what there is instead
 UNSUPPORTED_ENGINE_KWARGS: dict[str, str] = {
     "speculative_config": "speculative decoding is not in this version",
-    "reasoning_parser": "no reasoning parser: a model's reasoning stays in `content`",
     "kv_cache_dtype": "the KV cache is kept in `dtype`",
     "cpu_offload_gb": "weights stay on the device; swap_space sizes the KV swap pool",
     "load_format": "the format is read from model_source (safetensors directory or .gguf file)",

@@ -266,6 +266,7 @@ def create_openai_app(
     enable_prompt_tokens_details: bool = False,
     open_paths: Iterable[str] = DEFAULT_OPEN_PATHS,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
     tokenizer_pool: TokenizerPool | None = None,
     allow_runtime_lora_updating: bool = False,
     chat_template: str | None = None,
@@ -283,7 +284,7 @@ def create_openai_app(
     serving = GenerationPipeline(
         client, tokenizer, served_model_name, max_tokenizer_queue, enable_prompt_tokens_details, tokenizer_pool
     )
-    chat = ChatServing(serving, tool_call_parser)
+    chat = ChatServing(serving, tool_call_parser, reasoning_parser)
     completion = CompletionServing(serving)
     tokenization = TokenizationServing(serving, chat)
     lora = LoRAServing(serving)

@@ -280,6 +280,11 @@ class LLMEngine:
             raise SamplingParamsError(f"logprobs: at most {self.config.max_logprobs} (got {params.logprobs})")
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
+            after = params.structured_outputs.after_token_id
+            if after is not None and after >= vocab:
+                raise SamplingParamsError(
+                    f"structured_outputs.after_token_id: {after} is outside the vocabulary [0, {vocab})"
+                )
         if params.best_of > self.config.max_num_seqs:
             raise SamplingParamsError(
                 f"best_of: {params.best_of} sequences exceed max_num_seqs {self.config.max_num_seqs}"

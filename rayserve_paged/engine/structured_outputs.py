@@ -192,18 +192,36 @@ class StructuredOutputs:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self.matchers: dict[int, llguidance.LLMatcher] = {}
+        # constraints that start after a token (StructuredOutputsParams.after_token_id, the end
+        # of a reasoning model's thinking): seq id -> (that token, the matcher it starts)
+        self.waiting: dict[int, tuple[int, llguidance.LLMatcher]] = {}
         self._executor = llguidance.LLExecutor()
 
     def add(self, seq_id: int, constraint: StructuredOutputsParams) -> None:
-        self.matchers[seq_id] = self.compiler.matcher(constraint)
+        matcher = self.compiler.matcher(constraint)
+        if constraint.after_token_id is None:
+            self.matchers[seq_id] = matcher
+        else:
+            self.waiting[seq_id] = (constraint.after_token_id, matcher)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         matcher = self.matchers.get(parent_id)
         if matcher is not None:
             self.matchers[child_id] = matcher.deep_copy()
+        if parent_id in self.waiting:
+            token_id, matcher = self.waiting[parent_id]
+            self.waiting[child_id] = (token_id, matcher.deep_copy())
 
     def remove(self, seq_id: int) -> None:
         self.matchers.pop(seq_id, None)
+        self.waiting.pop(seq_id, None)
+
+    def _start_after(self, seq_id: int, token_id: int) -> None:
+        """A waiting constraint starts once its token has been generated (no mask until then:
+        only sequences in `matchers` get one)."""
+        waiting = self.waiting.get(seq_id)
+        if waiting is not None and waiting[0] == token_id:
+            self.matchers[seq_id] = self.waiting.pop(seq_id)[1]
 
     def bitmasks(self, seq_ids: list[int]) -> bytes:
         """The packed bitmasks of these (constrained) sequences, in order:
@@ -219,6 +237,7 @@ class StructuredOutputs:
         ends the constraint for that sequence."""
         matcher = self.matchers.get(seq_id)
         if matcher is None:
+            self._start_after(seq_id, token_id)
             return False
         if not matcher.consume_token(token_id):
             logger.error("sequence %d: the grammar refused token %d: %s", seq_id, token_id, matcher.get_error())

@@ -83,6 +83,18 @@ async def http(app):
         yield client
 
 
+@pytest.fixture
+def hermes_app(engine_client, engine):
+    """The app of a deployment that reads tool_choice "auto" calls with the hermes parser."""
+    return create_openai_app(engine_client, engine.tokenizer, MODEL, tool_call_parser="hermes")
+
+
+@pytest.fixture
+async def hermes_http(hermes_app):
+    async with asgi_client(hermes_app) as client:
+        yield client
+
+
 def parse_sse(response: httpx.Response) -> list[dict]:
     """The JSON events of a server-sent event stream that must end with [DONE]."""
     assert response.status_code == 200, response.text

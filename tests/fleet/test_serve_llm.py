@@ -222,6 +222,7 @@ ENGINE_VALUES = {
     "seed": (None, 0), "enforce_eager": (True, True), "max_logprobs": (5, 5), "trust_remote_code": (True, True),
     "tokenizer": ("/tmp/tok", "/tmp/tok"), "device": ("cpu", "cpu"), "enable_lora": (True, True),
     "max_loras": (3, 3), "max_lora_rank": (32, 32), "max_cpu_loras": (4, 4), "tool_call_parser": ("hermes", "hermes"),
+    "reasoning_parser": ("qwen3", "qwen3"),
     "chat_template": ("{{ messages[0]['content'] }}", "{{ messages[0]['content'] }}"),
 }  # fmt: skip
 CHECKED = {

@@ -50,6 +50,16 @@ def test_gpu_model_configs_scale_on_kv_pressure_with_a_bounded_context(name):
     assert args.enable_chunked_prefill and args.max_num_batched_tokens == 8192
 
 
+@pytest.mark.parametrize(
+    ("name", "tool_call_parser", "reasoning_parser"),
+    [("qwen2.5-7b-instruct.yaml", "hermes", None), ("qwen3-8b.yaml", "hermes", "qwen3"),
+     ("llama3.1-8b-instruct.yaml", "llama3_json", None)],
+)  # fmt: skip
+def test_chat_model_configs_set_their_parsers(name, tool_call_parser, reasoning_parser):
+    args = AppArgs(**_app_args(next(p for p in CONFIGS if p.name == name)))
+    assert (args.tool_call_parser, args.reasoning_parser) == (tool_call_parser, reasoning_parser)
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_builds(path):
     args = AppArgs(**_app_args(path))

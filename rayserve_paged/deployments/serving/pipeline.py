@@ -12,7 +12,6 @@ shielded task, so a cancelled HTTP task still gets its aborts through.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -41,7 +40,6 @@ from rayserve_paged.deployments.sse import SSE_DONE, json_value, sse_event
 from rayserve_paged.deployments.tokenizer_pool import TokenizerPool
 from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
 from rayserve_paged.engine.protocol import EngineClient
-from rayserve_paged.engine.tool_calls import ToolCallStream
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +62,12 @@ class ChoiceProgress:
     num_tokens: int = 0
     text_offset: int = 0
     is_started: bool = False
-    held: list[str] = dataclasses.field(default_factory=list)  # tool_choice "required": the calls' text so far
-    tool_stream: ToolCallStream | None = None  # tool_choice "auto": what the parser holds back
-    call_id: str = ""  # a named tool choice's call, streamed as its arguments grow
+    reader: object | None = None  # chat: what reads the choice's reasoning and tool calls as they stream
 
 
-# (prompt index, output, its progress) -> one streamed choice's JSON
-ToChoice = Callable[[int, CompletionOutput, ChoiceProgress], str]
+# (prompt index, output, its progress) -> one streamed choice's JSON, or several (each then
+# goes in an event of its own, in order)
+ToChoice = Callable[[int, CompletionOutput, ChoiceProgress], str | list[str]]
 
 
 class GenerationPipeline:
@@ -289,8 +286,12 @@ class GenerationPipeline:
             num_unfinished -= result.finished
             cached[index] = max(cached.get(index, 0), result.num_cached_tokens)
             states = (progress.setdefault(index * request.n + out.index, ChoiceProgress()) for out in result.outputs)
-            choices = [to_choice(index, out, state) for out, state in zip(result.outputs, states)]
-            return chunk(choices, None) if choices else ""
+            rows = [to_choice(index, out, state) for out, state in zip(result.outputs, states)]
+            if all(isinstance(row, str) for row in rows):
+                return chunk(rows, None) if rows else ""
+            rows = [[row] if isinstance(row, str) else row for row in rows]
+            depth = max(len(row) for row in rows)
+            return "".join(chunk([row[k] for row in rows if k < len(row)], None) for k in range(depth))
 
         def end() -> str:
             if not include_usage:
