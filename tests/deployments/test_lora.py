@@ -26,6 +26,7 @@ PROMPT = "Hello world"
 def adapters(tiny_opt_path, tmp_path_factory):
     root = tmp_path_factory.mktemp("http-lora")
     return {
+        "root": str(root),
         "a0": str(write_adapter(tiny_opt_path, root / "a0", "opt", "all", 8, 16, seed=1)),
         "a1": str(write_adapter(tiny_opt_path, root / "a1", "opt", "attn", 4, 8, seed=2)),
         "big": str(write_adapter(tiny_opt_path, root / "big", "opt", "attn", 32, 8, seed=3)),
@@ -37,6 +38,7 @@ def lora_engine(tiny_opt_path, adapters) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=tiny_opt_path, device="cpu", max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=64,
         swap_space_gb=0.01, max_loras=2, max_lora_rank=16, lora_modules={"a0": adapters["a0"]},
+        lora_modules_root=[adapters["root"]],
     ))  # fmt: skip
 
 
@@ -168,7 +170,7 @@ async def test_handle_api_over_the_scheduler_actor(tiny_opt_path, adapters, offl
     monkeypatch.setattr(llm_server, "ray", SimpleNamespace(get=lambda ref: ref))
     config = EngineConfig(
         model=tiny_opt_path, device="cpu", max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=64, swap_space_gb=0.01,
-        max_loras=1, max_lora_rank=16, lora_modules={"a0": adapters["a0"]},
+        max_loras=1, max_lora_rank=16, lora_modules={"a0": adapters["a0"]}, lora_modules_root=adapters["root"],
     )  # fmt: skip
     actor = SchedulerActor(config, executor="in-process")
     server = LLMServer(config, scheduler_actor=_LocalActor(actor))

@@ -4,6 +4,8 @@ are loaded and evicted as counted."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rayserve_paged import LLM, LoRARequest, SamplingParams
@@ -208,3 +210,127 @@ def test_bad_adapters_are_refused_with_the_reason(tiny_paths, adapters, tmp_path
     assert engine.loras == {}
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("zero", 0, "/x")
+
+
+# --------------------------------------------------------------------------- the adapter lifecycle
+
+
+class _Lifecycle:
+    """A random run of loads, unloads, reloads of names with other weights, requests on random
+    adapters and the base model, aborts and steps, against a model of what must hold."""
+
+    NAMES = ("n0", "n1", "n2")
+
+    def __init__(self, engine, dirs: dict[str, str], expected: dict, prompts: list[list[int]], rng, max_cpu: int):
+        self.engine, self.dirs, self.expected, self.prompts, self.rng = engine, dirs, expected, prompts, rng
+        self.max_cpu = max_cpu
+        self.registered = {"n0": ("a0", 0)}  # name -> (adapter directory's name, incarnation)
+        self.num_incarnations = 1
+        self.started: set[int] = set()  # incarnations a request was added on
+        self.live: dict[str, dict] = {}  # request id -> what it must produce
+        self.num_requests = 0
+
+    def retiring(self) -> set[int]:
+        held = {inc for _, inc in self.registered.values()}
+        return {r["inc"] for r in self.live.values() if r["inc"] is not None and r["inc"] not in held}
+
+    def load(self, name: str | None = None, directory: str | None = None) -> None:
+        from rayserve_paged.engine.llm_engine import RequestError
+
+        name = name or self.rng.choice(self.NAMES)
+        directory = directory or self.rng.choice(sorted(self.dirs))
+        full = len(self.registered) + len(self.retiring()) >= self.max_cpu
+        if name in self.registered or full:
+            with pytest.raises(RequestError, match="already loaded" if name in self.registered else "max_cpu_loras"):
+                self.engine.load_lora(name, self.dirs[directory])
+            return
+        self.engine.load_lora(name, self.dirs[directory])
+        self.registered[name] = (directory, self.num_incarnations)
+        self.num_incarnations += 1
+
+    def unload(self, name: str | None = None) -> None:
+        names = sorted(self.registered) if self.registered and self.rng.random() < 0.8 else self.NAMES
+        name = name or self.rng.choice(names)
+        assert self.engine.remove_lora(name) is (self.registered.pop(name, None) is not None)
+
+    def request(self, name: str | None = None) -> None:
+        name = name or self.rng.choice([None, *sorted(self.registered)])
+        directory, inc = self.registered[name] if name is not None else (None, None)
+        prompt = self.rng.randrange(len(self.prompts))
+        rid = f"r{self.num_requests}"
+        self.num_requests += 1
+        self.engine.add_request(rid, None, _greedy(), prompt_token_ids=self.prompts[prompt], lora_request=name)
+        first = inc is not None and inc not in self.started
+        self.started.add(inc)
+        want = self.expected["llama", directory][prompt]
+        self.live[rid] = {"inc": inc, "want": want, "tokens": [], "first": first, "reported": False}
+
+    def abort(self) -> None:
+        if self.live:
+            rid = self.rng.choice(sorted(self.live))
+            assert self.engine.abort_request(rid)
+            del self.live[rid]
+
+    def drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.step()
+
+    def step(self) -> None:
+        for out in self.engine.step():
+            record = self.live[out.request_id]
+            assert out.error is None, out.error
+            if not record["reported"]:
+                record["reported"] = True
+                if record["first"]:  # an adapter's first request finds no block cached under another
+                    assert out.num_cached_tokens == 0, out.request_id
+            for delta in out.outputs:
+                record["tokens"] += delta.token_ids
+            assert record["tokens"] == record["want"][: len(record["tokens"])], out.request_id
+            if out.finished:
+                assert record["tokens"] == record["want"], (out.request_id, out.outputs[-1].finish_reason, out.outputs[-1].stop_reason)
+                del self.live[out.request_id]
+
+    def run(self, num_ops: int) -> None:
+        # the start-up adapter serves, is unloaded, and a runtime load follows at once (the
+        # sequence that reused its id), then anything goes
+        self.request("n0")
+        self.drain()
+        self.unload("n0")
+        self.load("n1", "a1")
+        self.request("n1")
+        ops = [(self.load, 2.5), (self.unload, 2), (self.request, 4), (self.abort, 0.7), (self.step, 3)]
+        for _ in range(num_ops):
+            op = self.rng.choices([o for o, _ in ops], [w for _, w in ops])[0]
+            op()
+            if self.rng.random() < 0.6:
+                self.step()
+        self.drain()
+        assert not self.live
+        engine = self.engine
+        assert sorted(engine.loras) == sorted(self.registered)
+        assert len(engine._lora_bytes) == len(self.registered)  # unloaded adapters retired: memory freed
+        assert engine.lora_slots.num_pinned == 0
+        assert engine.block_manager.usage().gpu_used == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_adapter_lifecycle_equals_peft(tiny_paths, adapters, expected, seed):
+    """Seeded random lifecycles: after every step each request's tokens so far equal HF +
+    PEFT's for the adapter its name held when it was added; one or two slots, a CPU bound
+    from one adapter, prefix caching on, swap or recompute preemption, aborts."""
+    import random
+
+    rng = random.Random(seed)
+    dirs = adapters["llama"]
+    max_loras = rng.choice([1, 2])
+    max_cpu = rng.choice([max_loras, max_loras + 1])
+    llm = _llm(
+        tiny_paths["llama"], max_loras=max_loras, max_cpu_loras=max_cpu, lora_modules={"n0": dirs["a0"]},
+        lora_modules_root=[str(Path(dirs["a0"]).parent)], block_size=8, num_gpu_blocks_override=20,
+        max_model_len=128, preemption_mode=("swap", "recompute", "swap")[seed], swap_space_gb=0.05,
+    )  # fmt: skip
+    prompts = [llm.get_tokenizer()(p).input_ids for p in PROMPTS]
+    run = _Lifecycle(llm.engine, dirs, expected, prompts, rng, max_cpu)
+    run.run(num_ops=60)
+    counters = llm.engine.scheduler.counters
+    assert run.num_incarnations > 2 and counters.preemptions_swap + counters.preemptions_recompute > 0
