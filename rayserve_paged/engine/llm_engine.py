@@ -199,8 +199,9 @@ class LLMEngine:
         unknown target module, a shape, a malformed file). Adding the same name, id and
         path again is a no-op (the adapter is not read again); another adapter under a
         taken name, or an id once given to another adapter, is refused."""
-        if self._lora_given.get(lora.lora_name) == (lora.lora_int_id, lora.lora_path):
-            return self.loras[lora.lora_name]
+        known = self.loras.get(lora.lora_name)
+        if known is not None and (lora == known or self._lora_given[lora.lora_name] == (lora.lora_int_id, lora.lora_path)):
+            return known
         registered, num_bytes = self.prepare_lora(lora.lora_name, lora.lora_path, lora.lora_int_id)
         return self.register_lora(registered, num_bytes, given_path=lora.lora_path)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from rayserve_paged import LLM, LoRARequest, SamplingParams
+from rayserve_paged.engine.llm_engine import RequestError
 from rayserve_paged.models.lora import LoRAError
 from rayserve_paged.models.tiny import make_tiny_model
 from tests.peft_adapters import greedy, peft_model, write_adapter, write_adapters
@@ -210,6 +211,15 @@ def test_bad_adapters_are_refused_with_the_reason(tiny_paths, adapters, tmp_path
     assert engine.loras == {}
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("zero", 0, "/x")
+    # no lora_modules_root: a runtime load by path is refused before the path is looked at
+    with pytest.raises(LoRAError, match="runtime loading by path is off"):
+        engine.load_lora("a0", adapters["llama"]["a0"])
+    # an id is bound to one adapter for the engine's life: another adapter cannot take it
+    engine.add_lora(LoRARequest("first", 3, adapters["llama"]["a0"]))
+    engine.remove_lora("first")
+    with pytest.raises(RequestError, match="lora_int_id: 3 was given to another adapter"):
+        engine.add_lora(LoRARequest("second", 3, adapters["llama"]["a1"]))
+    assert engine.add_lora(LoRARequest("first", 3, adapters["llama"]["a0"])).lora_int_id == 3  # the same one again
 
 
 # --------------------------------------------------------------------------- the adapter lifecycle
@@ -235,8 +245,6 @@ class _Lifecycle:
         return {r["inc"] for r in self.live.values() if r["inc"] is not None and r["inc"] not in held}
 
     def load(self, name: str | None = None, directory: str | None = None) -> None:
-        from rayserve_paged.engine.llm_engine import RequestError
-
         name = name or self.rng.choice(self.NAMES)
         directory = directory or self.rng.choice(sorted(self.dirs))
         full = len(self.registered) + len(self.retiring()) >= self.max_cpu
@@ -334,3 +342,64 @@ def test_adapter_lifecycle_equals_peft(tiny_paths, adapters, expected, seed):
     run.run(num_ops=60)
     counters = llm.engine.scheduler.counters
     assert run.num_incarnations > 2 and counters.preemptions_swap + counters.preemptions_recompute > 0
+
+
+# --------------------------------------------------------------------------- read once, fail locally
+
+
+def test_an_adapter_directory_changed_after_load_changes_nothing(tiny_paths, adapters, expected, tmp_path, monkeypatch):
+    """The adapter is read once, at registration: its directory deleted, replaced by one of a
+    rank above max_lora_rank, or relative to a working directory left since, its requests
+    (and everyone else's) are still served, with the weights it was loaded with."""
+    import shutil
+
+    dirs = adapters["llama"]
+    for name in ("gone", "replaced", "relative"):
+        shutil.copytree(dirs["a0"], tmp_path / name)
+    llm = _llm(tiny_paths["llama"], max_loras=1, max_lora_rank=8, max_cpu_loras=4)
+    monkeypatch.chdir(tmp_path)
+    loras = [LoRARequest("gone", 1, str(tmp_path / "gone")), LoRARequest("replaced", 2, str(tmp_path / "replaced")),
+             LoRARequest("relative", 3, "relative"), LoRARequest("a1", 4, dirs["a1"])]  # fmt: skip
+    for lora in loras:
+        llm.engine.add_lora(lora)
+    shutil.rmtree(tmp_path / "gone")
+    shutil.rmtree(tmp_path / "replaced")
+    shutil.copytree(dirs["a2"], tmp_path / "replaced")  # rank 16 > max_lora_rank 8
+    monkeypatch.chdir(tiny_paths["llama"])
+    # one slot: every adapter switch is a slot load, from CPU memory
+    names = ["gone", None, "replaced", "a1", "relative"]
+    got = _tokens(llm.generate([PROMPTS[0]] * 5, _greedy(), lora_request=[n and llm.engine.loras[n] for n in names],
+                               use_tqdm=False))  # fmt: skip
+    assert got == [expected["llama", d][0] for d in ("a0", None, "a0", "a1", "a0")]
+    assert llm.engine.lora_slots.counters.num_loads == 4
+
+
+def test_an_adapter_that_cannot_be_activated_fails_only_its_requests(tiny_paths, adapters, expected, monkeypatch):
+    llm = _llm(tiny_paths["llama"], max_loras=2)
+    engine = llm.engine
+    a0, a1 = (engine.add_lora(LoRARequest(n, i, adapters["llama"][n])) for i, n in ((1, "a0"), (2, "a1")))
+    pool = engine.executor.worker.runner.lora
+    activate = pool.activate
+
+    def broken(slot, key):
+        if key == a1.key:
+            raise RuntimeError("device copy failed")
+        activate(slot, key)
+
+    monkeypatch.setattr(pool, "activate", broken)
+    prompt = llm.get_tokenizer()(PROMPTS[0]).input_ids
+    for rid, lora in (("on-a0", "a0"), ("on-a1", "a1"), ("base", None), ("on-a1-too", "a1")):
+        engine.add_request(rid, None, _greedy(), prompt_token_ids=prompt, lora_request=lora)
+    tokens, errors = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(t for d in out.outputs for t in d.token_ids)
+            if out.error is not None:
+                errors[out.request_id] = out.error
+    assert sorted(errors) == ["on-a1", "on-a1-too"] and tokens["on-a1"] == tokens["on-a1-too"] == []
+    assert "model: the LoRA adapter 'a1' could not be activated (device copy failed)" in errors["on-a1"]
+    assert tokens["on-a0"] == expected["llama", "a0"][0] and tokens["base"] == expected["llama", None][0]
+    # a1 is unloaded and its slot rolled back: the replica goes on with everything else
+    assert sorted(engine.loras) == ["a0"] and a1.key not in engine.lora_slots.slot_of and not pool.holds(a1.key)
+    out = llm.generate([PROMPTS[0]], _greedy(), lora_request=a0, use_tqdm=False)
+    assert _tokens(out) == [expected["llama", "a0"][0]]
