@@ -200,7 +200,8 @@ class LLMEngine:
         path again is a no-op (the adapter is not read again); another adapter under a
         taken name, or an id once given to another adapter, is refused."""
         known = self.loras.get(lora.lora_name)
-        if known is not None and (lora == known or self._lora_given[lora.lora_name] == (lora.lora_int_id, lora.lora_path)):
+        as_given = (lora.lora_int_id, lora.lora_path)
+        if known is not None and (lora == known or self._lora_given[known.lora_name] == as_given):
             return known
         registered, num_bytes = self.prepare_lora(lora.lora_name, lora.lora_path, lora.lora_int_id)
         return self.register_lora(registered, num_bytes, given_path=lora.lora_path)

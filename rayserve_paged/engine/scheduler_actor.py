@@ -123,7 +123,8 @@ class SchedulerActor:
         if self._error is not None:
             raise EngineUnavailable(f"the engine failed: {self._error!r}")
         loop = asyncio.get_running_loop()
-        lora, num_bytes = await loop.run_in_executor(self._lora_loader, self.engine.prepare_lora, name, path, None, True)
+        prepare = self.engine.prepare_lora
+        lora, num_bytes = await loop.run_in_executor(self._lora_loader, prepare, name, path, None, True)
         lora = await self._call(lambda: self.engine.register_lora(lora, num_bytes))
         return {"lora_name": lora.lora_name, "lora_int_id": lora.lora_int_id, "lora_path": lora.lora_path}
 

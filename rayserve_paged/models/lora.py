@@ -92,7 +92,8 @@ def read_peft_adapter(
         if rank > max_lora_rank:
             raise LoRAError(f"rank r={rank} exceeds max_lora_rank {max_lora_rank}")
         targets = config.get("target_modules")
-        if not targets or not (isinstance(targets, str) or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
+        is_names = isinstance(targets, list) and all(isinstance(t, str) for t in targets)
+        if not targets or not (isinstance(targets, str) or is_names):
             raise LoRAError(f"{CONFIG_FILE} target_modules must be a list of module names or a pattern")
         if known_targets is not None and isinstance(targets, list):
             _check_targets(path, targets, known_targets)

@@ -219,7 +219,8 @@ async def test_an_unloaded_start_up_adapters_id_is_never_reused(lora_client, lor
         async with _http(app) as http:
             first = await http.post("/v1/completions", headers=auth, json={"model": "a0", **body})
             assert first.json()["choices"][0]["text"] == offline_texts["a0", "long"]
-            assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "a0"}, headers=auth)).status_code == 200
+            unload = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a0"}, headers=auth)
+            assert unload.status_code == 200
             load = {"lora_name": "c", "lora_path": adapters["a1"]}
             assert (await http.post("/v1/load_lora_adapter", json=load, headers=auth)).status_code == 200
             assert lora_engine.loras["c"].lora_int_id > 1
@@ -295,7 +296,8 @@ async def test_every_malformed_adapter_is_a_4xx_that_registers_nothing(lora_clie
     before = dict(lora_engine.loras), dict(lora_engine._lora_bytes)
     async with _http(app) as http:
         for case, path in cases.items():
-            response = await http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": path}, headers=auth)
+            body = {"lora_name": "bad", "lora_path": path}
+            response = await http.post("/v1/load_lora_adapter", json=body, headers=auth)
             error = assert_openai_error(response, 400, "lora_path")
             assert "SECRET" not in error["message"], (case, error)
             assert (dict(lora_engine.loras), dict(lora_engine._lora_bytes)) == before, case
@@ -307,5 +309,6 @@ async def test_every_malformed_adapter_is_a_4xx_that_registers_nothing(lora_clie
             response = await http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": cases[case]},
                                        headers=auth)  # fmt: skip
             assert_openai_error(response, 400, "lora_path", words)
-        ok = await http.post("/v1/load_lora_adapter", json={"lora_name": "a1", "lora_path": adapters["a1"]}, headers=auth)
+        body = {"lora_name": "a1", "lora_path": adapters["a1"]}
+        ok = await http.post("/v1/load_lora_adapter", json=body, headers=auth)
         assert ok.status_code == 200  # the replica still loads a good adapter

@@ -295,7 +295,7 @@ class _Lifecycle:
                 record["tokens"] += delta.token_ids
             assert record["tokens"] == record["want"][: len(record["tokens"])], out.request_id
             if out.finished:
-                assert record["tokens"] == record["want"], (out.request_id, out.outputs[-1].finish_reason, out.outputs[-1].stop_reason)
+                assert record["tokens"] == record["want"], (out.request_id, out.outputs[-1].finish_reason)
                 del self.live[out.request_id]
 
     def run(self, num_ops: int) -> None:

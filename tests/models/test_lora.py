@@ -136,3 +136,13 @@ def test_decoder_families_equal_peft(family, tmp_path, hf_model):
     torch.testing.assert_close(logits[:n], hf_logits(peft_model(path, adapter), PROMPTS[0]), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[n:], hf_logits(hf_model(path), PROMPTS[2]), atol=1e-4, rtol=1e-4)
     assert (logits[:n] - hf_logits(hf_model(path), PROMPTS[0])).abs().max() > 0.1
+
+
+def test_a_weights_file_over_the_size_limit_is_refused_before_it_is_read(tiny_checkpoint, tmp_path):
+    from rayserve_paged.models.lora import LoRAError
+
+    adapter = write_adapter(tiny_checkpoint("llama"), tmp_path / "lora", "llama", "attn", 4, 8, seed=1)
+    size = (adapter / "adapter_model.safetensors").stat().st_size
+    with pytest.raises(LoRAError, match=r"adapter_model.safetensors is .* MiB, above max_lora_size_mb"):
+        read_peft_adapter(adapter, 8, max_bytes=size - 1)
+    assert read_peft_adapter(adapter, 8, max_bytes=size).num_bytes > 0
