@@ -328,6 +328,7 @@ class LLMEngine:
             if name is not None:
                 self.loras.pop(name)
                 self._lora_given.pop(name, None)
+                self.num_lora_requests.pop(name, None)
             self._retiring.add(key)
             shown = repr(name) if name is not None else f"id {key[0]}"
             error = f"model: the LoRA adapter {shown} could not be activated ({reason}); it was unloaded"
