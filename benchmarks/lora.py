@@ -3,7 +3,7 @@ distinct rank-16 adapters, in one sitting; the time to load an adapter from disk
 stream's inter-token gaps while a ~100 MB adapter loads; base-only decode speed of a
 LoRA-enabled engine.
 
-    rayserve-paged bench lora --out DIR [--quick] [--threads N] [--repeats R] [--before DIR]
+    rayserve-paged bench lora --out DIR [--quick] [--threads N] [--repeats R] [--before DIR] [--no-batch]
 
 Model: the throughput benchmark's random-weight OPT (6 layers, hidden 512, 8 heads, ffn
 2048, the tiny 512-token vocabulary), float32. Adapters: PEFT-format directories written
@@ -37,6 +37,7 @@ naming an adapter); the compiled CPU decode layer runs in both when this CPU has
 
 With --before DIR (a source tree of an earlier version, e.g. `git archive`d), the load gap
 and base decode cases also run from that tree's package, first, each in its own process.
+--no-batch runs only those two cases.
 """
 
 from __future__ import annotations
@@ -306,7 +307,7 @@ def run_lifecycle_cases(quick: bool, threads: int, before: str | None, log=print
     return results
 
 
-def format_report(result: dict) -> str:
+def _batch_lines(result: dict) -> list[str]:
     w = result["workload"]
     lines = [
         f"{w['num_requests']} requests x ({w['prompt_len']} prompt + {w['output_len']} output tokens), greedy; "
@@ -331,6 +332,14 @@ def format_report(result: dict) -> str:
         f"{load['median_read_and_shard_ms']:.1f} ms, engine registration check {load['median_register_ms']:.1f} ms "
         "(medians)",
     ]
+    return lines
+
+
+def format_report(result: dict) -> str:
+    lines = [] if "cases" not in result else _batch_lines(result)
+    if not lines:
+        lines.append(f"load average before {tuple(round(x, 2) for x in result['loadavg_before'])}, "
+                     f"after {tuple(round(x, 2) for x in result['loadavg_after'])}")  # fmt: skip
     for version, gap in result.get("load_gap", {}).items():
         b, d = gap["gap_ms_before"], gap["gap_ms_during_load"]
         lines.append(
@@ -340,8 +349,9 @@ def format_report(result: dict) -> str:
         )
     for version, dec in result.get("base_decode", {}).items():
         off, on = dec["lora_off"]["output_tokens_per_s"], dec["lora_on"]["output_tokens_per_s"]
+        off_cpu, on_cpu = dec["lora_off"]["output_tokens_per_cpu_s"], dec["lora_on"]["output_tokens_per_cpu_s"]
         lines.append(f"base decode ({version}, {dec['model']}): LoRA off {off:.1f} tok/s, LoRA enabled {on:.1f} tok/s "
-                     f"({on / off:.2f}x)")  # fmt: skip
+                     f"({on / off:.2f}x); per CPU second {off_cpu:.1f} / {on_cpu:.1f} ({on_cpu / off_cpu:.2f}x)")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -352,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per case (the median is reported)")
     parser.add_argument("--quick", action="store_true", help="seconds, for tests (tiny model, a few requests)")
     parser.add_argument("--before", help="a source tree of an earlier version: its load gap and base decode too")
+    parser.add_argument("--no-batch", action="store_true", help="only the load-gap and base-decode cases")
     parser.add_argument("--child", choices=["load_gap", "base_decode"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.threads < 1 or args.repeats < 1:
@@ -362,8 +373,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.makedirs(args.out, exist_ok=True)
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
-    result = run(args.quick, args.threads, args.repeats, log=log)
+    result = {"loadavg_before": load_average()} if args.no_batch else run(args.quick, args.threads, args.repeats, log=log)
     result |= run_lifecycle_cases(args.quick, args.threads, args.before, log=log)
+    result["loadavg_after"] = load_average()
     path = write_json(args.out, "lora.json", result)  # with the machine record (platform, CPU, versions)
     print(format_report(result))
     print(f"\nwrote {path}")

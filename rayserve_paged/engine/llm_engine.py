@@ -243,6 +243,9 @@ class LLMEngine:
         """Commit a prepared adapter (on the step thread): requests may name it from now."""
         try:
             self._check_lora_name(lora.lora_name)
+            other = next((n for n, known in self.loras.items() if known.key == lora.key), None)
+            if other is not None:
+                raise RequestError(f"lora_int_id: {lora.lora_int_id} is the LoRA adapter {other!r}'s")
             if lora.key not in self._lora_bytes:
                 self._check_lora_room(num_bytes)
         except ValueError:

@@ -220,6 +220,9 @@ def test_bad_adapters_are_refused_with_the_reason(tiny_paths, adapters, tmp_path
     with pytest.raises(RequestError, match="lora_int_id: 3 was given to another adapter"):
         engine.add_lora(LoRARequest("second", 3, adapters["llama"]["a1"]))
     assert engine.add_lora(LoRARequest("first", 3, adapters["llama"]["a0"])).lora_int_id == 3  # the same one again
+    with pytest.raises(RequestError, match="lora_int_id: 3 is the LoRA adapter 'first'"):
+        engine.add_lora(LoRARequest("alias", 3, adapters["llama"]["a0"]))  # one adapter, one name
+    assert sorted(engine.loras) == ["first"]
 
 
 # --------------------------------------------------------------------------- the adapter lifecycle
