@@ -155,7 +155,7 @@ class Scheduler:
 
     def _unpin_lora(self, group: SequenceGroup) -> None:
         if group.has_lora_slot:
-            self.lora_slots.release(group.lora_id)
+            self.lora_slots.release(group.lora_key)
             group.has_lora_slot = False
 
     def _release_seq(self, seq: Sequence) -> None:
@@ -324,7 +324,7 @@ class Scheduler:
             if num_seqs + group.max_num_running_seqs() > self.config.max_num_seqs:
                 break
             # its adapter waits for a slot (FCFS: nothing behind it is admitted first)
-            if group.lora_request is not None and not self.lora_slots.can_acquire(group.lora_id):
+            if group.lora_request is not None and not self.lora_slots.can_acquire(group.lora_key):
                 break
             if chunking:
                 if num_tokens >= budget:
@@ -346,6 +346,7 @@ class Scheduler:
 
         if self.lora_slots is not None:
             msg.lora_slot_updates = self.lora_slots.take_updates()
+            msg.lora_forgets = self.lora_slots.take_forgets()
         out.num_batched_tokens = num_tokens
         return out
 
@@ -468,7 +469,7 @@ class Scheduler:
             params = group.sampling_params
             prompt = first.prompt_token_ids if params.needs_history else None
             msg.new_requests.append(
-                NewRequest(request_id, first.seq_id, params, first.num_prompt_tokens, prompt, group.lora_id)
+                NewRequest(request_id, first.seq_id, params, first.num_prompt_tokens, prompt, group.lora_key)
             )
             first.is_on_workers = True
         is_first_step = len(group.seqs) == 1 and len(first.token_ids) == first.num_prompt_tokens

@@ -389,6 +389,11 @@ class SequenceGroup:
         return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
+    def lora_key(self):
+        """Its adapter's identity (core/lora.LoRAKey); None for the base model."""
+        return None if self.lora_request is None else self.lora_request.key
+
+    @property
     def prompt_token_ids(self) -> list[int]:
         return self.seqs[0].prompt_token_ids
 

@@ -169,6 +169,14 @@ class RayExecutor(Executor):
         results = ray.get([w.execute.remote(ref) for w in self.workers])
         return results[0]
 
+    def add_lora(self, key: tuple, adapter) -> None:
+        """Every rank gets the same tensors (one object in the store, read by each), and
+        cuts its own shard of them. Under the compiled graph the step runs on each actor's
+        graph thread and this call on its main thread (Ray's rule for actors in a compiled
+        graph); the key is new, so no step reads it yet."""
+        ref = ray.put(adapter)
+        ray.get([w.add_lora.remote(key, ref) for w in self.workers], timeout=STEP_TIMEOUT_S)
+
     def gpu_snapshots(self) -> list[dict]:
         return ray.get([w.gpu_snapshot.remote() for w in self.workers], timeout=10)
 

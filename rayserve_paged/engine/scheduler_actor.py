@@ -37,6 +37,12 @@ from rayserve_paged.telemetry import ReplicaTelemetry, TelemetryConfig
 logger = logging.getLogger(__name__)
 
 
+def _one_torch_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # this thread's own setting (OpenMP's is per thread)
+
+
 @dataclass(slots=True)
 class StepTiming:
     steps: int = 0
@@ -68,6 +74,11 @@ class SchedulerActor:
         self._alive = True
         self._error: BaseException | None = None
         self.timing = StepTiming()
+        # one thread reads adapters, its torch work on one thread (no second OpenMP team
+        # beside the step thread's)
+        self._lora_loader = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="lora-load", initializer=_one_torch_thread
+        )
         # The engine is built on the step thread, which then runs every step: the model's torch
         # and compiled-kernel work all starts its OpenMP parallel regions from that one thread,
         # so the process has one OpenMP team. (Built here on the actor's thread, the load and
@@ -103,9 +114,18 @@ class SchedulerActor:
         await asyncio.wrap_future(done)
 
     async def load_lora(self, name: str, path: str) -> dict:
-        """Register the adapter in `path` under `name` (checked against the model first:
-        LoRAError names what does not fit); its {"lora_name", "lora_int_id", "lora_path"}."""
-        lora = await self._call(lambda: self.engine.load_lora(name, path))
+        """Register the adapter in `path` under `name` (a directory under lora_modules_root,
+        checked against the model first: LoRAError names what does not fit); its
+        {"lora_name", "lora_int_id", "lora_path"}. The adapter is read, checked and handed
+        to the workers on a loader thread: the steps go on meanwhile; only the commit runs
+        on the step thread."""
+        self._attach_loop()
+        if self._error is not None:
+            raise EngineUnavailable(f"the engine failed: {self._error!r}")
+        loop = asyncio.get_running_loop()
+        prepare = self.engine.prepare_lora
+        lora, num_bytes = await loop.run_in_executor(self._lora_loader, prepare, name, path, None, True)
+        lora = await self._call(lambda: self.engine.register_lora(lora, num_bytes))
         return {"lora_name": lora.lora_name, "lora_int_id": lora.lora_int_id, "lora_path": lora.lora_path}
 
     async def unload_lora(self, name: str) -> bool:
@@ -221,7 +241,7 @@ class SchedulerActor:
     def resident_lora_ids(self) -> list[int]:
         """Int ids of the LoRA adapters in this engine's device slots (a fleet routes on them)."""
         slots = self.engine.lora_slots
-        return [] if slots is None else list(slots.slot_of)
+        return [] if slots is None else [key[0] for key in slots.slot_of]
 
     async def metrics_text(self) -> str:
         """Prometheus exposition text of this replica's engine and GPU metrics."""
@@ -231,6 +251,7 @@ class SchedulerActor:
         self._alive = False
         self._wake.set()
         self._thread.join(timeout=10)
+        self._lora_loader.shutdown(wait=False, cancel_futures=True)
         self.telemetry.shutdown()
         self.engine.executor.shutdown()
 

@@ -136,10 +136,12 @@ class ModelRunner:
 
     def _lora_row_slots(self, rows: list[SeqState]) -> list[int] | None:
         """Each row's adapter slot (-1: the base model); None when no row has an adapter."""
-        if self.lora is None or not any(seq.request.lora_id for seq in rows):
+        if self.lora is None or all(seq.request.lora_key is None for seq in rows):
             return None
         slot_of = self.lora.slot_of
-        return [slot_of[seq.request.lora_id] if seq.request.lora_id else -1 for seq in rows]
+        # an adapter whose activation failed this step has no slot: its rows run on the base
+        # model and the engine discards them (it aborts that adapter's requests)
+        return [-1 if seq.request.lora_key is None else slot_of.get(seq.request.lora_key, -1) for seq in rows]
 
     @torch.inference_mode()
     def execute(self, msg: StepMessage, kv_caches: list) -> SamplerOutput | None:
@@ -154,7 +156,7 @@ class ModelRunner:
         rows = self.batch.rows(msg)
         _record_history(msg, rows)
         # rows with adapters run eagerly (the static decode buckets hold no adapter slots)
-        is_static = self.static_decode is not None and (self.lora is None or not any(s.request.lora_id for s in rows))
+        is_static = self.static_decode is not None and (self.lora is None or all(s.request.lora_key is None for s in rows))
         decode = decode_rows(msg, rows, self.block_size, self.rope_len_rule) if is_static else None
         if decode is not None and self.static_decode.fits(decode):
             hidden = self.static_decode.forward(decode, kv_caches)  # [num_decodes, hidden]
