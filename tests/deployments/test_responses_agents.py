@@ -24,7 +24,8 @@ class Forecast(BaseModel):
     sunny: bool
 
 
-async def test_an_agent_with_a_function_tool_reaches_its_final_output(app):
+async def test_an_agent_with_a_function_tool_reaches_its_final_output(hermes_app):
+    app = hermes_app  # the SDK sends tool_choice "auto" after the first turn: a parser reads it
     import openai
     from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
     from agents.models.openai_provider import OpenAIProvider
