@@ -390,8 +390,8 @@ class GrammarCompiler:
         probe = template.deep_copy()
         if not probe.consume_token(int(allowed[0])) or probe.is_error():
             raise SamplingParamsError(
-                f"{field}: refused, its output can never finish within the grammar limits "
-                f"({_first_line(probe.get_error())})"
+                f"{field}: refused, its first token already runs past the grammar limits (a constraint whose "
+                f"output can never finish, or too costly to follow): {_first_line(probe.get_error())}"
             )
 
     def shutdown(self) -> None:
