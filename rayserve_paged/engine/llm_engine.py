@@ -460,8 +460,7 @@ class LLMEngine:
             mask_error = self._mask_errors.get(seq.seq_id)
             for target, i in zip([seq, *children], picks):
                 if mask_error is not None:  # sampled without its grammar: the token is dropped
-                    self._finish(target, SequenceStatus.FINISHED_ABORTED, mask_error)
-                    self.structured.remove(target.seq_id)
+                    self._end_with_grammar_error(target, params, mask_error)
                     continue
                 target.append_token(sample.token_ids[i], sample.logprobs[i])
                 if sample.top_logprobs is not None:
@@ -471,11 +470,17 @@ class LLMEngine:
                 )
                 self._check_stop(target, params)
                 if error is not None:
-                    # a grammar that cannot go on ends the sequence visibly, never as a stop
-                    self._finish(target, SequenceStatus.FINISHED_ABORTED, error)
+                    self._end_with_grammar_error(target, params, error)
                 elif is_complete and target.status is not SequenceStatus.FINISHED_STOPPED:
                     # the grammar is complete (only EOS may follow): the output is whole
                     self._finish(target, SequenceStatus.FINISHED_STOPPED, None)
+
+    def _end_with_grammar_error(self, seq: Sequence, params: SamplingParams, error: str) -> None:
+        """A grammar that cannot go on ends the sequence visibly (finish_reason "abort",
+        stop_reason the error), never as a stop; a grammar that failed leaves the cache."""
+        self._finish(seq, SequenceStatus.FINISHED_ABORTED, error)
+        self.structured.remove(seq.seq_id)
+        self.grammars.discard(params.structured_outputs)
 
     def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
         """Stop tokens, EOS and lengths; stop strings are the output processor's."""

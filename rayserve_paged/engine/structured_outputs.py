@@ -315,6 +315,13 @@ class GrammarCompiler:
             f"structured_outputs.{constraint.kind}: compiling took longer than {self.timeout_s:g} s"
         )
 
+    def discard(self, constraint: StructuredOutputsParams) -> None:
+        """Drop a grammar that failed while in use: its copies share its lexer, whose state
+        limit it has met, so later requests would fail sooner; a new compile starts fresh."""
+        with self._lock:
+            if constraint.cache_key in self._cache:
+                self._drop(constraint.cache_key)
+
     def compile(self, constraint: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled constraint, waiting for it here (never on the step thread)."""
         future = self.submit(constraint)
