@@ -244,3 +244,60 @@ def test_the_step_thread_never_compiles_and_never_stalls_on_a_compile(tiny_paths
     gaps = [b - a for a, b in zip(during, during[1:])]
     assert end - start > 1.5 and len(during) > 20
     assert max(gaps) < 0.5, max(gaps)  # each compile takes 1 s
+
+
+def _compiler(llm, **options):
+    from rayserve_paged.engine.structured_outputs import GrammarCompiler
+
+    engine = llm.engine
+    return GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size, tuple(engine.eos_token_ids), **options)
+
+
+def test_a_compile_past_the_timeout_is_abandoned_and_gives_its_thread_up(llm):
+    """Two compiles that run past the timeout take both compile places; abandoned, they
+    give them up, so the next request's cheap constraint compiles at once (the old pool
+    kept both threads until the slow compiles ended: the cheap one timed out too)."""
+    compiler = _compiler(llm, timeout_s=0.5, max_workers=2, max_abandoned=2)
+    release = threading.Event()
+    real = compiler._compile
+
+    def slow(constraint):
+        if constraint.regex.startswith("slow"):
+            release.wait(30)
+        return real(constraint)
+
+    compiler._compile = slow
+    try:
+        for regex in ("slow1", "slow2"):
+            with pytest.raises(SamplingParamsError, match="structured_outputs.regex: compiling took longer than 0.5 s"):
+                compiler.compile(StructuredOutputsParams(regex=regex))
+        assert (compiler.threads.num_active, compiler.threads.num_abandoned) == (0, 2)
+        fast = compiler.compile(StructuredOutputsParams(regex="[0-9]{3}"))  # within the timeout
+        assert fast.new_matcher() is not None
+        for regex in ("slow1", "slow2"):  # timed out: not cached
+            assert compiler.cached(StructuredOutputsParams(regex=regex)) is None
+    finally:
+        release.set()
+        compiler.shutdown()
+
+
+def test_the_cache_is_bounded_by_bytes_and_keeps_no_failure(llm):
+    compiler = _compiler(llm)
+    try:
+        first, second = (StructuredOutputsParams(regex=r) for r in ("[a-c]{4}", "[d-f]{5}"))
+        compiler.compile(first)
+        compiler.compile(second)
+        assert compiler.cached(first) is not None and compiler.cached(second) is not None
+        held = compiler.num_cached_bytes
+        assert held >= first.num_chars + second.num_chars
+        compiler.cache_bytes = held  # room for these two: the third sends the least recently used out
+        third = StructuredOutputsParams(regex="[g-i]{6}")
+        compiler.compile(third)
+        assert compiler.cached(first) is None and compiler.cached(third) is not None
+        assert compiler.num_cached_bytes <= compiler.cache_bytes or len(compiler._cache) == 1
+        bad = StructuredOutputsParams(grammar="start: nowhere")
+        with pytest.raises(SamplingParamsError, match="unknown name"):
+            compiler.compile(bad)
+        assert compiler.cached(bad) is None and bad.cache_key not in compiler._cache
+    finally:
+        compiler.shutdown()
