@@ -27,6 +27,9 @@ BENCHMARKS = {
     "structured-outputs": "benchmarks.structured_outputs",
     "quantized": "benchmarks.quantized",
     "lora": "benchmarks.lora",
+    "stream-cadence": "benchmarks.stream_cadence",
+    "report": "benchmarks.report",
+    "responses-host": "benchmarks.responses_host",
 }
 
 DEMO_QUESTIONS = [

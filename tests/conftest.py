@@ -30,3 +30,33 @@ try:
     torch.set_num_threads(1)
 except ImportError:  # the core tests need no torch
     pass
+
+
+def pytest_configure(config):
+    # here, not in pyproject's filterwarnings: where pydantic does not import (the GPU image)
+    # pytest releases before the fix of pytest-dev/pytest#13732 refuse to start on such a filter
+    try:
+        import pydantic.warnings  # noqa: F401
+    except ImportError:
+        return
+    config.addinivalue_line("filterwarnings", "ignore::pydantic.warnings.PydanticDeprecatedSince20")
+
+
+def pytest_collection_modifyitems(config, items):
+    """RAYSERVE_PAGED_TEST_ORDER=<seed>: run the test files in a shuffled order and each
+    file's tests shuffled too (module fixtures are still made once per file), to show the
+    suite does not depend on its order. Unset: the files' own order."""
+    seed = os.environ.get("RAYSERVE_PAGED_TEST_ORDER")
+    if seed is None:
+        return
+    import random
+
+    rng = random.Random(int(seed))
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    groups = list(modules.values())
+    rng.shuffle(groups)
+    for group in groups:
+        rng.shuffle(group)
+    items[:] = [item for group in groups for item in group]

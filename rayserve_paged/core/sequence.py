@@ -114,7 +114,11 @@ class StructuredOutputsParams:
     """A constraint on the output (vLLM's `structured_outputs`): exactly one of a JSON schema
     (`json`), any JSON object (`json_object`), a regular expression, a list of choices or a
     grammar (Lark, or GBNF / EBNF as llama.cpp writes it). The engine compiles it into a
-    token-level matcher; `key` names the compiled grammar in the cache."""
+    token-level matcher; `key` names the compiled grammar in the cache.
+
+    `after_token_id`: the constraint applies only after this token has been generated (a
+    reasoning model's end-of-thinking token: the model thinks freely first); None: from
+    the first token."""
 
     json: str | dict | bool | None = None  # a JSON schema (dict, or its JSON text)
     json_object: bool = False
@@ -125,8 +129,12 @@ class StructuredOutputsParams:
     # allows none but one space after ',' and ':'); objects take no properties but theirs
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
+    after_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        after = self.after_token_id
+        if after is not None and (not isinstance(after, int) or isinstance(after, bool) or after < 0):
+            raise SamplingParamsError(f"structured_outputs.after_token_id: a token id is required (got {after!r})")
         given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise SamplingParamsError(

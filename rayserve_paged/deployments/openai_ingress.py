@@ -38,8 +38,9 @@ import hmac
 import logging
 import time
 from collections.abc import Iterable
+from typing import Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray.serve.exceptions import BackPressureError
@@ -65,24 +66,25 @@ from rayserve_paged.deployments.errors import (
     overloaded,
     validation_error,
 )
-from rayserve_paged.deployments.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
+from rayserve_paged.deployments.protocol import ModelCard, ModelList
+from rayserve_paged.deployments.serving.chat import ChatCompletionRequest, ChatCompletionResponse, ChatServing
+from rayserve_paged.deployments.serving.completions import CompletionRequest, CompletionResponse, CompletionServing
+from rayserve_paged.deployments.serving.lora import LoadLoRAAdapterRequest, LoRAServing, UnloadLoRAAdapterRequest
+from rayserve_paged.deployments.serving.pipeline import MAX_TOKENIZER_QUEUE, GenerationPipeline
+from rayserve_paged.deployments.serving.response_store import ResponseStore, ResponseStoreConfig
+from rayserve_paged.deployments.serving.responses import (
+    DeletedResponse,
+    InputItemList,
+    ResponsesRequest,
+    ResponsesServing,
+)
+from rayserve_paged.deployments.serving.tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
-    LoadLoRAAdapterRequest,
-    ModelCard,
-    ModelList,
+    TokenizationServing,
     TokenizeRequest,
     TokenizeResponse,
-    UnloadLoRAAdapterRequest,
 )
-from rayserve_paged.deployments.serving.chat import ChatServing
-from rayserve_paged.deployments.serving.completions import CompletionServing
-from rayserve_paged.deployments.serving.pipeline import MAX_TOKENIZER_QUEUE, GenerationPipeline
-from rayserve_paged.deployments.serving.tokenization import TokenizationServing
 from rayserve_paged.deployments.tokenizer_pool import TokenizerPool
 from rayserve_paged.engine.protocol import EngineClient
 from rayserve_paged.telemetry import PROMETHEUS_CONTENT_TYPE
@@ -95,7 +97,7 @@ SESSION_HEADER = "x-session-id"
 # the session of the request being served (the engine client of a fleet's ingress reads it)
 ROUTING_SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("routing_session", default=None)
 # what admission counts: the routes that tokenize or generate
-ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"})
 
 
 class _APIKeyMiddleware:
@@ -264,20 +266,30 @@ def create_openai_app(
     enable_prompt_tokens_details: bool = False,
     open_paths: Iterable[str] = DEFAULT_OPEN_PATHS,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
     tokenizer_pool: TokenizerPool | None = None,
     allow_runtime_lora_updating: bool = False,
+    chat_template: str | None = None,
+    responses_store: ResponseStoreConfig | dict | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible FastAPI app over `client` (docs/API.md describes the API).
     With `api_key`, every route but `open_paths` requires it. Tokenizer work runs in
     `tokenizer_pool` (the replica's; a pool of its own when None). With
     `allow_runtime_lora_updating`, POST /v1/load_lora_adapter and /v1/unload_lora_adapter
-    exist (vLLM's routes, off by default as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    exist (vLLM's routes, off by default as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING). A
+    `chat_template` replaces the tokenizer's (vLLM's --chat-template). `responses_store`
+    bounds the stored responses of /v1/responses (ResponseStoreConfig)."""
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     serving = GenerationPipeline(
         client, tokenizer, served_model_name, max_tokenizer_queue, enable_prompt_tokens_details, tokenizer_pool
     )
-    chat = ChatServing(serving, tool_call_parser)
+    chat = ChatServing(serving, tool_call_parser, reasoning_parser)
     completion = CompletionServing(serving)
     tokenization = TokenizationServing(serving, chat)
+    lora = LoRAServing(serving)
+    store_config = ResponseStoreConfig.model_validate(responses_store or {})
+    responses = ResponsesServing(chat, ResponseStore(store_config))
     app = FastAPI(
         title="rayserve-paged",
         summary="OpenAI-compatible LLM serving with PagedAttention on Ray Serve",
@@ -315,6 +327,30 @@ def create_openai_app(
         ROUTING_SESSION.set(routing_session(http.headers.get(SESSION_HEADER), request.user))
         return await chat.create_chat_completion(request, http.scope.get(SCOPE_KEY))
 
+    @app.post("/v1/responses", response_model=None)
+    async def create_response(request: ResponsesRequest, http: Request) -> Response:
+        # the session: the header, else `user`, else the conversation a continuation extends
+        session = http.headers.get(SESSION_HEADER) or request.user or responses.conversation_of(request)
+        ROUTING_SESSION.set(routing_session(session, None))
+        return await responses.create_response(request, http.scope.get(SCOPE_KEY))
+
+    @app.get("/v1/responses/{response_id}", response_model=None)
+    async def get_response(response_id: str) -> Response:
+        return responses.get_response(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> DeletedResponse:
+        return responses.delete_response(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(
+        response_id: str,
+        limit: int = Query(20, ge=1, le=100),
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+    ) -> InputItemList:
+        return responses.input_items(response_id, limit, order, after)
+
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         return await tokenization.tokenize(request)
@@ -335,11 +371,11 @@ def create_openai_app(
 
         @app.post("/v1/load_lora_adapter", response_model=None)
         async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
-            return PlainTextResponse(await serving.load_lora_adapter(request))
+            return PlainTextResponse(await lora.load_lora_adapter(request))
 
         @app.post("/v1/unload_lora_adapter", response_model=None)
         async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
-            return PlainTextResponse(await serving.unload_lora_adapter(request))
+            return PlainTextResponse(await lora.unload_lora_adapter(request))
 
     @app.get("/metrics", response_model=None)
     async def metrics() -> Response:
@@ -359,3 +395,19 @@ def create_openai_app(
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
     return app
+
+
+def add_request_guards(
+    app: FastAPI,
+    api_key: str | None,
+    open_paths: Iterable[str] = DEFAULT_OPEN_PATHS,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
+) -> None:
+    """create_openai_app's API key, internal-error and body checks (outermost first) on an
+    app of another shape: the multi-model ingress, which reads a body to choose its model's
+    app (deployments/multi_model.py)."""
+    app.add_middleware(_RequestBodyMiddleware, max_bytes=max_request_body_bytes, timeout_s=request_body_timeout_s)
+    app.add_middleware(_InternalErrorMiddleware)
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))

@@ -257,7 +257,7 @@ class LLMEngine:
         if lora_request is not None:
             self.num_lora_requests[lora_request.lora_name] = self.num_lora_requests.get(lora_request.lora_name, 0) + 1
         if matcher is not None:
-            self.structured.add(seq.seq_id, matcher)
+            self.structured.add(seq.seq_id, matcher, sampling_params.structured_outputs.after_token_id)
             self._constrained[request_id] = group
         self.scheduler.add_group(group)
         self._metrics[request_id] = RequestMetrics(arrival_time=arrival)
@@ -286,6 +286,11 @@ class LLMEngine:
             raise SamplingParamsError(f"logprobs: at most {self.config.max_logprobs} (got {params.logprobs})")
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
+            after = params.structured_outputs.after_token_id
+            if after is not None and after >= vocab:
+                raise SamplingParamsError(
+                    f"structured_outputs.after_token_id: {after} is outside the vocabulary [0, {vocab})"
+                )
         if params.best_of > self.config.max_num_seqs:
             raise SamplingParamsError(
                 f"best_of: {params.best_of} sequences exceed max_num_seqs {self.config.max_num_seqs}"

@@ -430,18 +430,35 @@ class StructuredOutputs:
     compiler: GrammarCompiler
     mask_budget_s: float = MASK_BUDGET_MS / 1e3
     matchers: dict[int, _Matcher] = field(default_factory=dict)
+    # constraints that start after a token (StructuredOutputsParams.after_token_id, the end
+    # of a reasoning model's thinking): seq id -> (that token, the matcher it starts)
+    waiting: dict[int, tuple[int, llguidance.LLMatcher]] = field(default_factory=dict)
     errors: GrammarErrorCounters = field(default_factory=GrammarErrorCounters)
 
-    def add(self, seq_id: int, matcher: llguidance.LLMatcher) -> None:
-        self.matchers[seq_id] = _Matcher(matcher)
+    def add(self, seq_id: int, matcher: llguidance.LLMatcher, after_token_id: int | None = None) -> None:
+        if after_token_id is None:
+            self.matchers[seq_id] = _Matcher(matcher)
+        else:
+            self.waiting[seq_id] = (after_token_id, matcher)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         parent = self.matchers.get(parent_id)
         if parent is not None:
             self.matchers[child_id] = _Matcher(parent.matcher.deep_copy(), parent.mask_s)
+        if parent_id in self.waiting:
+            token_id, matcher = self.waiting[parent_id]
+            self.waiting[child_id] = (token_id, matcher.deep_copy())
 
     def remove(self, seq_id: int) -> None:
         self.matchers.pop(seq_id, None)
+        self.waiting.pop(seq_id, None)
+
+    def _start_after(self, seq_id: int, token_id: int) -> None:
+        """A waiting constraint starts once its token has been generated (no mask until then:
+        only sequences in `matchers` get one)."""
+        waiting = self.waiting.get(seq_id)
+        if waiting is not None and waiting[0] == token_id:
+            self.matchers[seq_id] = _Matcher(self.waiting.pop(seq_id)[1])
 
     def fill(self, seq_ids: list[int]) -> tuple[bytes, dict[int, str]]:
         """The packed bitmasks of these (constrained) sequences, in order ([len(seq_ids),
@@ -479,6 +496,7 @@ class StructuredOutputs:
         that fails is dropped; after an error nothing is complete."""
         state = self.matchers.get(seq_id)
         if state is None:
+            self._start_after(seq_id, token_id)
             return False, None
         matcher = state.matcher
         if not matcher.consume_token(token_id) or matcher.is_error():

@@ -12,7 +12,6 @@ shielded task, so a cancelled HTTP task still gets its aborts through.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -28,16 +27,12 @@ from rayserve_paged.deployments.errors import (
     to_openai_error,
 )
 from rayserve_paged.deployments.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
     ErrorResponse,
-    LoadLoRAAdapterRequest,
+    GenerationRequest,
     ModelCard,
     ModelList,
-    UnloadLoRAAdapterRequest,
     UsageInfo,
-    constraint_field_names,
-    requested_constraint,
+    engine_renames,
     to_sampling_params,
 )
 from rayserve_paged.deployments.serving.logprobs import TokenTexts
@@ -45,7 +40,6 @@ from rayserve_paged.deployments.sse import SSE_DONE, json_value, sse_event
 from rayserve_paged.deployments.tokenizer_pool import TokenizerPool
 from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
 from rayserve_paged.engine.protocol import EngineClient
-from rayserve_paged.engine.tool_calls import ToolCallStream
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +62,12 @@ class ChoiceProgress:
     num_tokens: int = 0
     text_offset: int = 0
     is_started: bool = False
-    held: list[str] = dataclasses.field(default_factory=list)  # tool_choice "required": the calls' text so far
-    tool_stream: ToolCallStream | None = None  # tool_choice "auto": what the parser holds back
-    call_id: str = ""  # a named tool choice's call, streamed as its arguments grow
+    reader: object | None = None  # chat: what reads the choice's reasoning and tool calls as they stream
 
 
-# (prompt index, output, its progress) -> one streamed choice's JSON
-ToChoice = Callable[[int, CompletionOutput, ChoiceProgress], str]
+# (prompt index, output, its progress) -> one streamed choice's JSON, or several (each then
+# goes in an event of its own, in order)
+ToChoice = Callable[[int, CompletionOutput, ChoiceProgress], str | list[str]]
 
 
 class GenerationPipeline:
@@ -126,7 +119,7 @@ class GenerationPipeline:
             logger.warning("tokenization of %s failed: %s", field, type(exc).__name__)
             raise bad_request(f"{field}: the text cannot be tokenized ({type(exc).__name__})", param=field) from None
 
-    async def begin(self, request: CompletionRequest | ChatCompletionRequest) -> tuple[dict, SamplingParams]:
+    async def begin(self, request: GenerationRequest) -> tuple[dict, SamplingParams]:
         """What every generation request checks first: the model it names, then its
         sampling parameters against the model's limits. (info, params)."""
         log_unknown_fields(request)
@@ -135,7 +128,7 @@ class GenerationPipeline:
         return info, sampling_params(request, info)
 
     def reserve(
-        self, admission: Admission | None, request: CompletionRequest | ChatCompletionRequest, num_prompts: int,
+        self, admission: Admission | None, request: GenerationRequest, num_prompts: int,
         params: SamplingParams,
     ) -> None:  # fmt: skip
         """The request's sequences (prompts x best_of) against the replica's limit; an
@@ -226,46 +219,19 @@ class GenerationPipeline:
             code="model_not_found",
         )
 
-    def model_name(self, request: CompletionRequest | ChatCompletionRequest) -> str:
+    def model_name(self, request: GenerationRequest) -> str:
         """The name a response gives (the adapter's, when the request ran on one)."""
         return request.model if request.model is not None else self.served_model_name
 
-    def lora_of(self, request: CompletionRequest | ChatCompletionRequest) -> dict:
+    def lora_of(self, request: GenerationRequest) -> dict:
         """The engine client's keyword for the request's LoRA adapter ({} for the base model)."""
         name = request.model
         return {} if name is None or name == self.served_model_name else {"lora_name": name}
 
-    # ---------------------------------------------------------------- runtime LoRA loading
-
-    async def load_lora_adapter(self, request: LoadLoRAAdapterRequest) -> str:
-        name = request.lora_name
-        if name == self.served_model_name:
-            raise bad_request(f"lora_name: {name!r} is the served model's name", param="lora_name")
-        if name in await self.lora_adapters():
-            raise bad_request(f"lora_name: the LoRA adapter {name!r} has already been loaded", param="lora_name")
-        try:
-            await self.client.load_lora_adapter(name, request.lora_path)
-        except ValueError as exc:
-            from rayserve_paged.models.lora import LoRAError  # torch: not at import (the app imports no torch)
-
-            cause = getattr(exc, "cause", None)  # through Ray: the engine's own exception
-            cause = cause if isinstance(cause, ValueError) else exc
-            param = "lora_path" if isinstance(cause, LoRAError) else "lora_name"
-            raise bad_request(f"{param}: {cause}", param=param) from None
-        return f"Success: LoRA adapter '{name}' added successfully."
-
-    async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest) -> str:
-        name = request.lora_name
-        if name not in await self.lora_adapters() or not await self.client.unload_lora_adapter(name):
-            raise OpenAIError(
-                404, f"lora_name: the LoRA adapter {name!r} cannot be found", param="lora_name", code="model_not_found"
-            )
-        return f"Success: LoRA adapter '{name}' removed successfully."
-
     # ---------------------------------------------------------------- the two answers
 
     async def generate_body(
-        self, request: CompletionRequest | ChatCompletionRequest, prompts: list[Prompt], params: SamplingParams,
+        self, request: GenerationRequest, prompts: list[Prompt], params: SamplingParams,
         request_ids: list[str],
     ) -> list[RequestOutput]:  # fmt: skip
         """The finished results of a non-streamed request; an engine error is the client's
@@ -276,7 +242,7 @@ class GenerationPipeline:
             raise to_openai_error(exc, engine_renames(request)) from exc
 
     async def open_stream(
-        self, request: CompletionRequest | ChatCompletionRequest, prompts: list[Prompt], params: SamplingParams,
+        self, request: GenerationRequest, prompts: list[Prompt], params: SamplingParams,
         request_ids: list[str],
     ) -> tuple[tuple[int, RequestOutput], AsyncIterator[tuple[int, RequestOutput]]]:  # fmt: skip
         """The first output and the rest of a streamed request: the first is awaited before
@@ -295,7 +261,7 @@ class GenerationPipeline:
 
     async def stream_events(
         self,
-        request: CompletionRequest | ChatCompletionRequest,
+        request: GenerationRequest,
         prompts: list[Prompt],
         first: tuple[int, RequestOutput],
         outputs: AsyncIterator[tuple[int, RequestOutput]],
@@ -320,8 +286,12 @@ class GenerationPipeline:
             num_unfinished -= result.finished
             cached[index] = max(cached.get(index, 0), result.num_cached_tokens)
             states = (progress.setdefault(index * request.n + out.index, ChoiceProgress()) for out in result.outputs)
-            choices = [to_choice(index, out, state) for out, state in zip(result.outputs, states)]
-            return chunk(choices, None) if choices else ""
+            rows = [to_choice(index, out, state) for out, state in zip(result.outputs, states)]
+            if all(isinstance(row, str) for row in rows):
+                return chunk(rows, None) if rows else ""
+            rows = [[row] if isinstance(row, str) else row for row in rows]
+            depth = max(len(row) for row in rows)
+            return "".join(chunk([row[k] for row in rows if k < len(row)], None) for k in range(depth))
 
         def end() -> str:
             if not include_usage:
@@ -454,7 +424,7 @@ class GenerationPipeline:
 
 # ---------------------------------------------------------------- request checks
 
-def log_unknown_fields(request: CompletionRequest | ChatCompletionRequest) -> None:
+def log_unknown_fields(request: GenerationRequest) -> None:
     """Unknown fields are ignored, as vLLM's server does; the log says which, in one line
     of bounded length: names are the client's text, so each is escaped (a newline cannot
     forge a log line) and cut, and at most MAX_LOGGED_FIELDS are named."""
@@ -476,30 +446,12 @@ def _loggable(name: str) -> str:
     return escaped
 
 
-def engine_renames(request: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
-    """Engine error field -> the request field the client wrote."""
-    renames = {"prompt_token_ids": "prompt"}
-    if isinstance(request, ChatCompletionRequest):
-        renames = {"prompt_token_ids": "messages", "prompt": "messages", "logprobs": "top_logprobs"}
-    if request.best_of is None:
-        renames["best_of"] = "n"
-    try:
-        _, field = requested_constraint(request)
-    except SamplingParamsError:
-        field = ""
-    if field:
-        renames.update(constraint_field_names(field))
-    elif isinstance(request, ChatCompletionRequest) and request.tool_choice not in (None, "none", "auto"):
-        renames.update(constraint_field_names("tools"))
-    return renames
-
-
-def _width_field(request: CompletionRequest | ChatCompletionRequest) -> str:
+def _width_field(request: GenerationRequest) -> str:
     """The field that set how many sequences each prompt starts."""
     return "best_of" if request.best_of is not None else "n"
 
 
-def sampling_params(request: CompletionRequest | ChatCompletionRequest, info: dict) -> SamplingParams:
+def sampling_params(request: GenerationRequest, info: dict) -> SamplingParams:
     try:
         return to_sampling_params(request, int(info.get("max_logprobs", 0)))
     except SamplingParamsError as exc:
