@@ -136,11 +136,19 @@ class StructuredOutputsRequest(RequestModel):
     regex: str | None = Field(None, description="A regular expression the whole output matches.")
     choice: list[str] | None = Field(None, description="The output is exactly one of these strings.")
     grammar: str | None = Field(None, description="A Lark or GBNF (llama.cpp) grammar.")
+    disable_any_whitespace: bool = Field(
+        False, description="JSON only: no whitespace at all (the default allows one space after ',' and ':')."
+    )
+    disable_additional_properties: bool = Field(
+        False, description="JSON only: objects take only their declared properties (additionalProperties false)."
+    )
 
     def constraint(self) -> dict[str, Any]:
         given = {"json": self.json_, "json_object": self.json_object or None, "regex": self.regex,
                  "choice": self.choice, "grammar": self.grammar}  # fmt: skip
-        return {key: value for key, value in given.items() if value is not None}
+        options = {"disable_any_whitespace": self.disable_any_whitespace,
+                   "disable_additional_properties": self.disable_additional_properties}  # fmt: skip
+        return {key: value for key, value in given.items() if value is not None} | {k: v for k, v in options.items() if v}
 
 
 class GenerationRequest(RequestModel):

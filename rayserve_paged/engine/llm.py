@@ -52,15 +52,17 @@ class LLM:
         loras = list(lora_request) if isinstance(lora_request, Seq) else [lora_request] * len(items)
         if len(loras) != len(items):
             raise ValueError(f"lora_request: {len(loras)} given for {len(items)} prompts")
+        # grammars compiled first (each distinct one once): a bad constraint adds nothing
+        grammars = [self.engine.compile_constraint(p) for p in params]
         order = {}
-        for (text, token_ids), p, lora in zip(items, params, loras):
+        for (text, token_ids), p, lora, grammar in zip(items, params, loras, grammars):
             request_id = f"offline-{next(self._ids)}"
             order[request_id] = len(order)
             if token_ids is None:
                 if not isinstance(text, str):
                     raise ValueError("prompt: give a string or prompt_token_ids")
                 token_ids = self.engine.encode(text)
-            self.engine.add_request(request_id, text, p, prompt_token_ids=token_ids, lora_request=lora)
+            self.engine.add_request(request_id, text, p, prompt_token_ids=token_ids, lora_request=lora, grammar=grammar)
             self.processor.add_request(request_id, text, token_ids, p)
         return self._run(order, use_tqdm)
 

@@ -39,7 +39,7 @@ from rayserve_paged.engine.detokenizer import DecodeState, Detokenizer
 from rayserve_paged.engine.executor import Executor, InProcessExecutor
 from rayserve_paged.engine.output_processor import find_stop
 from rayserve_paged.engine.outputs import RequestMetrics, SequenceDelta, StepOutput
-from rayserve_paged.engine.structured_outputs import GrammarCompiler, StructuredOutputs
+from rayserve_paged.engine.structured_outputs import CompiledGrammar, GrammarCompiler, StructuredOutputs
 from rayserve_paged.models.loader import get_model_config, load_tokenizer, model_skeleton
 from rayserve_paged.models.lora import LoRAError, check_adapter
 from rayserve_paged.models.sampler import SamplerOutput, SeqSample
@@ -114,6 +114,7 @@ class LLMEngine:
         )
         self.structured = StructuredOutputs(self.grammars)
         self._constrained: dict[str, SequenceGroup] = {}  # request id -> its group, while it lives
+        self._mask_errors: dict[int, str] = {}  # this step's rows whose grammar failed at the mask
         self.num_prompt_tokens = 0  # computed prompt tokens (after prefix-cache hits)
         self.num_generation_tokens = 0
         # LoRA adapters by name (core/lora.py: identity); the model's layer shapes (a
@@ -356,15 +357,21 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> None:
         """Queue a request (on `lora_request`'s adapter, registered now if it is new, or on
         the registered adapter of that name); raises RequestError / SamplingParamsError /
-        LoRAError for bad input, UnknownLoRAError for an adapter name not registered."""
+        LoRAError for bad input, UnknownLoRAError for an adapter name not registered.
+
+        A constrained request brings its compiled grammar (`compile_constraint`, called
+        off the step loop); without one only a grammar the cache holds compiled now will
+        do: add_request never compiles and never waits for a compile."""
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise RequestError("prompt: give a string or prompt_token_ids")
             prompt_token_ids = self.encode(prompt)
         self._validate(request_id, prompt_token_ids, sampling_params)
+        matcher = self._request_matcher(sampling_params, grammar)
         if isinstance(lora_request, str):
             lora_request = self.lora_by_name(lora_request)
         elif lora_request is not None:
@@ -374,9 +381,8 @@ class LLMEngine:
         group = SequenceGroup(request_id, [seq], sampling_params, arrival, next(self._arrivals), lora_request)
         if lora_request is not None:
             self.num_lora_requests[lora_request.lora_name] = self.num_lora_requests.get(lora_request.lora_name, 0) + 1
-        if sampling_params.structured_outputs is not None:
-            # waits for the grammar (compiled ahead by prepare_constraint where a caller can)
-            self.structured.add(seq.seq_id, sampling_params.structured_outputs)
+        if matcher is not None:
+            self.structured.add(seq.seq_id, matcher, sampling_params.structured_outputs.after_token_id)
             self._constrained[request_id] = group
         self.scheduler.add_group(group)
         self._metrics[request_id] = RequestMetrics(arrival_time=arrival)
@@ -416,12 +422,34 @@ class LLMEngine:
             )
 
     def prepare_constraint(self, params: SamplingParams):
-        """Start compiling the request's grammar (a future; None without a constraint): a
-        caller off the step loop awaits it before add_request, so the step loop never waits
-        for a compile. Thread-safe."""
+        """Start compiling the request's grammar (a future of its CompiledGrammar; None
+        without a constraint): a caller off the step loop awaits it and hands the result to
+        add_request, so the step loop never waits for a compile. Thread-safe."""
         if params.structured_outputs is None:
             return None
         return self.grammars.submit(params.structured_outputs)
+
+    def compile_constraint(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The request's compiled grammar, waiting for it (at most the compile timeout):
+        for callers that are not the step loop (LLM.generate). Thread-safe."""
+        if not isinstance(params, SamplingParams) or params.structured_outputs is None:
+            return None
+        return self.grammars.compile(params.structured_outputs)
+
+    def _request_matcher(self, params: SamplingParams, grammar: CompiledGrammar | None):
+        """The new request's own matcher (None: unconstrained); fails at once when its
+        grammar is not at hand compiled."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return None
+        if grammar is None:
+            grammar = self.grammars.cached(constraint)
+        if grammar is None:
+            raise SamplingParamsError(
+                f"structured_outputs.{constraint.kind}: the grammar is not compiled (compile it off the "
+                "step loop first: LLMEngine.compile_constraint)"
+            )
+        return grammar.new_matcher()
 
     def abort_request(self, request_id: str) -> bool:
         group = self.scheduler.abort(request_id)
@@ -471,6 +499,7 @@ class LLMEngine:
         if out.is_empty:
             self._retire_unused_loras()
             return results
+        self._mask_errors = {}
         if self._constrained:
             self._fill_bitmasks(out)
         try:
@@ -540,7 +569,8 @@ class LLMEngine:
         return results
 
     def _fill_bitmasks(self, out: SchedulerOutput) -> None:
-        """The token bitmasks of the step's constrained sampled rows, into its message."""
+        """The token bitmasks of the step's constrained sampled rows, into its message; the
+        rows whose grammar fails here end with a grammar error once the step is sampled."""
         msg = out.message
         seq_ids = []
         matchers = self.structured.matchers
@@ -549,7 +579,7 @@ class LLMEngine:
                 seq_ids += [s for s in msg.seq_ids[first_row : first_row + num_rows] if s in matchers]
         if seq_ids:
             msg.bitmask_seq_ids = seq_ids
-            msg.token_bitmasks = self.structured.bitmasks(seq_ids)
+            msg.token_bitmasks, self._mask_errors = self.structured.fill(seq_ids)
 
     def _new_child(self, group: SequenceGroup, parent: Sequence, with_blocks: bool = True) -> Sequence:
         child = parent.fork(next(self._seq_ids))
@@ -570,15 +600,30 @@ class LLMEngine:
             picks = list(range(len(sample.token_ids)))
             # first step of best_of > 1: one draw per sequence; the parent forks the others
             children = [self._new_child(group, seq) for _ in picks[1:]] if is_first_step else []
+            mask_error = self._mask_errors.get(seq.seq_id)
             for target, i in zip([seq, *children], picks):
+                if mask_error is not None:  # sampled without its grammar: the token is dropped
+                    self._end_with_grammar_error(target, params, mask_error)
+                    continue
                 target.append_token(sample.token_ids[i], sample.logprobs[i])
                 if sample.top_logprobs is not None:
                     target.output_logprobs.append(sample.top_logprobs[i])
-                is_complete = is_constrained and self.structured.accept(target.seq_id, sample.token_ids[i])
+                is_complete, error = (
+                    self.structured.accept(target.seq_id, sample.token_ids[i]) if is_constrained else (False, None)
+                )
                 self._check_stop(target, params)
-                if is_complete and target.status is not SequenceStatus.FINISHED_STOPPED:
+                if error is not None:
+                    self._end_with_grammar_error(target, params, error)
+                elif is_complete and target.status is not SequenceStatus.FINISHED_STOPPED:
                     # the grammar is complete (only EOS may follow): the output is whole
                     self._finish(target, SequenceStatus.FINISHED_STOPPED, None)
+
+    def _end_with_grammar_error(self, seq: Sequence, params: SamplingParams, error: str) -> None:
+        """A grammar that cannot go on ends the sequence visibly (finish_reason "abort",
+        stop_reason the error), never as a stop; a grammar that failed leaves the cache."""
+        self._finish(seq, SequenceStatus.FINISHED_ABORTED, error)
+        self.structured.remove(seq.seq_id)
+        self.grammars.discard(params.structured_outputs)
 
     def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
         """Stop tokens, EOS and lengths; stop strings are the output processor's."""

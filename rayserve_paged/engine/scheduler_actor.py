@@ -28,9 +28,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from rayserve_paged.config import EngineConfig
-from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
+from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.engine.frontend import EngineUnavailable
 from rayserve_paged.engine.llm_engine import LLMEngine
+from rayserve_paged.engine.structured_outputs import CompiledGrammar
 from rayserve_paged.models.loader import release_freed_memory
 from rayserve_paged.telemetry import ReplicaTelemetry, TelemetryConfig
 
@@ -108,9 +109,9 @@ class SchedulerActor:
         self._attach_loop()
         if self._error is not None:
             raise EngineUnavailable(f"the engine failed: {self._error!r}")
-        await self._wait_for_grammar(params)
+        grammar = await self._wait_for_grammar(params)
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("add", (request_id, prompt, params, prompt_token_ids, None, lora_name), done))
+        self._submit(("add", (request_id, prompt, params, prompt_token_ids, None, lora_name, grammar), done))
         await asyncio.wrap_future(done)
 
     async def load_lora(self, name: str, path: str) -> dict:
@@ -141,27 +142,30 @@ class SchedulerActor:
         self._submit(("call", fn, done))
         return await asyncio.wrap_future(done)
 
-    async def _wait_for_grammar(self, params: SamplingParams) -> None:
+    async def _wait_for_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
         """A constrained request waits here, off the step loop, until its grammar is
-        compiled (or the compile fails or runs past the limit: the caller's error)."""
+        compiled (or the compile fails or runs past the limit: the caller's error, and the
+        compile is abandoned); the compiled grammar travels with the request into the step
+        thread, which never compiles (a cache eviction meanwhile changes nothing)."""
         if not isinstance(params, SamplingParams):
-            return  # the engine names the problem
+            return None  # the engine names the problem
         if params.structured_outputs is not None and not self.engine.grammars.tokenizer_ready:
             # the first grammar loads the tokenizer: a one-time cost, not the grammar's, so
             # outside the compile limit (and off the event loop)
             await asyncio.get_running_loop().run_in_executor(None, self.engine.grammars.ll_tokenizer)
         compiled = self.engine.prepare_constraint(params)
         if compiled is None:
-            return
-        timeout = self.engine.grammars.timeout_s
+            return None
+        grammars = self.engine.grammars
         # asyncio.wait, not wait_for: a caller that goes away must not cancel the shared compile
         waiter = asyncio.wrap_future(compiled)
-        waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # the engine reports it
-        await asyncio.wait({waiter}, timeout=timeout)
+        waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # raised below
+        await asyncio.wait({waiter}, timeout=grammars.timeout_s)
         if not compiled.done():
-            raise SamplingParamsError(
-                f"structured_outputs.{params.structured_outputs.kind}: compiling took longer than {timeout:g} s"
-            )
+            raise grammars.give_up(params.structured_outputs, compiled)
+        if compiled.cancelled():  # abandoned by another waiter's timeout while queued
+            raise grammars.give_up(params.structured_outputs, compiled)
+        return compiled.result()  # a compile error is the caller's, raised here
 
     async def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id, None))

@@ -312,7 +312,11 @@ class Worker:
 
     # ------------------------------------------------------------------ the step
 
-    def execute(self, msg: StepMessage) -> SamplerOutput | None:
+    def execute(self, msg: StepMessage, token_bitmasks: bytes | None = None) -> SamplerOutput | None:
+        """One step. At TP > 1 the token bitmasks come apart, to rank 0 only (the rank
+        that samples): `token_bitmasks`, put back into the message here."""
+        if token_bitmasks is not None:
+            msg.token_bitmasks = token_bitmasks
         start = time.perf_counter()
         try:
             return self._execute(msg)
