@@ -401,13 +401,20 @@ def build_app(args: AppArgs | dict):
     return llm.bind(engine.model_dump(), http=http, **server_kwargs)
 
 
+SENT_GENERATION_MIN_S = 5.0
+
+
 def router_config_of(args: AppArgs) -> dict[str, Any]:
     """LLMServer's request_router_config under routing: prefix."""
     from rayserve_paged.deployments.routing import ROUTER_PATH
 
     return {
         "request_router_class": ROUTER_PATH,
-        "request_router_kwargs": {"imbalance_threshold": args.routing_imbalance_threshold},
+        "request_router_kwargs": {
+            "imbalance_threshold": args.routing_imbalance_threshold,
+            # a sent key lives two generations: past the next report even when one is late
+            "sent_generation_s": max(SENT_GENERATION_MIN_S, 4 * args.routing_stats_period_s),
+        },
         "request_routing_stats_period_s": args.routing_stats_period_s,
         "request_routing_stats_timeout_s": max(5.0, 2 * args.routing_stats_period_s),
     }

@@ -265,7 +265,8 @@ class RoutedLLMServer(LLMServer):
         keys, adapters = await asyncio.gather(
             self.actor.prefix_cache_keys.remote(), self.actor.resident_lora_ids.remote()
         )
-        return {PREFIX_KEYS_STAT: keys, ADAPTERS_STAT: adapters}
+        # a frozenset: the routers take it over as it arrives, without building one per report
+        return {PREFIX_KEYS_STAT: frozenset(keys), ADAPTERS_STAT: adapters}
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
