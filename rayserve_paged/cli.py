@@ -27,6 +27,7 @@ BENCHMARKS = {
     "structured-outputs": "benchmarks.structured_outputs",
     "quantized": "benchmarks.quantized",
     "lora": "benchmarks.lora",
+    "load": "benchmarks.load",
 }
 
 DEMO_QUESTIONS = [
