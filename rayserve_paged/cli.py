@@ -28,6 +28,7 @@ BENCHMARKS = {
     "quantized": "benchmarks.quantized",
     "lora": "benchmarks.lora",
     "load": "benchmarks.load",
+    "priority": "benchmarks.priority",
 }
 
 DEMO_QUESTIONS = [
