@@ -29,6 +29,7 @@ BENCHMARKS = {
     "lora": "benchmarks.lora",
     "load": "benchmarks.load",
     "priority": "benchmarks.priority",
+    "routing-cost": "benchmarks.routing_cost",
 }
 
 DEMO_QUESTIONS = [
