@@ -226,3 +226,26 @@ async def test_a_flood_of_large_tokenize_bodies_leaves_completions_served(engine
         # a completion prompt surely past the context is refused before it is tokenized
         response = await http.post("/v1/completions", json={**OK, "prompt": "word " * 50_000})
         assert_openai_error(response, 400, "prompt", "characters")
+
+
+def test_the_tenant_keys_file_maps_keys_to_limits_and_cannot_fail_open(tmp_path, caplog):
+    import json
+    import logging
+
+    from rayserve_paged.deployments.access import API_KEY_ENV, API_KEYS_FILE_ENV, replica_api_keys
+
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"sk-batch": {"min_priority": 10}, " sk-ops ": {"min_priority": None}, "sk-x": {}}))
+    caplog.set_level(logging.WARNING, logger="rayserve_paged.deployments.access")
+    keys = replica_api_keys(True, {API_KEYS_FILE_ENV: str(path)})  # the file alone satisfies require_api_key
+    assert keys == {"sk-batch": 10, "sk-ops": None, "sk-x": None} and caplog.records == []
+    assert replica_api_keys(False, {API_KEYS_FILE_ENV: str(path), API_KEY_ENV: "sk-root"})["sk-root"] is None
+    assert replica_api_keys(False, {}) == {} and "every route is open" in caplog.records[-1].getMessage()
+    for bad in ("[]", "{}", "not json", json.dumps({"k": {"min_priority": "0"}}), json.dumps({"k": {"min_priority": True}}),
+                json.dumps({" ": {}}), json.dumps({"k": 3})):  # fmt: skip
+        path.write_text(bad)
+        with pytest.raises(RuntimeError, match=API_KEYS_FILE_ENV) as refused:
+            replica_api_keys(False, {API_KEYS_FILE_ENV: str(path)})
+        assert "sk-" not in str(refused.value)
+    with pytest.raises(RuntimeError, match="cannot read"):
+        replica_api_keys(False, {API_KEYS_FILE_ENV: str(tmp_path / "missing.json")})
