@@ -88,9 +88,13 @@ async def run(args, url: str) -> dict:
             rng = random.Random(args.seed)
             tasks = []
             deadline = start + args.duration_s
-            while time.perf_counter() < deadline:
-                tasks.append(asyncio.ensure_future(_one(client, path, body, results)))
-                await asyncio.sleep(rng.expovariate(args.rate))
+            due = start  # arrivals on the clock: a late wake-up sends every request already due
+            while due < deadline:
+                now = time.perf_counter()
+                while due <= now and due < deadline:
+                    tasks.append(asyncio.ensure_future(_one(client, path, body, results)))
+                    due += rng.expovariate(args.rate)
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
             await asyncio.gather(*tasks)
         wall_s = time.perf_counter() - start
         after: list = []
