@@ -195,8 +195,9 @@ class AppArgs(EngineConfig):
     request_body_timeout_s: float = Field(
         30.0,
         gt=0,
-        description="A request whose body has not fully arrived this long after the request did is answered "
-        "408 and its admission slot freed (a client that sends half a body and stalls holds nothing).",
+        description="A request whose body's reads have waited this long in all without its last byte is "
+        "answered 408 and its admission slot freed (a client that sends half a body and stalls holds nothing); "
+        "time the replica takes before reading the body does not count.",
     )
     enable_prompt_tokens_details: bool = Field(
         False,

@@ -162,9 +162,12 @@ class _RequestBodyMiddleware:
     Size: over `max_bytes` is a 413; a declared Content-Length is checked before a byte is
     read, and the bytes received are counted as they arrive (a chunked body, or one longer
     than declared), so at most max_bytes + one chunk are held.
-    Time: a body not received in full within `timeout_s` of the request's arrival is a 408,
-    and the request ends (its admission slot comes back). Once the body is complete, the
-    connection is read without a deadline (a stream waits for the client leaving)."""
+    Time: a body whose reads have waited `timeout_s` in all without its last byte is a 408,
+    and the request ends (its admission slot comes back). Only the time spent waiting for
+    the body counts, not the time this replica took before asking for it: an overloaded
+    replica that reaches a request late does not blame its client, and a client that stalls
+    (or trickles) still runs out of time. Once the body is complete, the connection is read
+    without a deadline (a stream waits for the client leaving)."""
 
     def __init__(self, app, max_bytes: int, timeout_s: float) -> None:
         self.app = app
@@ -184,16 +187,19 @@ class _RequestBodyMiddleware:
             REQUEST_BYTES.set(int(declared))  # what its tokenizer jobs weigh
         num_received = 0
         is_complete = False
-        deadline = time.monotonic() + self.timeout_s
+        waited_s = 0.0  # in receive(), for the body
 
         async def bounded_receive():
-            nonlocal num_received, is_complete
+            nonlocal num_received, is_complete, waited_s
             if is_complete:
                 return await receive()
+            started = time.monotonic()
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                message = await asyncio.wait_for(receive(), max(0.0, self.timeout_s - waited_s))
             except TimeoutError:
                 raise RequestBodyTimeout(self.timeout_s) from None
+            finally:
+                waited_s += time.monotonic() - started
             if message["type"] == "http.request":
                 num_received += len(message.get("body", b""))
                 if num_received > self.max_bytes:

@@ -249,3 +249,23 @@ def test_the_tenant_keys_file_maps_keys_to_limits_and_cannot_fail_open(tmp_path,
         assert "sk-" not in str(refused.value)
     with pytest.raises(RuntimeError, match="cannot read"):
         replica_api_keys(False, {API_KEYS_FILE_ENV: str(tmp_path / "missing.json")})
+
+
+async def test_a_replica_that_reads_a_body_late_does_not_answer_408():
+    """Under overload a replica may reach a request's body long after it arrived; only the
+    time spent waiting for the body counts against request_body_timeout_s."""
+    from rayserve_paged.deployments.openai_ingress import _RequestBodyMiddleware
+    from tests.deployments.test_disconnect import _scope
+
+    got = []
+
+    async def late_reader(scope, receive, send):
+        await asyncio.sleep(0.5)  # busy elsewhere: past the 0.2 s of the timeout
+        got.append(await receive())
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    app = _RequestBodyMiddleware(late_reader, max_bytes=100, timeout_s=0.2)
+    await app(_scope(b"{}"), receive, lambda message: asyncio.sleep(0))
+    assert got == [{"type": "http.request", "body": b"{}", "more_body": False}]
