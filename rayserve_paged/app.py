@@ -113,13 +113,20 @@ class AppArgs(EngineConfig):
         "logging_config, request_router_config), passed through and validated by Serve.",
     )
     num_replicas: int = Field(1, ge=1, description="Fixed LLMServer replicas when autoscaling_config is unset.")
-    max_ongoing_requests: int = Field(256, ge=1, description="Requests in flight per LLMServer replica.")
+    max_ongoing_requests: int = Field(
+        2048,
+        ge=1,
+        description="Requests Serve sends each LLMServer replica at once (Serve's option). Keep it >= "
+        "max_pending_requests, so that this replica's admission, not Serve, decides what waits and what is shed.",
+    )
     max_queued_requests: int = Field(
         -1,
         ge=-1,
         description=(
-            "Requests each caller (ingress replica) queues for LLMServer beyond max_ongoing_requests; "
-            "more are answered 503 + Retry-After (Serve's BackPressureError). -1 = no limit."
+            "Requests each caller (Serve's proxy, or an ingress replica) queues for LLMServer beyond "
+            "max_ongoing_requests. -1 (the default, and the shipped configs'): no limit, so Serve never answers "
+            "first; >= 0: past it Serve's proxy answers its own 503 (a text body, no Retry-After) under "
+            "routing: load, and routing: prefix's ingress turns Serve's refusal into the OpenAI 503 + Retry-After."
         ),
     )
     ray_actor_options: dict[str, Any] = Field(
@@ -177,16 +184,31 @@ class AppArgs(EngineConfig):
         1024, ge=1, description="routing: prefix: requests in flight per OpenAIIngress replica (ignored with `load`)."
     )
     max_pending_requests: int = Field(
-        256,
+        2048,
         ge=1,
         description=(
-            "Completion, chat, /tokenize and /detokenize requests in flight per LLMServer replica; more are "
-            "answered 503 + Retry-After at once. "
+            "Completion, chat, /tokenize and /detokenize requests in flight per LLMServer replica (a memory "
+            "bound, before a body is read); more are answered 503 + Retry-After at once. "
             "Keep it <= max_ongoing_requests, or Serve queues the excess before it gets here."
         ),
     )
+    max_queue_wait_s: float = Field(
+        300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="A tokenized completion or chat request is queued unless this replica estimates it would "
+        "wait longer than this (the work ahead of it, at least as urgent under scheduling_policy: priority, "
+        "over the work per second the replica has been measured to drain); then it is answered 503 + "
+        "Retry-After (the excess of the estimate) at once. Nothing is shed by time before the first measurement.",
+    )
+    max_queued_prompt_tokens: int = Field(
+        1 << 20,
+        ge=1,
+        description="Prompt tokens of the requests in flight per LLMServer replica; one that would pass it is "
+        "answered 503 + Retry-After (a request finding none queued always goes).",
+    )
     max_pending_sequences: int = Field(
-        1024,
+        4096,
         ge=1,
         description=(
             "Sequences in flight per LLMServer replica: each admitted completion or chat request takes "
@@ -195,17 +217,19 @@ class AppArgs(EngineConfig):
             "budget, 400."
         ),
     )
-    max_tokenizer_queue: int = Field(
-        64,
+    max_tokenizer_queue_bytes: int = Field(
+        8 << 20,
         ge=1,
-        description="Tokenizer jobs (prompts, chat templates, /tokenize, /detokenize) queued or running per "
-        "LLMServer replica; one more is answered 503 + Retry-After.",
+        description="Bytes of request bodies whose tokenizer jobs (prompts, chat templates, /tokenize, "
+        "/detokenize) are queued or running per LLMServer replica; a job that would pass it is answered 503 + "
+        "Retry-After (one finding the queue empty always runs).",
     )
     request_body_timeout_s: float = Field(
         30.0,
         gt=0,
-        description="A request whose body has not fully arrived this long after the request did is answered "
-        "408 and its admission slot freed (a client that sends half a body and stalls holds nothing).",
+        description="A request whose body's reads have waited this long in all without its last byte is "
+        "answered 408 and its admission slot freed (a client that sends half a body and stalls holds nothing); "
+        "time the replica takes before reading the body does not count.",
     )
     enable_prompt_tokens_details: bool = Field(
         False,
@@ -377,7 +401,10 @@ def http_options_of(args: AppArgs) -> dict[str, Any]:
         "max_request_body_bytes": args.max_request_body_bytes,
         "max_pending_requests": args.max_pending_requests,
         "max_pending_sequences": args.max_pending_sequences,
-        "max_tokenizer_queue": args.max_tokenizer_queue,
+        "max_tokenizer_queue_bytes": args.max_tokenizer_queue_bytes,
+        "max_queue_wait_s": args.max_queue_wait_s,
+        "max_queued_prompt_tokens": args.max_queued_prompt_tokens,
+        "scheduling_policy": args.scheduling_policy,
         "request_body_timeout_s": args.request_body_timeout_s,
         "open_paths": tuple(args.unauthenticated_paths),
         "require_api_key": args.require_api_key,
@@ -441,13 +468,20 @@ def build_app(args: AppArgs | dict):
     return llm.bind(engine.model_dump(), http=http, **server_kwargs)
 
 
+SENT_GENERATION_MIN_S = 5.0
+
+
 def router_config_of(args: AppArgs) -> dict[str, Any]:
     """LLMServer's request_router_config under routing: prefix."""
     from rayserve_paged.deployments.routing import ROUTER_PATH
 
     return {
         "request_router_class": ROUTER_PATH,
-        "request_router_kwargs": {"imbalance_threshold": args.routing_imbalance_threshold},
+        "request_router_kwargs": {
+            "imbalance_threshold": args.routing_imbalance_threshold,
+            # a sent key lives two generations: past the next report even when one is late
+            "sent_generation_s": max(SENT_GENERATION_MIN_S, 4 * args.routing_stats_period_s),
+        },
         "request_routing_stats_period_s": args.routing_stats_period_s,
         "request_routing_stats_timeout_s": max(5.0, 2 * args.routing_stats_period_s),
     }

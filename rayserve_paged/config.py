@@ -50,6 +50,12 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
     watermark: float = Field(0.01, ge=0, lt=1, description="Share of KV blocks kept free at admission.")
     max_num_seqs: int = Field(256, ge=1, description="Most sequences in one step.")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="fcfs: requests are admitted in arrival order and the latest is preempted first; priority: "
+        "by each request's `priority` (lower is more urgent), then arrival: the most urgent is admitted first "
+        "and the least urgent, latest is preempted first (vLLM's --scheduling-policy).",
+    )
     max_num_batched_tokens: int | None = Field(
         None,
         ge=1,

@@ -69,6 +69,8 @@ class SamplingParamsError(ValueError):
     """Invalid sampling parameters; the message names the field."""
 
 
+MAX_PRIORITY = 2**31 - 1  # |priority| at most this (a bounded key; vLLM takes any int)
+
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # vLLM's options of a JSON constraint (its StructuredOutputsParams fields)
 STRUCTURED_OUTPUT_OPTIONS = ("disable_any_whitespace", "disable_additional_properties")
@@ -247,6 +249,9 @@ class SamplingParams:
     cache_salt: str | None = None
     # a constraint on the output (JSON schema, regex, choice, grammar); None: free text
     structured_outputs: StructuredOutputsParams | None = None
+    # under scheduling_policy "priority": lower is more urgent (admitted first, preempted
+    # last); ignored under "fcfs" (vLLM's `priority`)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.best_of is None:
@@ -300,6 +305,8 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise bad("cache_salt", "must be a non-empty string")
+        if not _is_int(self.priority) or not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise bad("priority", f"must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if not _is_finite(self.length_penalty) or not -10 <= self.length_penalty <= 10:

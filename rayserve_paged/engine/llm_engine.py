@@ -92,6 +92,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
+                policy=config.scheduling_policy,
                 max_num_batched_tokens=config.resolved_max_num_batched_tokens(self.max_model_len),
                 max_model_len=self.max_model_len,
                 preemption_mode=config.preemption_mode,

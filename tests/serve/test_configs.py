@@ -170,14 +170,17 @@ def test_serve_llm_two_models_fits_two_cpus_with_every_replica_and_the_ingress()
 
 
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.name)
-def test_every_config_bounds_the_proxy_queue_and_the_request_time(path):
-    """Past max_ongoing_requests Serve's proxy queues a bounded number (then answers 503),
-    and no request holds the proxy longer than request_timeout_s (then 408)."""
+def test_every_config_lets_the_app_decide_what_waits_and_bounds_the_request_time(path):
+    """Serve never answers first: its proxy's queue is unbounded (max_queued_requests -1, so
+    no text 503 without Retry-After) and a replica takes every request the app's admission
+    may admit (max_ongoing_requests >= max_pending_requests), which queues and sheds by time;
+    a request shed by time is answered before the proxy's request_timeout_s (then 408)."""
     from ray.serve.schema import HTTPOptionsSchema
 
     config = yaml.safe_load(path.read_text())
     http = HTTPOptionsSchema.model_validate(config["http_options"])
     assert http.request_timeout_s is not None and 60 <= http.request_timeout_s <= 3600
     for args in _models(path):
-        assert 1 <= args.max_queued_requests <= args.max_ongoing_requests
-        assert llm_server_options(args)["max_queued_requests"] == args.max_queued_requests
+        assert args.max_queued_requests == -1 and args.max_pending_requests <= args.max_ongoing_requests
+        assert llm_server_options(args)["max_queued_requests"] == -1
+        assert args.max_queue_wait_s < http.request_timeout_s
