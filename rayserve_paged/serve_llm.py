@@ -117,7 +117,7 @@ ENGINE_KWARGS: dict[str, EngineArg] = {
     ),
     "guided_decoding_backend": EngineArg(None, "auto or guidance (llguidance)", _structured_outputs_backend),
     "served_model_name": EngineArg(None, "must equal model_loading_config.model_id (the served name)"),
-    "scheduling_policy": EngineArg(None, "fcfs (the scheduler's order)", _only("fcfs")),
+    "scheduling_policy": EngineArg("scheduling_policy", "fcfs or priority (per-request `priority`, lower first)"),
     "pipeline_parallel_size": EngineArg(None, "1 (tensor parallelism only)", _only(1)),
     "data_parallel_size": EngineArg(None, "1 (replicas are Serve's: deployment_config)", _only(1)),
     "distributed_executor_backend": EngineArg(None, "ray (worker actors in the replica's placement group)", _only("ray")),
@@ -152,7 +152,8 @@ LLM_CONFIG_FIELDS: dict[str, str] = {
     "max_ongoing_requests, max_queued_requests, ray_actor_options, graceful_shutdown_*; any other "
     "serve.deployment option is passed to Serve; `name` names the deployment",
     "lora_config.dynamic_lora_loading_path": "a local directory: each subdirectory holding adapter_config.json "
-    "is registered at start-up as `<model_id>:<subdirectory>` (lora_modules); no cloud storage",
+    "is registered at start-up as `<model_id>:<subdirectory>` (lora_modules) and is the load root of runtime "
+    "loads (lora_modules_root); no cloud storage",
     "lora_config.max_num_adapters_per_replica": "max_cpu_loras (adapters held per replica) and, unless "
     "engine_kwargs sets max_loras, max_loras (device slots)",
     "accelerator_type": "device cuda, and Ray's `accelerator_type:<type>` resource (0.001) in each GPU bundle",
@@ -200,9 +201,6 @@ DEPLOYMENT_FIELDS = frozenset(
     }
 )
 
-LORA_ROOT_FIELD = "lora_modules_root"  # the load root of runtime adapter loads, where AppArgs has one
-# options this version may lack that take vLLM's names when they exist (AppArgs validates them)
-OPTIONAL_FIELDS = frozenset({"scheduling_policy", LORA_ROOT_FIELD})
 CLOUD_PREFIXES = ("s3://", "gs://", "abfss://", "azure://", "pyarrow-")
 
 
@@ -355,9 +353,6 @@ def _engine_kwargs(spec: ModelSpec, engine_kwargs: dict[str, Any], own_fields: f
     for key, value in engine_kwargs.items():
         source = f"engine_kwargs.{key}"
         arg = ENGINE_KWARGS.get(key)
-        if key in OPTIONAL_FIELDS & own_fields:  # vLLM's option exists here under its name: AppArgs checks it
-            _set(spec, key, value, source)
-            continue
         if arg is None:
             if key in UNSUPPORTED_ENGINE_KWARGS:
                 raise LLMConfigError(f"{spec.where}.{source}: not supported here: {UNSUPPORTED_ENGINE_KWARGS[key]}")
@@ -444,8 +439,7 @@ def _lora_config(spec: ModelSpec, lora: Any, engine_kwargs: dict[str, Any], own_
     path = lora.pop("dynamic_lora_loading_path", None)
     if path is not None:
         _set(spec, "lora_modules", _adapters_under(spec.where, spec.model_id, path), "lora_config.dynamic_lora_loading_path")
-        if LORA_ROOT_FIELD in own_fields:
-            _set(spec, LORA_ROOT_FIELD, path, "lora_config.dynamic_lora_loading_path")
+        _set(spec, "lora_modules_root", path, "lora_config.dynamic_lora_loading_path")  # runtime loads too
     for key in sorted(lora):
         if key in ("download_timeout_s", "max_download_tries"):
             raise LLMConfigError(f"{spec.where}.lora_config.{key}: adapters are read from a local directory; nothing is downloaded")

@@ -222,12 +222,12 @@ ENGINE_VALUES = {
     "seed": (None, 0), "enforce_eager": (True, True), "max_logprobs": (5, 5), "trust_remote_code": (True, True),
     "tokenizer": ("/tmp/tok", "/tmp/tok"), "device": ("cpu", "cpu"), "enable_lora": (True, True),
     "max_loras": (3, 3), "max_lora_rank": (32, 32), "max_cpu_loras": (4, 4), "tool_call_parser": ("hermes", "hermes"),
-    "reasoning_parser": ("qwen3", "qwen3"),
+    "reasoning_parser": ("qwen3", "qwen3"), "scheduling_policy": ("priority", "priority"),
     "chat_template": ("{{ messages[0]['content'] }}", "{{ messages[0]['content'] }}"),
 }  # fmt: skip
 CHECKED = {
     "enable_auto_tool_choice": True, "structured_outputs_config": {"backend": "guidance"},
-    "guided_decoding_backend": "auto", "served_model_name": "m", "scheduling_policy": "fcfs",
+    "guided_decoding_backend": "auto", "served_model_name": "m",
     "pipeline_parallel_size": 1, "data_parallel_size": 1, "distributed_executor_backend": "ray",
 }  # fmt: skip
 
@@ -269,8 +269,7 @@ def test_each_checked_vllm_name_is_accepted_at_what_it_means_here(name):
         ({"no_such_arg": 1}, ["engine_kwargs.no_such_arg", "not an engine option here"]),
         ({"structured_outputs_config": {"backend": "xgrammar"}}, ["structured_outputs_config", "llguidance"]),
         ({"guided_decoding_backend": "outlines"}, ["guided_decoding_backend", "llguidance"]),
-        pytest.param({"scheduling_policy": "priority"}, ["scheduling_policy", "fcfs"], marks=pytest.mark.skipif(
-            "scheduling_policy" in AppArgs.model_fields, reason="AppArgs has vLLM's scheduling_policy")),  # fmt: skip
+        ({"scheduling_policy": "lottery"}, ["scheduling_policy"]),
         ({"pipeline_parallel_size": 2}, ["pipeline_parallel_size", "only 1"]),
         ({"served_model_name": "other"}, ["served_model_name", "model_id"]),
         ({"enable_auto_tool_choice": True}, ["enable_auto_tool_choice", "needs tool_call_parser"]),
@@ -403,7 +402,7 @@ def test_routing_prefix_applies_per_model(monkeypatch):
     assert chat["cls"].__name__ == "RoutedLLMServer" and base["cls"].__name__ == "ModelServer"
     router = chat["options"]["request_router_config"]
     assert router["request_router_class"].endswith("PrefixAffinityRouter")
-    assert router["request_router_kwargs"] == {"imbalance_threshold": 3}
+    assert router["request_router_kwargs"]["imbalance_threshold"] == 3
     assert "request_router_config" not in base["options"]
     # one model under prefix routing is served through the ingress too (the router needs it)
     assert set(_recorded(monkeypatch, {"llm_configs": models[:1]})) == {"LLMServer:chat", "OpenAIIngress"}
@@ -422,17 +421,17 @@ def test_chat_template_is_read_when_the_app_is_built(tmp_path):
         http_options_of(AppArgs(model="tiny-opt", chat_template=str(tmp_path / "missing.jinja")))
 
 
-def test_options_this_version_lacks_take_vllms_names_once_they_exist(tmp_path):
-    """scheduling_policy and the LoRA load root are not AppArgs fields in this version: the
-    first is refused past fcfs (above), the second not set. Where AppArgs has them, the
-    vLLM / Ray Serve LLM values go to them as given (AppArgs validates)."""
+def test_the_lora_root_and_the_scheduling_policy_take_vllms_values(tmp_path):
+    """dynamic_lora_loading_path registers its adapters at start-up and is the load root of
+    runtime loads; scheduling_policy priority reaches the engine's option."""
     root = _adapter_dir(tmp_path / "loras", "a")
     entry = {"model_loading_config": {"model_id": "m", "model_source": "tiny-llama"},
              "engine_kwargs": {"scheduling_policy": "priority"},
              "lora_config": {"dynamic_lora_loading_path": str(root)}}  # fmt: skip
-    (spec,) = translate({"llm_configs": [entry]}, OWN | {"scheduling_policy", "lora_modules_root"}).models
-    assert spec.args["scheduling_policy"] == "priority" and spec.args["lora_modules_root"] == str(root)
-    entry["engine_kwargs"] = {}
     (spec,) = translate({"llm_configs": [entry]}, OWN).models
-    assert ("lora_modules_root" in spec.args) == ("lora_modules_root" in OWN)
-    assert spec.args["lora_modules"] == {"m:a": str(root / "a")}  # registered at start-up either way
+    assert spec.args["scheduling_policy"] == "priority" and spec.args["lora_modules_root"] == str(root)
+    assert spec.args["lora_modules"] == {"m:a": str(root / "a")}
+    args = AppArgs(**spec.args)
+    assert args.scheduling_policy == "priority" and args.lora_modules_root == [str(root)]
+
+
