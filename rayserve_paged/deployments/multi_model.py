@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from rayserve_paged.deployments.access import replica_api_key
+from rayserve_paged.deployments.access import replica_api_keys
 from rayserve_paged.deployments.errors import OpenAIError, bad_request, engine_unavailable
 from rayserve_paged.deployments.fleet_metrics import METRICS_CACHE_S, FleetMetricsCache
 from rayserve_paged.deployments.ingress import FleetReadiness, RoutedEngineClient
@@ -170,7 +170,7 @@ def model_field(body: bytes):
 
 def create_multi_model_app(
     models: Mapping[str, ServedModel],
-    api_key: str | None = None,
+    api_key: str | dict[str, int | None] | None = None,
     *,
     open_paths=None,
     max_request_body_bytes: int | None = None,
@@ -238,7 +238,7 @@ class MultiModelIngress:
         context = serve.get_replica_context()
         metrics = FleetMetricsCache(context.app_name, metrics_cache_s)  # one scrape covers every model
         first = dict(models[0]["http"])
-        self._api_key = replica_api_key(first.get("require_api_key", False))
+        self._api_key = replica_api_keys(first.get("require_api_key", False))  # each with its priority limit
         self._guards = {k: first[k] for k in ("open_paths", "max_request_body_bytes", "request_body_timeout_s")}
         self._models = []
         for model in models:

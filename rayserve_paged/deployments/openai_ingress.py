@@ -424,15 +424,20 @@ def create_openai_app(
     app.add_middleware(_RequestBodyMiddleware, max_bytes=max_request_body_bytes, timeout_s=request_body_timeout_s)
     app.add_middleware(_InternalErrorMiddleware)
     app.add_middleware(_AdmissionMiddleware, limit=admission)
+    _add_api_key_check(app, api_key, open_paths)
+    return app
+
+
+def _add_api_key_check(app: FastAPI, api_key: str | dict[str, int | None] | None, open_paths: Iterable[str]) -> None:
+    """The API-key middleware for a key, or for {key: min_priority} (none: every route open)."""
     keys = ({api_key: None} if api_key else {}) if isinstance(api_key, str) else dict(api_key or {})
     if keys:
         app.add_middleware(_APIKeyMiddleware, keys=keys, open_paths=frozenset(open_paths))
-    return app
 
 
 def add_request_guards(
     app: FastAPI,
-    api_key: str | None,
+    api_key: str | dict[str, int | None] | None,
     open_paths: Iterable[str] = DEFAULT_OPEN_PATHS,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
@@ -442,5 +447,4 @@ def add_request_guards(
     app (deployments/multi_model.py)."""
     app.add_middleware(_RequestBodyMiddleware, max_bytes=max_request_body_bytes, timeout_s=request_body_timeout_s)
     app.add_middleware(_InternalErrorMiddleware)
-    if api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
+    _add_api_key_check(app, api_key, open_paths)
