@@ -4,6 +4,7 @@ import contextlib
 import json
 
 import httpx
+import openai
 import pytest
 
 from rayserve_paged.app import AppArgs, build_app
@@ -78,21 +79,41 @@ def app(engine_client, engine):
 
 
 @pytest.fixture
-async def http(app):
-    async with asgi_client(app) as client:
-        yield client
-
-
-@pytest.fixture
 def hermes_app(engine_client, engine):
     """The app of a deployment that reads tool_choice "auto" calls with the hermes parser."""
     return create_openai_app(engine_client, engine.tokenizer, MODEL, tool_call_parser="hermes")
 
 
 @pytest.fixture
+async def http(app):
+    async with asgi_client(app) as client:
+        yield client
+
+
+@pytest.fixture
 async def hermes_http(hermes_app):
     async with asgi_client(hermes_app) as client:
         yield client
+
+
+def openai_client(app) -> openai.AsyncOpenAI:
+    """The official openai client over the app, in process; no retries (an error is the answer)."""
+    return openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=asgi_client(app),
+                              max_retries=0)  # fmt: skip
+
+
+@pytest.fixture
+async def client(app):
+    async with openai_client(app) as c:
+        yield c
+
+
+@pytest.fixture
+async def hermes_client(hermes_app):
+    """On the hermes deployment: tool_choice "auto" (the default with tools) is parsed there
+    and refused without a parser, as vLLM's server does."""
+    async with openai_client(hermes_app) as c:
+        yield c
 
 
 def parse_sse(response: httpx.Response) -> list[dict]:

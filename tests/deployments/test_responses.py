@@ -8,7 +8,6 @@ from typing import Literal
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -45,27 +44,6 @@ BASE = {"model": MODEL, "max_output_tokens": 6, "temperature": 0}
 class City(BaseModel):
     city: Literal["Paris", "Rome"]
     sunny: bool
-
-
-async def _openai_client(app):
-    async with asgi_client(app) as transport:
-        async with openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=transport,
-                                      max_retries=0) as c:  # fmt: skip
-            yield c
-
-
-@pytest.fixture
-async def client(app):
-    async for c in _openai_client(app):
-        yield c
-
-
-@pytest.fixture
-async def hermes_client(hermes_app):
-    """A deployment with a tool_call_parser: tool_choice "auto" (the default with tools) is
-    parsed there and refused without one, as vLLM's server does."""
-    async for c in _openai_client(hermes_app):
-        yield c
 
 
 def _without_ids(response: dict) -> dict:

@@ -41,13 +41,6 @@ class Forecast(BaseModel):
     rain: bool
 
 
-@pytest.fixture
-async def client(app):
-    transport = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-    async with openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=transport) as c:
-        yield c
-
-
 async def test_parse_with_a_pydantic_model_returns_the_object(client):
     for seed in (1, 2, 3):
         chat = await client.chat.completions.parse(

@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 
 from rayserve_paged.deployments.openai_ingress import create_openai_app
-from tests.deployments.conftest import MODEL, asgi_client, assert_openai_error, parse_sse
+from tests.deployments.conftest import MODEL, asgi_client, assert_openai_error, openai_client, parse_sse
 from tests.deployments.test_structured_outputs import MESSAGES, SCHEMAS, TOOLS
 
 pytestmark = pytest.mark.anyio
@@ -22,22 +21,6 @@ ONE_CALL = 'Let me look. <tool_call>{"name": "get_weather", "arguments": {"city"
 TWO_CALLS = ('<tool_call>{"name":"get_time","arguments":{"zone":"CET"}}</tool_call>\n'
              '<tool_call>{"name":"get_time","arguments":{"zone":"UTC"}}</tool_call> Done.')  # fmt: skip
 MAX_TOKENS = 116  # the whole script (111 tokens) within the tiny engine's 128-token context
-
-
-def openai_client(app) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=asgi_client(app))
-
-
-@pytest.fixture
-async def client(app):
-    async with openai_client(app) as c:
-        yield c
-
-
-@pytest.fixture
-async def hermes_client(hermes_app):
-    async with openai_client(hermes_app) as c:
-        yield c
 
 
 async def streamed_and_plain(client, **request):

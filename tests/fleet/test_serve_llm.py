@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 OWN = frozenset(AppArgs.model_fields)
 
 # Ray Serve LLM's documented shapes (ray.serve.llm.build_openai_app's docstring and the
-# Serve LLM guides), import_path changed
-ONE_MODEL = """
+# Serve LLM guides), import_path changed; three of them open with the same application
+QWEN_05B = """
 applications:
 - name: llm_app
   route_prefix: "/"
@@ -36,7 +36,8 @@ applications:
       - model_loading_config:
           model_id: qwen-0.5b
           model_source: Qwen/Qwen2.5-0.5B-Instruct
-        accelerator_type: A10G
+"""
+ONE_MODEL = QWEN_05B + """        accelerator_type: A10G
         deployment_config:
           autoscaling_config:
             min_replicas: 1
@@ -66,17 +67,7 @@ applications:
   name: llm_app
   route_prefix: "/"
 """
-WITH_LORA = """
-applications:
-- name: llm_app
-  route_prefix: "/"
-  import_path: rayserve_paged.app:build_openai_app
-  args:
-    llm_configs:
-      - model_loading_config:
-          model_id: qwen-0.5b
-          model_source: Qwen/Qwen2.5-0.5B-Instruct
-        lora_config:
+WITH_LORA = QWEN_05B + """        lora_config:
           dynamic_lora_loading_path: s3://my_dynamic_lora_path_bucket
           max_num_adapters_per_replica: 16
         engine_kwargs:
@@ -90,17 +81,7 @@ applications:
             max_replicas: 2
         accelerator_type: A10G
 """
-WITH_AUTOSCALING = """
-applications:
-- name: llm_app
-  route_prefix: "/"
-  import_path: rayserve_paged.app:build_openai_app
-  args:
-    llm_configs:
-      - model_loading_config:
-          model_id: qwen-0.5b
-          model_source: Qwen/Qwen2.5-0.5B-Instruct
-        engine_kwargs:
+WITH_AUTOSCALING = QWEN_05B + """        engine_kwargs:
           tensor_parallel_size: 2
           max_model_len: 8192
           gpu_memory_utilization: 0.85
