@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 class StepTiming:
     steps: int = 0
     step_s: float = 0.0  # wall time of engine.step() in total
+    idle_s: float = 0.0  # wall time the loop waited with nothing to step, after its first step
 
 
 class SchedulerActor:
@@ -289,8 +290,11 @@ class SchedulerActor:
                     if was_busy:  # the steps' freed memory goes back to the system while idle
                         release_freed_memory()
                         was_busy = False
+                    waited = time.perf_counter()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
+                    if self.timing.steps:
+                        self.timing.idle_s += time.perf_counter() - waited
                     continue
                 was_busy = True
                 start = time.perf_counter()

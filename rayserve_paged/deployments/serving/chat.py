@@ -24,7 +24,7 @@ from rayserve_paged.deployments.protocol import (
     DeltaMessage,
 )
 from rayserve_paged.deployments.serving.logprobs import chat_logprobs
-from rayserve_paged.deployments.serving.pipeline import ChoiceProgress, GenerationPipeline, Prompt, reasons_json
+from rayserve_paged.deployments.serving.pipeline import ChoiceProgress, GenerationPipeline, Plan, Prompt, reasons_json
 from rayserve_paged.deployments.sse import EventFrame, EventStreamResponse, json_response, json_value
 from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
 from rayserve_paged.engine.tool_calls import (
@@ -49,6 +49,18 @@ class ChatServing:
     async def create_chat_completion(
         self, request: ChatCompletionRequest, admission: Admission | None = None
     ) -> Response:
+        plan = await self.prepare(request, admission)
+        pipeline = self.pipeline
+        if request.stream:
+            first, outputs = await pipeline.open_stream(request, plan.prompts, plan.params, plan.request_ids)
+            events = self._events(request, plan.prompts[0], first, outputs, plan.response_id, plan.tools)
+            return EventStreamResponse(events, outputs)
+        results = await pipeline.generate_body(request, plan.prompts, plan.params, plan.request_ids)
+        return json_response(self.response(plan, results))
+
+    async def prepare(self, request: ChatCompletionRequest, admission: Admission | None = None) -> Plan:
+        """Everything before the engine: the model, the sampling parameters (with forced tool
+        calls), the conversation through the chat template, and its fit in the context."""
         pipeline = self.pipeline
         info, params = await pipeline.begin(request)
         params = _with_forced_tool_calls(request, params)
@@ -57,16 +69,14 @@ class ChatServing:
         prompt = await pipeline.in_pool(lambda: self.render(request))
         max_tokens_field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         pipeline.check_fits(prompt.token_ids, params.max_tokens, info, "messages", max_tokens_field)
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        request_ids = [f"{response_id}-0"]
-        if request.stream:
-            first, outputs = await pipeline.open_stream(request, [prompt], params, request_ids)
-            events = self._events(request, prompt, first, outputs, response_id, tools)
-            return EventStreamResponse(events, outputs)
-        (result,) = await pipeline.generate_body(request, [prompt], params, request_ids)
+        return pipeline.plan(request, [prompt], params, f"chatcmpl-{uuid.uuid4().hex}", tools)
+
+    def response(self, plan: Plan, results: list[RequestOutput]) -> ChatCompletionResponse:
+        """The non-streamed body of a prepared request, from its finished result."""
+        request, (result,) = plan.request, results
         choices = []
         for out in result.outputs:
-            content, calls = self._tool_calls(request, tools, out.text, out.finish_reason)
+            content, calls = self._tool_calls(request, plan.tools, out.text, out.finish_reason)
             choices.append(
                 ChatChoice(
                     index=out.index,
@@ -76,10 +86,11 @@ class ChatServing:
                     stop_reason=out.stop_reason,
                 )
             )
-        body = ChatCompletionResponse(
-            id=response_id, model=pipeline.model_name(request), choices=choices, usage=pipeline.usage([prompt], [result])
-        )
-        return json_response(body)
+        pipeline = self.pipeline
+        return ChatCompletionResponse(
+            id=plan.response_id, model=pipeline.model_name(request), choices=choices,
+            usage=pipeline.usage(plan.prompts, results),
+        )  # fmt: skip
 
     def render(self, request: ChatCompletionRequest, add_generation_prompt: bool = True) -> Prompt:
         """The conversation through the model's chat template, and its token ids."""

@@ -73,6 +73,22 @@ class ChoiceProgress:
     call_id: str = ""  # a named tool choice's call, streamed as its arguments grow
 
 
+@dataclass(slots=True)
+class Plan:
+    """A generation request made ready for the engine by a route's `prepare` (validated,
+    tokenized, fitted), with what its body needs afterwards. Plain data: a batch job
+    (deployments/serving/batch_routes.py) carries it from a CPU task past the engine to the
+    task that writes the body."""
+
+    request: CompletionRequest | ChatCompletionRequest
+    prompts: list[Prompt]
+    params: SamplingParams
+    response_id: str
+    request_ids: list[str]  # one engine request per prompt
+    lora_name: str | None  # the registered LoRA adapter it runs on (None: the base model)
+    tools: str | None = None  # chat: how tool calls are read ("forced", "auto", or None)
+
+
 # (prompt index, output, its progress) -> one streamed choice's JSON
 ToChoice = Callable[[int, CompletionOutput, ChoiceProgress], str]
 
@@ -143,6 +159,13 @@ class GenerationPipeline:
         if admission is not None:
             field = "prompt" if num_prompts > 1 else _width_field(request)
             admission.reserve_sequences(num_prompts, params.best_of, field)
+
+    def plan(
+        self, request: CompletionRequest | ChatCompletionRequest, prompts: list[Prompt], params: SamplingParams,
+        response_id: str, tools: str | None = None,
+    ) -> Plan:  # fmt: skip
+        request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
+        return Plan(request, prompts, params, response_id, request_ids, self.lora_of(request).get("lora_name"), tools)
 
     @staticmethod
     def check_fits(token_ids: list[int], max_tokens: int | None, info: dict, prompt_field: str, max_field: str) -> None:
