@@ -122,6 +122,18 @@ def _comparable(body: dict) -> dict:
     return {key: value for key, value in body.items() if key not in ("id", "created")}
 
 
+def _same(a, b) -> bool:
+    """Equal JSON, floats (logprobs) within 1e-3: the same tokens computed in batches of
+    other sizes differ in their last digits."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= 1e-3
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def test_a_batch_file_on_two_engine_actors_with_one_killed(ray_cluster, engine_options, tmp_path):
     lines = _lines(NUM_LINES)
     source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -158,7 +170,7 @@ def test_a_batch_file_on_two_engine_actors_with_one_killed(ray_cluster, engine_o
     for custom_id, (status, body) in server.items():
         response = by_id[custom_id]
         assert response["status_code"] == status, (custom_id, response, body)
-        assert _comparable(response["body"]) == _comparable(body), custom_id
+        assert _same(_comparable(response["body"]), _comparable(body)), (custom_id, response["body"], body)
         statuses.add(status)
     assert statuses == {200, 400, 404}
     assert summary.num_errors == sum(r["response"]["status_code"] != 200 for r in results)
