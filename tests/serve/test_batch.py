@@ -32,7 +32,7 @@ pytestmark = pytest.mark.ray
 
 SERVED = "tiny"
 NUM_LINES = 200
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer"}},
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"enum": [1, 2, 3]}},
            "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
 
 
@@ -60,7 +60,7 @@ def _request(i: int) -> tuple[str, dict]:
     if kind in (0, 1):
         return "/v1/chat/completions", chat | {"model": SERVED}
     if kind == 2:
-        return "/v1/completions", completion | {"n": 2, "best_of": 2, "logprobs": 2}
+        return "/v1/completions", completion | {"logprobs": 2}
     if kind == 3:
         return "/v1/completions", completion | {"prompt": [f"first {i}", f"second {i}"], "echo": True}
     if kind == 4:
@@ -184,7 +184,7 @@ class _Stopped(Exception):
 
 
 def test_a_stopped_job_started_again_answers_each_line_once(ray_cluster, engine_options, tmp_path, capsys):
-    lines = [line for i, line in enumerate(_lines(40)) if i % 10 in (0, 2, 5, 7)]  # engine lines only
+    lines = [line for i, line in enumerate(_lines(40)) if i % 10 in (0, 2, 5, 7)]  # answered by the engine
     source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write(source, lines)
     config = _config(engine_options, 1)
@@ -207,5 +207,5 @@ def test_a_stopped_job_started_again_answers_each_line_once(ray_cluster, engine_
     assert before >= 4 and answered + before == len(lines), printed
     results = _results(output)
     assert sorted(r["custom_id"] for r in results) == sorted(json.loads(line)["custom_id"] for line in lines)
-    assert all(r["response"]["status_code"] == 200 for r in results)
+    assert [r for r in results if r["response"]["status_code"] != 200] == []
     assert not parts.exists()
