@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import platform
+import subprocess
 import sys
 
 # packages whose versions a record names, when the benchmark has imported them
@@ -28,9 +29,23 @@ def load_average() -> list[float] | None:
         return None
 
 
+def commit() -> str | None:
+    """The project's commit the benchmark ran from ("-dirty" with uncommitted changes to
+    tracked files); None outside a git checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()  # fmt: skip
+        changed = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("-dirty" if changed else "")
+
+
 def machine() -> dict:
     """The machine a record was made on: platform, CPU, the load average when it was
-    written, Python and the versions of the packages the benchmark imported."""
+    written, Python, the versions of the packages the benchmark imported and the commit."""
     versions = {"python": platform.python_version()}
     for name in VERSIONED:
         module = sys.modules.get(name)  # only what the benchmark imported itself; None: blocked
@@ -43,6 +58,7 @@ def machine() -> dict:
         "cpu_count": os.cpu_count(),
         "load_average": load_average(),
         "versions": versions,
+        "commit": commit(),
     }
 
 

@@ -17,16 +17,15 @@ interval is the front end's own cadence and the loop's lateness, not the HTTP pa
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import queue
 import tempfile
 import threading
 import time
 
 from benchmarks.metrics import latency_summary
-from benchmarks.records import load_average
+from benchmarks.options import benchmark_parser
+from benchmarks.records import load_average, write_record
 from benchmarks.serving import (
     CEILING, CEILING_WORKLOAD, FIRST_TOKEN_ID, TOKEN_ID_LIMIT, engine_options, make_small_opt, small_opt_config,
 )
@@ -175,21 +174,21 @@ def format_record(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser("python -m benchmarks.stream_cadence", __doc__.splitlines()[0],
+                              out_help="directory for stream_cadence.json")  # fmt: skip
     parser.add_argument("--interval-ms", type=float, action="append", help="stream_batching_interval_ms "
                         "(repeatable; default 0 and 50)")  # fmt: skip
     parser.add_argument("--streams", type=int, default=DEFAULT_STREAMS)
     parser.add_argument("--num-requests", type=int, default=DEFAULT_REQUESTS)
     parser.add_argument("--output-len", type=int, default=CEILING_WORKLOAD.max_output_len)
     parser.add_argument("--repeat", type=int, default=1, help="run the list of intervals this many times")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="write the records as JSON here")
     args = parser.parse_args(argv)
     args.interval_ms = args.interval_ms or [0.0, 50.0]
+    if args.quick:  # two streams of four short requests
+        args.streams, args.num_requests, args.output_len = 2, 4, 8
     results = run(args)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+        print(write_record(args.out, "stream-cadence", {"runs": results}))
     return 0
 
 

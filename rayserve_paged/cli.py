@@ -28,6 +28,8 @@ BENCHMARKS = {
     "structured-outputs": "benchmarks.structured_outputs",
     "quantized": "benchmarks.quantized",
     "lora": "benchmarks.lora",
+    "stream-cadence": "benchmarks.stream_cadence",
+    "report": "benchmarks.report",
 }
 
 DEMO_QUESTIONS = [

@@ -30,3 +30,23 @@ try:
     torch.set_num_threads(1)
 except ImportError:  # the core tests need no torch
     pass
+
+
+def pytest_collection_modifyitems(config, items):
+    """RAYSERVE_PAGED_TEST_ORDER=<seed>: run the test files in a shuffled order and each
+    file's tests shuffled too (module fixtures are still made once per file), to show the
+    suite does not depend on its order. Unset: the files' own order."""
+    seed = os.environ.get("RAYSERVE_PAGED_TEST_ORDER")
+    if seed is None:
+        return
+    import random
+
+    rng = random.Random(int(seed))
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    groups = list(modules.values())
+    rng.shuffle(groups)
+    for group in groups:
+        rng.shuffle(group)
+    items[:] = [item for group in groups for item in group]

@@ -65,24 +65,18 @@ from rayserve_paged.deployments.errors import (
     overloaded,
     validation_error,
 )
-from rayserve_paged.deployments.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
+from rayserve_paged.deployments.protocol import ModelCard, ModelList
+from rayserve_paged.deployments.serving.chat import ChatCompletionRequest, ChatCompletionResponse, ChatServing
+from rayserve_paged.deployments.serving.completions import CompletionRequest, CompletionResponse, CompletionServing
+from rayserve_paged.deployments.serving.lora import LoadLoRAAdapterRequest, LoRAServing, UnloadLoRAAdapterRequest
+from rayserve_paged.deployments.serving.pipeline import MAX_TOKENIZER_QUEUE, GenerationPipeline
+from rayserve_paged.deployments.serving.tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
-    LoadLoRAAdapterRequest,
-    ModelCard,
-    ModelList,
+    TokenizationServing,
     TokenizeRequest,
     TokenizeResponse,
-    UnloadLoRAAdapterRequest,
 )
-from rayserve_paged.deployments.serving.chat import ChatServing
-from rayserve_paged.deployments.serving.completions import CompletionServing
-from rayserve_paged.deployments.serving.pipeline import MAX_TOKENIZER_QUEUE, GenerationPipeline
-from rayserve_paged.deployments.serving.tokenization import TokenizationServing
 from rayserve_paged.deployments.tokenizer_pool import TokenizerPool
 from rayserve_paged.engine.protocol import EngineClient
 from rayserve_paged.telemetry import PROMETHEUS_CONTENT_TYPE
@@ -278,6 +272,7 @@ def create_openai_app(
     chat = ChatServing(serving, tool_call_parser)
     completion = CompletionServing(serving)
     tokenization = TokenizationServing(serving, chat)
+    lora = LoRAServing(serving)
     app = FastAPI(
         title="rayserve-paged",
         summary="OpenAI-compatible LLM serving with PagedAttention on Ray Serve",
@@ -335,11 +330,11 @@ def create_openai_app(
 
         @app.post("/v1/load_lora_adapter", response_model=None)
         async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
-            return PlainTextResponse(await serving.load_lora_adapter(request))
+            return PlainTextResponse(await lora.load_lora_adapter(request))
 
         @app.post("/v1/unload_lora_adapter", response_model=None)
         async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
-            return PlainTextResponse(await serving.unload_lora_adapter(request))
+            return PlainTextResponse(await lora.unload_lora_adapter(request))
 
     @app.get("/metrics", response_model=None)
     async def metrics() -> Response:

@@ -1,4 +1,7 @@
-"""The OpenAI HTTP API subset this server speaks, as pydantic models.
+"""What every route of the OpenAI HTTP API shares: the request-body base, the generation
+fields and their conversion to SamplingParams, error bodies, usage, model cards and the
+validation helpers. Each route family's own request and response models live beside its
+handler in serving/ (completions.py, chat.py, tokenization.py, lora.py).
 
 Request bodies are tolerant where clients differ and strict where values matter, as vLLM's
 server is: an unknown field is ignored (and logged by the server: `unknown_fields`), an
@@ -20,7 +23,7 @@ import time
 from typing import Any, Literal
 
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
 
@@ -41,7 +44,7 @@ MAX_CACHE_SALT_CHARS = 256
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}", re.ASCII)
 
 
-class _RequestModel(BaseModel):
+class RequestModel(BaseModel):
     """A request body part: unknown fields are kept aside (`model_extra`, logged, unused);
     a key whose value is null is dropped before validation, so null = the default."""
 
@@ -61,13 +64,13 @@ class _RequestModel(BaseModel):
             value = getattr(self, name)
             items = value if isinstance(value, list) else [value]
             for i, item in enumerate(items):
-                if isinstance(item, _RequestModel):
+                if isinstance(item, RequestModel):
                     where = f"{prefix}{name}[{i}]." if isinstance(value, list) else f"{prefix}{name}."
                     names += item.unknown_fields(where)
         return names
 
 
-def _documented(**schema) -> dict:
+def documented(**schema) -> dict:
     """JSON-schema keywords for the OpenAPI description only. The range itself is checked
     once, by SamplingParams, whose messages the 400s carry ("top_p: must be in (0, 1]")."""
     return {"json_schema_extra": schema}
@@ -99,11 +102,11 @@ def param_of(message: str) -> str | None:
 # --------------------------------------------------------------------------- requests
 
 
-class StreamOptions(_RequestModel):
+class StreamOptions(RequestModel):
     include_usage: bool = Field(False, description="Send a last chunk with usage counts (and no choices).")
 
 
-class JsonSchemaFormat(_RequestModel):
+class JsonSchemaFormat(RequestModel):
     name: str = Field("response", description="The schema's name (accepted, not used).")
     description: str | None = Field(None, description="What the schema is for (accepted, not used).")
     schema_: dict[str, Any] | None = Field(
@@ -112,7 +115,7 @@ class JsonSchemaFormat(_RequestModel):
     strict: bool | None = Field(None, description="Accepted; the schema is always enforced (constrained decoding).")
 
 
-class ResponseFormat(_RequestModel):
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"] = Field(
         description="text (free), json_object (any JSON object) or json_schema (the given schema)."
     )
@@ -125,7 +128,7 @@ class ResponseFormat(_RequestModel):
         return self
 
 
-class StructuredOutputsRequest(_RequestModel):
+class StructuredOutputsRequest(RequestModel):
     """vLLM's `structured_outputs` field: exactly one constraint."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON schema (object or its text).")
@@ -140,7 +143,7 @@ class StructuredOutputsRequest(_RequestModel):
         return {key: value for key, value in given.items() if value is not None}
 
 
-class _SamplingFields(_RequestModel):
+class GenerationRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = Field(None, description="The served model name (GET /v1/models); omitted = the served model.")
@@ -148,33 +151,33 @@ class _SamplingFields(_RequestModel):
     temperature: float | None = Field(
         None,
         description="Sampling temperature >= 0; 0 is greedy. Default 1 (0 with use_beam_search).",
-        **_documented(minimum=0),
+        **documented(minimum=0),
     )
     top_p: float | None = Field(
         None,
         description="Nucleus sampling: keep the smallest set of tokens with mass top_p, in (0, 1].",
-        **_documented(exclusiveMinimum=0, maximum=1),
+        **documented(exclusiveMinimum=0, maximum=1),
     )
     top_k: int | None = Field(
-        None, description="Keep the k most likely tokens; -1 or 0 disables.", **_documented(minimum=-1)
+        None, description="Keep the k most likely tokens; -1 or 0 disables.", **documented(minimum=-1)
     )
     min_p: float | None = Field(
         None,
         description="Drop tokens less likely than min_p times the most likely one, in [0, 1].",
-        **_documented(minimum=0, maximum=1),
+        **documented(minimum=0, maximum=1),
     )
     presence_penalty: float | None = Field(
-        None, description="Penalty in [-2, 2] for tokens already present.", **_documented(minimum=-2, maximum=2)
+        None, description="Penalty in [-2, 2] for tokens already present.", **documented(minimum=-2, maximum=2)
     )
     frequency_penalty: float | None = Field(
         None,
         description="Penalty in [-2, 2] proportional to a token's count so far.",
-        **_documented(minimum=-2, maximum=2),
+        **documented(minimum=-2, maximum=2),
     )
     repetition_penalty: float | None = Field(
         None,
         description="Multiplicative penalty (> 0, 1 = off) on prompt and output tokens.",
-        **_documented(exclusiveMinimum=0),
+        **documented(exclusiveMinimum=0),
     )
     seed: int | None = Field(
         None, ge=-(2**63), lt=2**64, description="Per-request seed: the same seed and request give the same output."
@@ -259,39 +262,37 @@ class _SamplingFields(_RequestModel):
         if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings (got {len(stop)})")
         for text in [stop] if isinstance(stop, str) else stop or []:
-            _check_unicode(text)
+            check_unicode(text)
         return stop
 
+    # What differs between the generation routes: each route's request model (serving/
+    # completions.py, serving/chat.py) defines max_tokens, best_of and logprobs, and
+    # overrides these where its fields are named otherwise.
 
-class CompletionRequest(_SamplingFields):
-    """POST /v1/completions."""
+    @property
+    def max_new_tokens(self) -> int | None:
+        """Most tokens to generate per choice."""
+        return self.max_tokens
 
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description=(
-            "A string, a list of strings (one set of n choices per prompt), a list of token ids, "
-            f"or a list of token-id lists; at most {MAX_PROMPTS} prompts, none empty."
-        ),
-        json_schema_extra=lambda schema: schema.update(anyOf=_PROMPT_SCHEMAS),
-    )
-    max_tokens: int | None = Field(
-        16, description="Most tokens to generate per choice (>= 1).", **_documented(minimum=1)
-    )
-    best_of: int | None = Field(
-        None, ge=1, le=MAX_CHOICES, description="Generate best_of choices and return the n most likely (>= n)."
-    )
-    logprobs: int | None = Field(
-        None, ge=0, description="Return the logprobs of the sampled tokens and of the most likely `logprobs` others."
-    )
-    echo: bool = Field(False, description="Put the prompt text in front of each choice's text.")
+    def requested_logprobs(self) -> tuple[int | None, str]:
+        """(top logprobs per token, None for none; the field that asked for them)."""
+        return self.logprobs, "logprobs"
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _check_prompt(cls, prompt):
-        return _check_prompt_shape(prompt)
+    def sampling_field_names(self) -> dict[str, str]:
+        """SamplingParams field -> this route's field, where they differ."""
+        return {}
+
+    def prompt_field_renames(self) -> dict[str, str]:
+        """Engine error field about the prompt -> this route's field."""
+        return {"prompt_token_ids": "prompt"}
+
+    def implied_constraint_field(self) -> str:
+        """The field of a constraint the route adds itself ('' for none)."""
+        return ""
 
 
 _TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-_PROMPT_SCHEMAS = [
+PROMPT_SCHEMAS = [
     {"type": "string", "minLength": 1},
     {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_PROMPTS},
     _TOKEN_IDS_SCHEMA,
@@ -299,106 +300,15 @@ _PROMPT_SCHEMAS = [
 ]
 
 
-class ContentPart(_RequestModel):
-    type: Literal["text"] = Field(description="Only text parts are supported.")
-    text: str = Field(description="The text.")
-
-    @field_validator("text")
-    @classmethod
-    def _check_text(cls, text: str) -> str:
-        return _check_unicode(text)
-
-
-class ChatMessage(_RequestModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
-        description="Who speaks; developer is treated as system; tool carries a tool's result."
-    )
-    content: str | list[ContentPart] | None = Field(
-        None, description="The message text, or a list of text parts; may be null for an assistant's tool calls."
-    )
-    name: str | None = Field(None, description="Participant name (passed to the chat template).")
-    tool_calls: list[dict[str, Any]] | None = Field(
-        None, description="An assistant's tool calls (passed to the chat template as sent)."
-    )
-    tool_call_id: str | None = Field(None, description="The call a tool message answers (passed to the template).")
-
-    @field_validator("content", "name", "tool_call_id", "tool_calls")
-    @classmethod
-    def _check_text(cls, value):
-        return _check_unicode_within(value)
-
-    @model_validator(mode="after")
-    def _content_unless_tool_calls(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content: required (only an assistant message with tool_calls may leave it out)")
-        return self
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text for part in self.content)
-
-    def for_template(self) -> dict[str, Any]:
-        """The message as chat templates read it (HF's dict shape)."""
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
-        for key in ("name", "tool_calls", "tool_call_id"):
-            if getattr(self, key) is not None:
-                message[key] = getattr(self, key)
-        return message
-
-
-class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions."""
-
-    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
-    max_tokens: int | None = Field(
-        None, description="Deprecated alias of max_completion_tokens.", **_documented(minimum=1)
-    )
-    max_completion_tokens: int | None = Field(
-        None,
-        description="Most tokens to generate per choice; omitted = up to the model's context length.",
-        **_documented(minimum=1),
-    )
-    best_of: int | None = Field(
-        None, ge=1, le=MAX_CHOICES, description="Generate best_of choices and return the n most likely (>= n)."
-    )
-    logprobs: bool = Field(False, description="Return the logprob of each generated token.")
-    top_logprobs: int | None = Field(
-        None, ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs: also this many most likely tokens per position."
-    )
-    tools: list[dict[str, Any]] | None = Field(
-        None,
-        description="Tool definitions ({'type': 'function', 'function': {name, description, parameters}}), "
-        "passed to the chat template.",
-    )
-    tool_choice: str | dict[str, Any] | None = Field(
-        None,
-        description="'none' (no tools), 'auto' (the server's tool_call_parser reads calls from the output), "
-        "'required' (the output is one or more calls) or {'type': 'function', 'function': {'name': ...}}.",
-    )
-    parallel_tool_calls: bool = Field(True, description="With tool_choice 'required': allow more than one call.")
-
-    @field_validator("tools", "tool_choice")
-    @classmethod
-    def _check_tools(cls, value):
-        return _check_unicode_within(value)
-
-    @property
-    def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
 _SHAPE = "must be a non-empty string, list of strings, list of token ids, or list of token-id lists"
 
 
-def _check_prompt_shape(prompt):
+def check_prompt_shape(prompt):
     """One clear message instead of one pydantic error per member of the prompt union."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("empty prompt")
-        return _check_unicode(prompt)
+        return check_unicode(prompt)
     if not isinstance(prompt, list) or not prompt:
         raise ValueError(_SHAPE if not isinstance(prompt, list) else "empty prompt list")
     if len(prompt) > MAX_PROMPTS and not all(_is_token(t) for t in prompt):
@@ -409,7 +319,7 @@ def _check_prompt_shape(prompt):
         if isinstance(item, str):
             if not item:
                 raise ValueError("empty prompt in the list")
-            _check_unicode(item)
+            check_unicode(item)
         elif isinstance(item, list):
             if not item:
                 raise ValueError("empty token-id list in the list")
@@ -426,7 +336,7 @@ def _is_token(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_unicode(text: str) -> str:
+def check_unicode(text: str) -> str:
     """JSON may escape a lone UTF-16 surrogate ("\\ud800"); no tokenizer can encode one."""
     try:
         text.encode("utf-8")
@@ -437,15 +347,15 @@ def _check_unicode(text: str) -> str:
     return text
 
 
-def _check_unicode_within(value):
-    """_check_unicode on every string in a JSON value, dict keys included: what the chat
+def check_unicode_within(value):
+    """check_unicode on every string in a JSON value, dict keys included: what the chat
     template renders (names, tool calls, tool definitions) must be encodable too. A stack,
     not recursion: the body's nesting depth is the client's choice."""
     stack = [value]
     while stack:
         item = stack.pop()
         if isinstance(item, str):
-            _check_unicode(item)
+            check_unicode(item)
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())
@@ -457,10 +367,9 @@ def _check_unicode_within(value):
 # --------------------------------------------------------------------------- to SamplingParams
 
 
-def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_logprobs: int) -> SamplingParams:
+def to_sampling_params(request: GenerationRequest, max_logprobs: int) -> SamplingParams:
     """The engine's SamplingParams for a request; SamplingParamsError names the request field."""
-    is_chat = isinstance(request, ChatCompletionRequest)
-    logprobs, logprobs_field = _requested_logprobs(request)
+    logprobs, logprobs_field = request.requested_logprobs()
     if logprobs is not None and logprobs > max_logprobs:
         raise SamplingParamsError(f"{logprobs_field}: at most {max_logprobs} (got {logprobs})")
     best_of = request.best_of if request.best_of is not None else request.n
@@ -475,7 +384,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_l
     temperature = request.temperature
     if temperature is None:
         temperature = 0.0 if request.use_beam_search else 1.0
-    max_tokens = request.max_new_tokens if is_chat else request.max_tokens
+    max_tokens = request.max_new_tokens
     options = {
         "n": request.n,
         "best_of": best_of,
@@ -515,7 +424,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, max_l
 _CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
-def requested_constraint(request: CompletionRequest | ChatCompletionRequest) -> tuple[dict | None, str]:
+def requested_constraint(request: GenerationRequest) -> tuple[dict | None, str]:
     """The output constraint the request asks for, from whichever field it used (at most
     one), and that field's name; tool_choice 'required' / named is the chat route's."""
     found: list[tuple[dict, str]] = []
@@ -546,7 +455,7 @@ def constraint_field_names(field: str) -> dict[str, str]:
     return {"structured_outputs": field, **{f"structured_outputs.{kind}": field for kind in _CONSTRAINT_KINDS}}
 
 
-def _check_beam_search(request: CompletionRequest | ChatCompletionRequest) -> None:
+def _check_beam_search(request: GenerationRequest) -> None:
     """Name the truncation option the client set (SamplingParams reports them all as top_p)."""
     for name, is_set in (
         ("top_p", request.top_p not in (None, 1.0)),
@@ -560,24 +469,28 @@ def _check_beam_search(request: CompletionRequest | ChatCompletionRequest) -> No
             )
 
 
-def _requested_logprobs(request) -> tuple[int | None, str]:
-    if not isinstance(request, ChatCompletionRequest):
-        return request.logprobs, "logprobs"
-    if request.top_logprobs is not None and not request.logprobs:
-        raise SamplingParamsError("top_logprobs: needs logprobs: true")
-    if not request.logprobs:
-        return None, "top_logprobs"
-    return request.top_logprobs or 0, "top_logprobs"
-
-
-def _field_names(request, logprobs_field: str) -> dict[str, str]:
+def _field_names(request: GenerationRequest, logprobs_field: str) -> dict[str, str]:
     """SamplingParams field -> the request field the client set."""
     names = {"logprobs": logprobs_field}
     if request.best_of is None:
         names["best_of"] = "n"
-    if isinstance(request, ChatCompletionRequest):
-        names["max_tokens"] = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    names.update(request.sampling_field_names())
     return names
+
+
+def engine_renames(request: GenerationRequest) -> dict[str, str]:
+    """Engine error field -> the request field the client wrote."""
+    renames = request.prompt_field_renames()
+    if request.best_of is None:
+        renames["best_of"] = "n"
+    try:
+        _, field = requested_constraint(request)
+    except SamplingParamsError:
+        field = ""
+    field = field or request.implied_constraint_field()
+    if field:
+        renames.update(constraint_field_names(field))
+    return renames
 
 
 def _rename_field(message: str, names: dict[str, str]) -> str:
@@ -594,7 +507,7 @@ def _or(value, default):
 # --------------------------------------------------------------------------- responses
 
 
-def _now() -> int:
+def unix_now() -> int:
     return int(time.time())
 
 
@@ -631,34 +544,6 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list, description="Where each token starts in the choice text.")
 
 
-class CompletionChoice(BaseModel):
-    index: int = Field(description="prompt_index * n + choice_index.")
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = Field(None, description="stop, length, or null while streaming.")
-    stop_reason: int | str | None = Field(None, description="The stop string or stop token id that ended the choice.")
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo
-
-
-class CompletionStreamResponse(BaseModel):
-    """One server-sent event of a streamed completion."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
 class TopLogprob(BaseModel):
     token: str
     logprob: float
@@ -676,73 +561,20 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[dict[str, Any]] | None = Field(
-        None, description="The calls the model made: [{id, type: 'function', function: {name, arguments}}]."
-    )
-
-    @model_serializer(mode="wrap")
-    def _no_absent_tool_calls(self, handler):
-        body = handler(self)
-        if body.get("tool_calls") is None:
-            body.pop("tool_calls", None)
-        return body
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(BaseModel):
-    """A chat stream's increment; fields it does not carry are left out, not null."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's chunks: [{index, id, type, function}]
-
-    @model_serializer(mode="wrap")
-    def _drop_absent(self, handler):
-        return {key: value for key, value in handler(self).items() if value is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    """One server-sent event of a streamed chat completion."""
+class ResponseHead(BaseModel):
+    """The fields every generation response and streamed event opens with, in OpenAI's order
+    (each route's model sets `object` and adds its choices and usage after them)."""
 
     id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
+    object: str
+    created: int = Field(default_factory=unix_now)
     model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_now)
     owned_by: str = "rayserve-paged"
     max_model_len: int | None = None
     root: str | None = None  # a LoRA adapter's directory
@@ -753,71 +585,3 @@ class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
-
-# --------------------------------------------------------------------------- /tokenize, /detokenize
-
-
-class TokenizeRequest(_RequestModel):
-    """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the chat template."""
-
-    model: str | None = Field(None, description="The served model name; omitted = the served model.")
-    prompt: str | None = Field(None, description="Text to tokenize (give this or messages).")
-    messages: list[ChatMessage] | None = Field(
-        None, min_length=1, description="A conversation, rendered by the chat template."
-    )
-    add_special_tokens: bool = Field(True, description="With prompt: add the tokenizer's special tokens (BOS).")
-    add_generation_prompt: bool = Field(True, description="With messages: end with the assistant's turn opening.")
-
-    @model_validator(mode="after")
-    def _one_input(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("prompt: give exactly one of prompt and messages")
-        if self.prompt is not None:
-            _check_unicode(self.prompt)
-        return self
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeRequest(_RequestModel):
-    """POST /detokenize (vLLM's)."""
-
-    model: str | None = Field(None, description="The served model name; omitted = the served model.")
-    tokens: list[int] = Field(description="Token ids to turn into text.")
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-# --------------------------------------------------------------------------- runtime LoRA adapters
-
-MAX_LORA_NAME_CHARS = 256
-MAX_LORA_PATH_CHARS = 4096
-
-
-class LoadLoRAAdapterRequest(BaseModel):
-    """POST /v1/load_lora_adapter (vLLM's): register a PEFT LoRA directory under a name."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_CHARS, description="What requests' `model` says.")
-    lora_path: str = Field(
-        min_length=1, max_length=MAX_LORA_PATH_CHARS,
-        description="The adapter's directory on the replica (adapter_config.json, adapter_model.safetensors).",
-    )  # fmt: skip
-
-    _unicode = field_validator("lora_name", "lora_path")(_check_unicode)
-
-
-class UnloadLoRAAdapterRequest(BaseModel):
-    """POST /v1/unload_lora_adapter (vLLM's): forget an adapter (requests running on it finish)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_CHARS)
-    lora_int_id: int | None = Field(None, description="Accepted for vLLM's body; the name decides.")

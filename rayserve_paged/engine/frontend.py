@@ -50,7 +50,7 @@ from rayserve_paged.engine.outputs import RequestOutput, StepOutput
 
 logger = logging.getLogger(__name__)
 
-# the app's default stream_batching_interval_ms (docs/BENCHMARKS.md 6d measured it)
+# the app's default stream_batching_interval_ms (docs/benchmarks/06-serving.md, 6d measured it)
 STREAM_BATCHING_INTERVAL_MS = 50.0
 
 

@@ -75,7 +75,7 @@ class SchedulerActor:
         # the KV profile would leave a second team behind; with more OpenMP threads than CPUs
         # libgomp spins ~1000 times instead of ~300k before sleeping, and every parallel region
         # of every step pays a wake-up: a two-thread replica ran one stream no faster than a
-        # one-thread one, docs/BENCHMARKS.md 15a.)
+        # one-thread one, docs/benchmarks/15-quantized.md (15a).)
         def build() -> None:  # on the step thread, before its loop
             self.engine = LLMEngine(config, executor_factory=factory) if factory else LLMEngine(config)
             self.telemetry = ReplicaTelemetry(self.engine, TelemetryConfig.model_validate(telemetry or {}))

@@ -121,7 +121,7 @@ COMPILED = KernelPlan(False, torch.float32, 0, "compiled group-quantized CPU ker
 
 # Rows up to which the packed int4 kernel beats a dense bfloat16 GEMM on SmolLM2's shapes
 # (the four projections of a layer over all 30 layers, weights streamed from memory as in a
-# decode step, one thread; docs/BENCHMARKS.md "Quantized kernels").
+# decode step, one thread; docs/benchmarks/15-quantized.md).
 PACKED_MAX_ROWS = 4
 
 
@@ -140,7 +140,7 @@ def _cpu_flags() -> set[str]:
 def cpu_kernel_plan() -> KernelPlan:
     """The per-machine choice, made and logged once per process: the compiled kernel on CPUs
     with AVX-512 where it builds (its build without AVX-512 measured slower than float32 GEMM,
-    docs/BENCHMARKS.md 15a), else torch's packed int4 kernels where the CPU has bfloat16
+    docs/benchmarks/15-quantized.md (15a)), else torch's packed int4 kernels where the CPU has bfloat16
     instructions, else weights dequantized at load."""
     flags = _cpu_flags()
     if "avx512f" in flags and quant_cpu.load() is not None:

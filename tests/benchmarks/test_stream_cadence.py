@@ -9,11 +9,11 @@ from benchmarks import stream_cadence
 
 
 def test_a_quick_run_reads_every_token_and_coalesces_with_an_interval(tmp_path):
-    out = tmp_path / "cadence.json"
-    argv = ["--interval-ms", "0", "--interval-ms", "60000", "--streams", "2", "--num-requests", "4",
-            "--output-len", "8", "--out", str(out)]  # fmt: skip
+    argv = ["--interval-ms", "0", "--interval-ms", "60000", "--quick", "--out", str(tmp_path)]
     assert stream_cadence.main(argv) == 0
-    free, held = json.loads(out.read_text())
+    record = json.loads((tmp_path / "stream_cadence.json").read_text())
+    assert record["benchmark"] == "stream-cadence" and record["machine"]["cpu_count"] >= 1
+    free, held = record["results"]["runs"]
     assert [free["interval_ms"], held["interval_ms"]] == [0.0, 60000.0]
     assert free["output_tokens"] == held["output_tokens"] == 4 * 8
     # an interval no run outlasts: the first token, then the rest with the end (one event

@@ -11,16 +11,13 @@ import json
 
 import pytest
 
-from rayserve_paged.deployments.protocol import (
-    ChatChunkChoice,
-    ChatCompletionChunk,
+from rayserve_paged.deployments.protocol import UsageInfo
+from rayserve_paged.deployments.serving.chat import ChatChunkChoice, ChatCompletionChunk, DeltaMessage, chat_choice_json
+from rayserve_paged.deployments.serving.completions import (
     CompletionChoice,
     CompletionStreamResponse,
-    DeltaMessage,
-    UsageInfo,
+    completion_choice_json,
 )
-from rayserve_paged.deployments.serving.chat import chat_choice_json
-from rayserve_paged.deployments.serving.completions import completion_choice_json
 from rayserve_paged.deployments.sse import EventFrame, sse_event
 from tests.deployments.conftest import MODEL
 

@@ -89,6 +89,50 @@ def _connect(ray, address: str, head: subprocess.Popen, timeout_s: float = 120) 
             time.sleep(1)
 
 
+def free_cpus() -> float:
+    import ray
+
+    return ray.available_resources().get("CPU", 0.0)
+
+
+def live_placement_groups() -> list[dict]:
+    """The cluster's placement groups that are not removed (CREATED, PENDING, RESCHEDULING)."""
+    from ray.util import placement_group_table
+
+    return [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
+
+
+def wait_for_free_cpus(cpus: float, timeout_s: float = 60) -> float:
+    """Wait until at least `cpus` logical CPUs are free (what a test needs before its clock
+    starts); the free CPUs then."""
+    deadline = time.monotonic() + timeout_s
+    while (free := free_cpus()) < cpus - 1e-6 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return free
+
+
+@pytest.fixture(autouse=True)
+def _cluster_back_to_baseline(request):
+    """After each test on the session cluster: its applications, replicas, actors and
+    placement groups are gone, so every CPU is free again. A leak fails the test that made
+    it, not a later one that cannot place its replicas."""
+    yield
+    if "ray_cluster" not in request.fixturenames:
+        return
+    import ray
+
+    total = ray.cluster_resources().get("CPU", 0.0)
+    free = wait_for_free_cpus(total)
+    groups = live_placement_groups()
+    deadline = time.monotonic() + 30
+    while groups and time.monotonic() < deadline:
+        time.sleep(0.5)
+        groups = live_placement_groups()
+    if free < total - 1e-6 or groups:
+        shapes = [(g["name"], g["state"], list(g["bundles"].values())) for g in groups]
+        pytest.fail(f"the test left {total - free:g} of {total:g} CPUs reserved; placement groups: {shapes}")
+
+
 @pytest.fixture(scope="session")
 def serve_port() -> int:
     """The HTTP port of Serve's proxy on the session cluster (loopback only)."""

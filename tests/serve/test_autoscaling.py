@@ -9,6 +9,7 @@ import pytest
 
 from rayserve_paged import SamplingParams
 
+from .conftest import wait_for_free_cpus
 from .test_handles import TINY, _alive, _deploy
 
 pytestmark = pytest.mark.ray
@@ -24,6 +25,8 @@ def test_load_scales_out_to_a_second_replica_with_its_own_workers(serve_session)
         "min_replicas": 1, "max_replicas": 2, "initial_replicas": 1, "target_ongoing_requests": 1,
         "upscale_delay_s": 1, "downscale_delay_s": 600, "metrics_interval_s": 1, "look_back_period_s": 2,
     }  # fmt: skip
+    # two replicas' placement groups (0.1 + 0.4 CPU each) must fit before the clock starts
+    assert wait_for_free_cpus(2 * (0.1 + 0.4)) >= 1.0
     handle = _deploy(serve_session, "scale", model="tiny-opt", autoscaling_config=autoscaling)
     assert _running_replicas(serve_session, "scale") == 1
     long = SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True, seed=1)

@@ -66,7 +66,7 @@ def test_tiny_config_fits_two_cpus_with_two_replicas():
 
 def test_smollm2_config_is_one_replica_whose_threads_fit_two_cpus():
     """One replica with two torch threads (measured faster than two replicas of one thread,
-    docs/BENCHMARKS.md 15a): its reservation and its threads fit the 2-core machine."""
+    docs/benchmarks/15-quantized.md (15a)): its reservation and its threads fit the 2-core machine."""
     args = AppArgs(**_app_args(next(p for p in CONFIGS if p.name == "smollm2.yaml")))
     assert args.num_replicas == 1 and args.autoscaling_config is None
     assert sum(b["CPU"] for b in placement_group_bundles(args)) <= 2.0

@@ -170,11 +170,3 @@ def test_executors_equal_the_offline_engine_under_preemption(serve_session, lora
     assert stats["worker_batch_states"] == [(0, 0)] * tp  # no request's state outlives it on any rank
     handle.check_health.remote().result()  # the ranks still answer plain calls beside the step graph
     serve_session.delete("executors")
-
-
-def _alive(class_name: str) -> list[dict]:
-    """Live actors of a class, from the GCS (the state API needs the dashboard, off here)."""
-    from ray._private import state
-
-    actors = state.actors(actor_state_name="ALIVE").values()
-    return [a for a in actors if a.get("ActorClassName", "").endswith(class_name)]

@@ -8,20 +8,25 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any, Literal
 
 from fastapi.responses import Response
+from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from rayserve_paged.deployments.admission import Admission
 from rayserve_paged.deployments.errors import bad_request
 from rayserve_paged.deployments.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
+    MAX_CHOICES,
+    MAX_TOP_LOGPROBS,
     ChatLogprobs,
-    DeltaMessage,
+    GenerationRequest,
+    RequestModel,
+    ResponseHead,
+    UsageInfo,
+    check_unicode,
+    check_unicode_within,
+    documented,
 )
 from rayserve_paged.deployments.serving.logprobs import chat_logprobs
 from rayserve_paged.deployments.serving.pipeline import ChoiceProgress, GenerationPipeline, Plan, Prompt, reasons_json
@@ -37,6 +42,176 @@ from rayserve_paged.engine.tool_calls import (
     named_function,
     parse_tool_calls,
 )
+
+
+# --------------------------------------------------------------------------- request and response models
+
+
+class ContentPart(RequestModel):
+    type: Literal["text"] = Field(description="Only text parts are supported.")
+    text: str = Field(description="The text.")
+
+    @field_validator("text")
+    @classmethod
+    def _check_text(cls, text: str) -> str:
+        return check_unicode(text)
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="Who speaks; developer is treated as system; tool carries a tool's result."
+    )
+    content: str | list[ContentPart] | None = Field(
+        None, description="The message text, or a list of text parts; may be null for an assistant's tool calls."
+    )
+    name: str | None = Field(None, description="Participant name (passed to the chat template).")
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="An assistant's tool calls (passed to the chat template as sent)."
+    )
+    tool_call_id: str | None = Field(None, description="The call a tool message answers (passed to the template).")
+
+    @field_validator("content", "name", "tool_call_id", "tool_calls")
+    @classmethod
+    def _check_text(cls, value):
+        return check_unicode_within(value)
+
+    @model_validator(mode="after")
+    def _content_unless_tool_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (only an assistant message with tool_calls may leave it out)")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (HF's dict shape)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    max_tokens: int | None = Field(
+        None, description="Deprecated alias of max_completion_tokens.", **documented(minimum=1)
+    )
+    max_completion_tokens: int | None = Field(
+        None,
+        description="Most tokens to generate per choice; omitted = up to the model's context length.",
+        **documented(minimum=1),
+    )
+    best_of: int | None = Field(
+        None, ge=1, le=MAX_CHOICES, description="Generate best_of choices and return the n most likely (>= n)."
+    )
+    logprobs: bool = Field(False, description="Return the logprob of each generated token.")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs: also this many most likely tokens per position."
+    )
+    tools: list[dict[str, Any]] | None = Field(
+        None,
+        description="Tool definitions ({'type': 'function', 'function': {name, description, parameters}}), "
+        "passed to the chat template.",
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        None,
+        description="'none' (no tools), 'auto' (the server's tool_call_parser reads calls from the output), "
+        "'required' (the output is one or more calls) or {'type': 'function', 'function': {'name': ...}}.",
+    )
+    parallel_tool_calls: bool = Field(True, description="With tool_choice 'required': allow more than one call.")
+
+    @field_validator("tools", "tool_choice")
+    @classmethod
+    def _check_tools(cls, value):
+        return check_unicode_within(value)
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> tuple[int | None, str]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise SamplingParamsError("top_logprobs: needs logprobs: true")
+        if not self.logprobs:
+            return None, "top_logprobs"
+        return self.top_logprobs or 0, "top_logprobs"
+
+    def sampling_field_names(self) -> dict[str, str]:
+        return {"max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
+
+    def prompt_field_renames(self) -> dict[str, str]:
+        return {"prompt_token_ids": "messages", "prompt": "messages", "logprobs": "top_logprobs"}
+
+    def implied_constraint_field(self) -> str:
+        return "tools" if self.tool_choice not in (None, "none", "auto") else ""
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="The calls the model made: [{id, type: 'function', function: {name, arguments}}]."
+    )
+
+    @model_serializer(mode="wrap")
+    def _no_absent_tool_calls(self, handler):
+        body = handler(self)
+        if body.get("tool_calls") is None:
+            body.pop("tool_calls", None)
+        return body
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(ResponseHead):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """A chat stream's increment; fields it does not carry are left out, not null."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's chunks: [{index, id, type, function}]
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(ResponseHead):
+    """One server-sent event of a streamed chat completion."""
+
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+# --------------------------------------------------------------------------- the route
 
 
 class ChatServing:

@@ -6,16 +6,83 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Literal
 
 from fastapi.responses import Response
+from pydantic import BaseModel, Field, field_validator
 
 from rayserve_paged.deployments.admission import Admission
 from rayserve_paged.deployments.errors import bad_request
-from rayserve_paged.deployments.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from rayserve_paged.deployments.protocol import (
+    MAX_CHOICES,
+    MAX_PROMPTS,
+    PROMPT_SCHEMAS,
+    CompletionLogprobs,
+    GenerationRequest,
+    ResponseHead,
+    UsageInfo,
+    check_prompt_shape,
+    documented,
+)
 from rayserve_paged.deployments.serving.logprobs import completion_logprobs
 from rayserve_paged.deployments.serving.pipeline import ChoiceProgress, GenerationPipeline, Plan, Prompt, reasons_json
 from rayserve_paged.deployments.sse import EventFrame, EventStreamResponse, json_response, json_value
 from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
+
+
+# --------------------------------------------------------------------------- request and response models
+
+
+class CompletionRequest(GenerationRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description=(
+            "A string, a list of strings (one set of n choices per prompt), a list of token ids, "
+            f"or a list of token-id lists; at most {MAX_PROMPTS} prompts, none empty."
+        ),
+        json_schema_extra=lambda schema: schema.update(anyOf=PROMPT_SCHEMAS),
+    )
+    max_tokens: int | None = Field(
+        16, description="Most tokens to generate per choice (>= 1).", **documented(minimum=1)
+    )
+    best_of: int | None = Field(
+        None, ge=1, le=MAX_CHOICES, description="Generate best_of choices and return the n most likely (>= n)."
+    )
+    logprobs: int | None = Field(
+        None, ge=0, description="Return the logprobs of the sampled tokens and of the most likely `logprobs` others."
+    )
+    echo: bool = Field(False, description="Put the prompt text in front of each choice's text.")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, prompt):
+        return check_prompt_shape(prompt)
+
+
+class CompletionChoice(BaseModel):
+    index: int = Field(description="prompt_index * n + choice_index.")
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = Field(None, description="stop, length, or null while streaming.")
+    stop_reason: int | str | None = Field(None, description="The stop string or stop token id that ended the choice.")
+
+
+class CompletionResponse(ResponseHead):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(ResponseHead):
+    """One server-sent event of a streamed completion."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# --------------------------------------------------------------------------- the route
 
 
 class CompletionServing:

@@ -28,16 +28,12 @@ from rayserve_paged.deployments.errors import (
     to_openai_error,
 )
 from rayserve_paged.deployments.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
     ErrorResponse,
-    LoadLoRAAdapterRequest,
+    GenerationRequest,
     ModelCard,
     ModelList,
-    UnloadLoRAAdapterRequest,
     UsageInfo,
-    constraint_field_names,
-    requested_constraint,
+    engine_renames,
     to_sampling_params,
 )
 from rayserve_paged.deployments.serving.logprobs import TokenTexts
@@ -142,7 +138,7 @@ class GenerationPipeline:
             logger.warning("tokenization of %s failed: %s", field, type(exc).__name__)
             raise bad_request(f"{field}: the text cannot be tokenized ({type(exc).__name__})", param=field) from None
 
-    async def begin(self, request: CompletionRequest | ChatCompletionRequest) -> tuple[dict, SamplingParams]:
+    async def begin(self, request: GenerationRequest) -> tuple[dict, SamplingParams]:
         """What every generation request checks first: the model it names, then its
         sampling parameters against the model's limits. (info, params)."""
         log_unknown_fields(request)
@@ -151,7 +147,7 @@ class GenerationPipeline:
         return info, sampling_params(request, info)
 
     def reserve(
-        self, admission: Admission | None, request: CompletionRequest | ChatCompletionRequest, num_prompts: int,
+        self, admission: Admission | None, request: GenerationRequest, num_prompts: int,
         params: SamplingParams,
     ) -> None:  # fmt: skip
         """The request's sequences (prompts x best_of) against the replica's limit; an
@@ -249,46 +245,19 @@ class GenerationPipeline:
             code="model_not_found",
         )
 
-    def model_name(self, request: CompletionRequest | ChatCompletionRequest) -> str:
+    def model_name(self, request: GenerationRequest) -> str:
         """The name a response gives (the adapter's, when the request ran on one)."""
         return request.model if request.model is not None else self.served_model_name
 
-    def lora_of(self, request: CompletionRequest | ChatCompletionRequest) -> dict:
+    def lora_of(self, request: GenerationRequest) -> dict:
         """The engine client's keyword for the request's LoRA adapter ({} for the base model)."""
         name = request.model
         return {} if name is None or name == self.served_model_name else {"lora_name": name}
 
-    # ---------------------------------------------------------------- runtime LoRA loading
-
-    async def load_lora_adapter(self, request: LoadLoRAAdapterRequest) -> str:
-        name = request.lora_name
-        if name == self.served_model_name:
-            raise bad_request(f"lora_name: {name!r} is the served model's name", param="lora_name")
-        if name in await self.lora_adapters():
-            raise bad_request(f"lora_name: the LoRA adapter {name!r} has already been loaded", param="lora_name")
-        try:
-            await self.client.load_lora_adapter(name, request.lora_path)
-        except ValueError as exc:
-            from rayserve_paged.models.lora import LoRAError  # torch: not at import (the app imports no torch)
-
-            cause = getattr(exc, "cause", None)  # through Ray: the engine's own exception
-            cause = cause if isinstance(cause, ValueError) else exc
-            param = "lora_path" if isinstance(cause, LoRAError) else "lora_name"
-            raise bad_request(f"{param}: {cause}", param=param) from None
-        return f"Success: LoRA adapter '{name}' added successfully."
-
-    async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest) -> str:
-        name = request.lora_name
-        if name not in await self.lora_adapters() or not await self.client.unload_lora_adapter(name):
-            raise OpenAIError(
-                404, f"lora_name: the LoRA adapter {name!r} cannot be found", param="lora_name", code="model_not_found"
-            )
-        return f"Success: LoRA adapter '{name}' removed successfully."
-
     # ---------------------------------------------------------------- the two answers
 
     async def generate_body(
-        self, request: CompletionRequest | ChatCompletionRequest, prompts: list[Prompt], params: SamplingParams,
+        self, request: GenerationRequest, prompts: list[Prompt], params: SamplingParams,
         request_ids: list[str],
     ) -> list[RequestOutput]:  # fmt: skip
         """The finished results of a non-streamed request; an engine error is the client's
@@ -299,7 +268,7 @@ class GenerationPipeline:
             raise to_openai_error(exc, engine_renames(request)) from exc
 
     async def open_stream(
-        self, request: CompletionRequest | ChatCompletionRequest, prompts: list[Prompt], params: SamplingParams,
+        self, request: GenerationRequest, prompts: list[Prompt], params: SamplingParams,
         request_ids: list[str],
     ) -> tuple[tuple[int, RequestOutput], AsyncIterator[tuple[int, RequestOutput]]]:  # fmt: skip
         """The first output and the rest of a streamed request: the first is awaited before
@@ -318,7 +287,7 @@ class GenerationPipeline:
 
     async def stream_events(
         self,
-        request: CompletionRequest | ChatCompletionRequest,
+        request: GenerationRequest,
         prompts: list[Prompt],
         first: tuple[int, RequestOutput],
         outputs: AsyncIterator[tuple[int, RequestOutput]],
@@ -477,7 +446,7 @@ class GenerationPipeline:
 
 # ---------------------------------------------------------------- request checks
 
-def log_unknown_fields(request: CompletionRequest | ChatCompletionRequest) -> None:
+def log_unknown_fields(request: GenerationRequest) -> None:
     """Unknown fields are ignored, as vLLM's server does; the log says which, in one line
     of bounded length: names are the client's text, so each is escaped (a newline cannot
     forge a log line) and cut, and at most MAX_LOGGED_FIELDS are named."""
@@ -499,30 +468,12 @@ def _loggable(name: str) -> str:
     return escaped
 
 
-def engine_renames(request: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
-    """Engine error field -> the request field the client wrote."""
-    renames = {"prompt_token_ids": "prompt"}
-    if isinstance(request, ChatCompletionRequest):
-        renames = {"prompt_token_ids": "messages", "prompt": "messages", "logprobs": "top_logprobs"}
-    if request.best_of is None:
-        renames["best_of"] = "n"
-    try:
-        _, field = requested_constraint(request)
-    except SamplingParamsError:
-        field = ""
-    if field:
-        renames.update(constraint_field_names(field))
-    elif isinstance(request, ChatCompletionRequest) and request.tool_choice not in (None, "none", "auto"):
-        renames.update(constraint_field_names("tools"))
-    return renames
-
-
-def _width_field(request: CompletionRequest | ChatCompletionRequest) -> str:
+def _width_field(request: GenerationRequest) -> str:
     """The field that set how many sequences each prompt starts."""
     return "best_of" if request.best_of is not None else "n"
 
 
-def sampling_params(request: CompletionRequest | ChatCompletionRequest, info: dict) -> SamplingParams:
+def sampling_params(request: GenerationRequest, info: dict) -> SamplingParams:
     try:
         return to_sampling_params(request, int(info.get("max_logprobs", 0)))
     except SamplingParamsError as exc:

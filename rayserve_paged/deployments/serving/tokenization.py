@@ -3,16 +3,55 @@ is rendered by the chat route's template)."""
 
 from __future__ import annotations
 
+from pydantic import BaseModel, Field, model_validator
+
 from rayserve_paged.deployments.errors import bad_request
-from rayserve_paged.deployments.protocol import (
-    ChatCompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    TokenizeRequest,
-    TokenizeResponse,
-)
-from rayserve_paged.deployments.serving.chat import ChatServing
+from rayserve_paged.deployments.protocol import RequestModel, check_unicode
+from rayserve_paged.deployments.serving.chat import ChatCompletionRequest, ChatMessage, ChatServing
 from rayserve_paged.deployments.serving.pipeline import GenerationPipeline
+
+
+# --------------------------------------------------------------------------- request and response models
+
+
+class TokenizeRequest(RequestModel):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the chat template."""
+
+    model: str | None = Field(None, description="The served model name; omitted = the served model.")
+    prompt: str | None = Field(None, description="Text to tokenize (give this or messages).")
+    messages: list[ChatMessage] | None = Field(
+        None, min_length=1, description="A conversation, rendered by the chat template."
+    )
+    add_special_tokens: bool = Field(True, description="With prompt: add the tokenizer's special tokens (BOS).")
+    add_generation_prompt: bool = Field(True, description="With messages: end with the assistant's turn opening.")
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt and messages")
+        if self.prompt is not None:
+            check_unicode(self.prompt)
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(RequestModel):
+    """POST /detokenize (vLLM's)."""
+
+    model: str | None = Field(None, description="The served model name; omitted = the served model.")
+    tokens: list[int] = Field(description="Token ids to turn into text.")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# --------------------------------------------------------------------------- the routes
 
 
 class TokenizationServing:
