@@ -9,6 +9,10 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rayserve_paged.batch import BatchConfig
 
 # name -> module in the top-level `benchmarks` package; each has main(argv) -> int
 BENCHMARKS = {
@@ -183,7 +187,7 @@ def _demo(args) -> int:
     return 0
 
 
-def batch_config(args) -> "BatchConfig":  # noqa: F821 (imported below: batch needs pyarrow)
+def batch_config(args) -> BatchConfig:
     """The job's BatchConfig: --config's engine options, then the flags. A Serve config
     (configs/*.yaml) gives its application's args, checked as `serve run` checks them
     (AppArgs): the engine, served_model_name, tool_call_parser, worker_cpus; any other

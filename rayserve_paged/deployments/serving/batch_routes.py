@@ -21,10 +21,10 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from rayserve_paged.deployments.errors import bad_request, to_openai_error, validation_error
-from rayserve_paged.deployments.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
-from rayserve_paged.deployments.serving.chat import ChatServing
-from rayserve_paged.deployments.serving.completions import CompletionServing
-from rayserve_paged.deployments.serving.pipeline import GenerationPipeline, Plan, engine_renames
+from rayserve_paged.deployments.protocol import ErrorResponse, engine_renames
+from rayserve_paged.deployments.serving.chat import ChatCompletionRequest, ChatServing
+from rayserve_paged.deployments.serving.completions import CompletionRequest, CompletionServing
+from rayserve_paged.deployments.serving.pipeline import GenerationPipeline, Plan
 from rayserve_paged.engine.outputs import RequestOutput
 
 CHAT_URL = "/v1/chat/completions"
@@ -60,12 +60,13 @@ class OpenAIBatchRoutes:
         tool_call_parser: str | None = None,
     ) -> None:
         pipeline = GenerationPipeline(_ModelOnlyClient(info, lora_modules or {}), tokenizer, served_model_name)
-        self._chat = ChatServing(pipeline, tool_call_parser)
-        self._completions = CompletionServing(pipeline)
+        chat, completions = ChatServing(pipeline, tool_call_parser), CompletionServing(pipeline)
+        self._by_url = {CHAT_URL: (ChatCompletionRequest, chat), COMPLETIONS_URL: (CompletionRequest, completions)}
+        self._by_request = {ChatCompletionRequest: chat, CompletionRequest: completions}
 
     async def prepare(self, url: str, body: dict) -> Plan:
         """The body checked as the server checks it (OpenAIError: the answer is an error)."""
-        model, route = (ChatCompletionRequest, self._chat) if url == CHAT_URL else (CompletionRequest, self._completions)
+        model, route = self._by_url[url]
         try:
             request = model.model_validate(body)
         except ValidationError as exc:
@@ -76,8 +77,7 @@ class OpenAIBatchRoutes:
 
     def respond(self, plan: Plan, results: list[RequestOutput]) -> str:
         """The 200 body's JSON, as the server writes it."""
-        route = self._chat if isinstance(plan.request, ChatCompletionRequest) else self._completions
-        return route.response(plan, results).model_dump_json()
+        return self._by_request[type(plan.request)].response(plan, results).model_dump_json()
 
     @staticmethod
     def error(exc: BaseException, plan: Plan | None = None) -> tuple[int, str]:

@@ -76,7 +76,7 @@ class Plan:
     (deployments/serving/batch_routes.py) carries it from a CPU task past the engine to the
     task that writes the body."""
 
-    request: CompletionRequest | ChatCompletionRequest
+    request: GenerationRequest
     prompts: list[Prompt]
     params: SamplingParams
     response_id: str
@@ -157,8 +157,8 @@ class GenerationPipeline:
             admission.reserve_sequences(num_prompts, params.best_of, field)
 
     def plan(
-        self, request: CompletionRequest | ChatCompletionRequest, prompts: list[Prompt], params: SamplingParams,
-        response_id: str, tools: str | None = None,
+        self, request: GenerationRequest, prompts: list[Prompt], params: SamplingParams, response_id: str,
+        tools: str | None = None,
     ) -> Plan:  # fmt: skip
         request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         return Plan(request, prompts, params, response_id, request_ids, self.lora_of(request).get("lora_name"), tools)
