@@ -1,11 +1,11 @@
 """Batch inference on Ray Data against LLM.generate in one process: rows/s and output
 tokens/s on SmolLM2-135M-Instruct chat lines, and how long each engine actor sat idle.
 
-    rayserve-paged bench batch --out DIR [--num-lines 2000] [--max-tokens 32] [--actors 1,2]
+    rayserve-paged bench batch --out DIR [--num-lines 2000] [--max-tokens 32] [--runs llm,1,2]
                                [--rounds 1]
 
 llm      LLM("smollm2").chat over every line's conversation at once (one process, one torch
-         thread), timed after the model is loaded.
+         thread), timed after the model is loaded and one untimed warm-up call.
 batch-N  `run_batch_file` (what `rayserve-paged batch` runs) on the same lines as an OpenAI
          batch file, N engine actors of one torch thread each, in a local Ray instance of
          its own. `wall_s` is the whole job (Ray start, actor start-up and model loads
@@ -47,6 +47,7 @@ def run_llm(num: int, max_tokens: int) -> dict:
     llm = LLM(**ENGINE)
     conversations = [[{"role": "user", "content": q}] for q in questions(num)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.chat(conversations[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up, untimed
     start = time.perf_counter()
     outputs = llm.chat(conversations, params, use_tqdm=False)
     wall = time.perf_counter() - start
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                               out_default="bench-out", seed=None)  # fmt: skip
     parser.add_argument("--num-lines", type=int, default=2000)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--actors", default="1,2", help="comma-separated engine actor counts")
+    parser.add_argument("--runs", default="llm,1,2", help="comma-separated: llm, and engine actor counts")
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args(argv)
     num, max_tokens = (16, 8) if args.quick else (args.num_lines, args.max_tokens)
@@ -108,10 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     for _ in range(args.rounds):
-        runs.append(run_llm(num, max_tokens))
-        print(runs[-1], flush=True)
-        for actors in (int(a) for a in args.actors.split(",")):
-            runs.append(run_batch(num, max_tokens, actors, out))
+        for name in args.runs.split(","):
+            runs.append(run_llm(num, max_tokens) if name == "llm" else run_batch(num, max_tokens, int(name), out))
             print(runs[-1], flush=True)
     record = {"num_lines": num, "max_tokens": max_tokens, "load_average": load_average(), "runs": runs}
     write_report(out, "batch.json", record, format_report)

@@ -217,7 +217,9 @@ def _run(pending, store, summary, config, routes, address, progress, on_commit, 
     context = ray.data.DataContext.get_current()
     context.max_errored_blocks = -1  # a batch that failed every retry: its lines are answered below
     context.enable_progress_bars = progress
-    block_rows = config.batch_size * config.max_concurrent_batches
+    # one batch per block, so each engine actor task is one batch: Ray Data hands an actor up
+    # to max_concurrent_batches of them, and blocks spread over the actors as they come up
+    block_rows = config.batch_size
     blocks = [
         pa.table({"line": [i for i, _ in chunk], "text": [t for _, t in chunk]},
                  schema=pa.schema([("line", pa.int64()), ("text", pa.string())]))
