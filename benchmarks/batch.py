@@ -9,9 +9,9 @@ llm      LLM("smollm2").chat over every line's conversation at once (one process
 batch-N  `run_batch_file` (what `rayserve-paged batch` runs) on the same lines as an OpenAI
          batch file, N engine actors of one torch thread each, in a local Ray instance of
          its own. `wall_s` is the whole job (Ray start, actor start-up and model loads
-         included); `engine_s` the longest engine's span from its first step to its last
-         batch (stepping + idle), the figure that compares with `llm`; `idle_s` per actor:
-         time its engine had nothing to step after its first step.
+         included); `engine_s` the longest engine's span from its first step's start to its
+         last step's end, the figure that compares with `llm`; `idle_s` per actor: time its
+         engine had nothing to step after its first step.
 
 Lines: greedy, exactly max_tokens output tokens each (ignore_eos), distinct questions. With
 --rounds N the sequence (llm, batch-1, batch-2, ...) runs N times (the machine is shared:
@@ -74,13 +74,13 @@ def run_batch(num: int, max_tokens: int, actors: int, out: Path) -> dict:
     finally:
         ray.shutdown()
     wall = time.perf_counter() - start
-    engine_s = max(s.busy_s + s.idle_s for s in summary.replicas.values())
+    engine_s = max(s.span_s for s in summary.replicas.values())
     return {
         "name": f"batch-{actors}", "rows": summary.num_written, "errors": summary.num_errors,
         "output_tokens": summary.num_output_tokens, "wall_s": wall, "engine_s": engine_s,
         "rows_per_s": summary.num_written / engine_s, "tokens_per_s": summary.num_output_tokens / engine_s,
         "wall_rows_per_s": summary.num_written / wall,
-        "actors": {name: {"steps": s.num_steps, "busy_s": s.busy_s, "idle_s": s.idle_s}
+        "actors": {name: {"steps": s.num_steps, "busy_s": s.busy_s, "idle_s": s.idle_s, "span_s": s.span_s}
                    for name, s in summary.replicas.items()},
     }  # fmt: skip
 

@@ -53,6 +53,7 @@ class ReplicaStats:
     num_steps: int = 0
     busy_s: float = 0.0  # in engine steps
     idle_s: float = 0.0  # waiting with nothing to step, after its first step
+    span_s: float = 0.0  # from its first step's start to its last step's end
 
 
 @dataclass(slots=True)
@@ -272,6 +273,7 @@ def _take(batch: pa.Table, store: PartStore, summary: BatchSummary) -> None:
             stats.num_steps = columns["replica_steps"][i]
             stats.busy_s = columns["replica_busy_s"][i]
             stats.idle_s = columns["replica_idle_s"][i]
+            stats.span_s = columns["replica_span_s"][i]
 
 
 def _custom_ids(texts: dict[int, str | None], indices: list[int]) -> dict[int, str | None]:

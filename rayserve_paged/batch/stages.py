@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 NO_BYTES = b""
 PREPARED = ["line", "custom_id", "plan", "output", "status_code"]
-REPLICA = ["replica", "replica_steps", "replica_busy_s", "replica_idle_s"]  # the engine actor's counters
+REPLICA = ["replica", "replica_steps", "replica_busy_s", "replica_idle_s", "replica_span_s"]  # the engine actor's counters
 ANSWERED = ["line", "custom_id", "output", "status_code", "num_output_tokens", *REPLICA]
 
 
@@ -111,7 +111,7 @@ class EngineStage:
         timing = self.core.timing
         for row, result in zip(rows, results):
             row.update(results=result, replica=self.replica, replica_steps=timing.steps,
-                       replica_busy_s=timing.step_s, replica_idle_s=timing.idle_s)  # fmt: skip
+                       replica_busy_s=timing.step_s, replica_idle_s=timing.idle_s, replica_span_s=timing.span_s)  # fmt: skip
         return _columns(rows, PREPARED + ["results", *REPLICA])
 
     async def _generate(self, plan_bytes: bytes) -> bytes:
