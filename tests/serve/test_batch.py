@@ -102,20 +102,26 @@ async def _server_answers(engine_options: dict, lines: list[str]) -> dict[str, t
     """custom_id -> (status, body) from the OpenAI app over an in-process engine."""
     engine = LLMEngine(EngineConfig(**engine_options))
     client = InProcessEngineClient(engine, SERVED)
-    answers = {}
+    requests = []
+    for text in lines:
+        try:
+            line = json.loads(text)
+        except ValueError:
+            continue
+        if "custom_id" in line and line["url"] != "/v1/embeddings":
+            requests.append(line)
     try:
         async with asgi_client(create_openai_app(client, engine.tokenizer, SERVED)) as http:
-            for text in lines:
-                try:
-                    line = json.loads(text)
-                except ValueError:
-                    continue
-                if "custom_id" in line and line["url"] != "/v1/embeddings":
-                    response = await http.post(line["url"], json=line["body"])
-                    answers[line["custom_id"]] = (response.status_code, response.json())
+            slots = asyncio.Semaphore(16)  # within the app's tokenizer queue (64): no 503s
+
+            async def post(line: dict):
+                async with slots:
+                    return await http.post(line["url"], json=line["body"])
+
+            responses = await asyncio.gather(*(post(line) for line in requests))
     finally:
         await client.close()
-    return answers
+    return {line["custom_id"]: (r.status_code, r.json()) for line, r in zip(requests, responses)}
 
 
 def _comparable(body: dict) -> dict:
