@@ -5,15 +5,58 @@ its docstring has the plan."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import tempfile
 import time
+from pathlib import Path
 
 from benchmarks.gpu_kernels import CUDA, free_memory
 
-OPT_1_3B = dict(
-    hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32, word_embed_proj_dim=2048,
-    max_position_embeddings=2048,
+# The checkpoint every model section shares on the GPU: OPT-1.3B's width (hidden 2048, ffn
+# 8192, 32 heads of 64) with 4 layers and the tiny 512-token vocabulary, random weights in
+# float16: 0.4 GB, written in about 2 s (the 24-layer float32 one was 4.8 GB, written twice)
+SMALL_OPT = dict(
+    hidden_size=2048, num_hidden_layers=4, ffn_dim=8192, num_attention_heads=32, word_embed_proj_dim=2048,
+    max_position_embeddings=2048, dtype="float16",
 )
+
+
+class Checkpoints:
+    """The one checkpoint the runner and engine sections share, written on first use under
+    `root` (which the caller removes): SMALL_OPT on CUDA, the tiny float32 OPT on CPU."""
+
+    def __init__(self, root: Path, has_cuda: bool) -> None:
+        self.root, self.has_cuda = Path(root), has_cuda
+        self._path: str | None = None
+        self.write_seconds: float | None = None
+
+    def path(self) -> str:
+        if self._path is None:
+            from rayserve_paged.models.tiny import make_tiny_model
+
+            started = time.monotonic()
+            self._path = str(make_tiny_model("opt", self.root / "opt", **(SMALL_OPT if self.has_cuda else {})))
+            self.write_seconds = round(time.monotonic() - started, 2)
+        return self._path
+
+
+def checkpoint_name(has_cuda: bool) -> str:
+    return "random-weight OPT-1.3B-wide, 4 layers, float16" if has_cuda else "tiny OPT (CPU)"
+
+
+@contextlib.contextmanager
+def checkpoint_of(context: Checkpoints | None, has_cuda: bool):
+    """The shared checkpoint's path; without a context, one of its own, removed after."""
+    if context is not None:
+        yield context.path()
+        return
+    root = Path(tempfile.mkdtemp(prefix="gpu-check-model-"))
+    try:
+        yield Checkpoints(root, has_cuda).path()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog",
     "Paged attention keeps the cache in blocks",
@@ -30,7 +73,7 @@ PROMPTS = [
 # configuration, so neither pydantic nor ray is imported).
 
 
-def runner_check(torch, has_cuda: bool, quick: bool, cpu_backend: str = "triton") -> dict:
+def runner_check(torch, has_cuda: bool, quick: bool, cpu_backend: str = "triton", context=None) -> dict:
     """Greedy tokens of the model runner against HF generate in float32 (triton backend on
     the GPU; torch and the interpreted kernels on CPU), the same run with every block swapped
     out to pinned host memory and back into other blocks halfway, the KV cache sized from
@@ -40,7 +83,6 @@ def runner_check(torch, has_cuda: bool, quick: bool, cpu_backend: str = "triton"
 
     from rayserve_paged.models.loader import get_model_config, load_model
     from rayserve_paged.models.sampler import Sampler
-    from rayserve_paged.models.tiny import make_tiny_model
     from rayserve_paged.ops import triton_backend
     from rayserve_paged.ops.backends import get_attention_backend
     from rayserve_paged.ops.cache_ops import BlockSwapper
@@ -49,11 +91,9 @@ def runner_check(torch, has_cuda: bool, quick: bool, cpu_backend: str = "triton"
 
     device = CUDA if has_cuda else "cpu"
     backend_name = "triton" if has_cuda or (cpu_backend == "triton" and triton_backend.is_interpreted()) else "torch"
-    shape = (OPT_1_3B | ({"num_hidden_layers": 4} if quick else {})) if has_cuda else {}
     block_size, max_new = 16, (16 if quick or not has_cuda else 32)
     result: dict = {"device": device, "backend": backend_name, "failures": []}
-    with tempfile.TemporaryDirectory(prefix="gpu-check-runner-") as path:
-        make_tiny_model("opt", path, **shape)
+    with checkpoint_of(context, has_cuda) as path:
         mc = get_model_config(path)
         backend = get_attention_backend(backend_name, device)
         tokenizer_ids = _prompt_ids(path)
@@ -119,7 +159,7 @@ def runner_check(torch, has_cuda: bool, quick: bool, cpu_backend: str = "triton"
                     result["failures"].append(f"{dtype}: {extra} kernel compiles after warm-up")
             del model, runner, caches, host
             free_memory(torch)
-    result["model"] = "random-weight OPT-1.3B-shaped" if has_cuda else "tiny OPT (CPU)"
+    result["model"] = checkpoint_name(has_cuda)
     return result
 
 
@@ -362,11 +402,9 @@ def throughput(llm, num_prompts: int, prompt_len: int, max_tokens: int, sync) ->
     }
 
 
-def e2e_gpu(torch, quick: bool) -> dict:
-    from rayserve_paged.models.tiny import make_tiny_model
-
-    shape = OPT_1_3B | ({"num_hidden_layers": 4} if quick else {})
-    name = "random-weight OPT-1.3B-shaped" + (", 4 layers (--quick)" if quick else "")
+def e2e_gpu(torch, quick: bool, context=None) -> dict:
+    """The engine on the shared float16 checkpoint: CUDA graphs on (the KV cache profiled)
+    and enforce_eager with the triton backend (the full run adds the torch backend)."""
     num_prompts = 16 if quick else 64
     # max_num_seqs = the load's batch: graphs for buckets 1..num_prompts only, and one length
     # class (max_model_len 1024 holds the load's 256 + 128 tokens)
@@ -375,32 +413,32 @@ def e2e_gpu(torch, quick: bool) -> dict:
         # CUDA graphs on, the KV cache sized the way a user's start-up sizes it: profiled
         "triton": common | dict(attention_backend="triton", gpu_memory_utilization=0.3),
         "triton:eager": common | dict(attention_backend="triton", enforce_eager=True, kv_cache_memory_gb=16),
-        "torch": common | dict(attention_backend="torch", kv_cache_memory_gb=16),
     }
-    with tempfile.TemporaryDirectory(prefix="gpu-check-opt-") as path:
-        started = time.monotonic()
-        make_tiny_model("opt", path, **shape)
-        checkpoint_seconds = time.monotonic() - started
+    if not quick:
+        runs["torch"] = common | dict(attention_backend="torch", kv_cache_memory_gb=16)
+    with checkpoint_of(context, True) as path:
         result = e2e_run(
             torch, path, device="cuda", dtype="float16", runs=runs, parity_tokens=16 if quick else 32,
             load=dict(num_prompts=16, prompt_len=128, max_tokens=64) if quick
             else dict(num_prompts=64, prompt_len=256, max_tokens=128),
         )
-    result |= {"model": name, "config": shape, "checkpoint_seconds": checkpoint_seconds}
-    result["triton_over_torch_tokens_per_s"] = (
-        result["throughput_triton"]["output_tokens_per_s"] / result["throughput_torch"]["output_tokens_per_s"]
-    )
+    result |= {"model": checkpoint_name(True), "config": SMALL_OPT}
+    if context is not None:
+        result["checkpoint_seconds"] = context.write_seconds
+    if "throughput_torch" in result:
+        result["triton_over_torch_tokens_per_s"] = (
+            result["throughput_triton"]["output_tokens_per_s"] / result["throughput_torch"]["output_tokens_per_s"]
+        )
     result["cuda_graphs_over_eager_tokens_per_s"] = (
         result["throughput_triton"]["output_tokens_per_s"] / result["throughput_triton:eager"]["output_tokens_per_s"]
     )
     return result
 
 
-def e2e_cpu(torch) -> dict:
+def e2e_cpu(torch, context=None) -> dict:
     """The tiny OPT on CPU through the engine: the torch backend with the static decode path
     (padded buckets, eager: no CUDA) and with enforce_eager, and the triton kernels under
     the interpreter; float32 greedy tokens must equal HF's."""
-    from rayserve_paged.models.tiny import make_tiny_model
     from rayserve_paged.ops import triton_backend
 
     common = dict(dtype="float32", device="auto", kv_cache_memory_gb=0.05, max_model_len=256, swap_space_gb=0.01)
@@ -408,8 +446,7 @@ def e2e_cpu(torch) -> dict:
             "torch:eager": common | dict(attention_backend="torch", enforce_eager=True)}
     if triton_backend.is_interpreted():
         runs["triton"] = common | dict(attention_backend="triton")
-    with tempfile.TemporaryDirectory(prefix="gpu-check-tiny-") as path:
-        make_tiny_model("opt", path)
+    with checkpoint_of(context, False) as path:
         result = e2e_run(
             torch, path, device="cpu", dtype="float32", runs=runs, parity_tokens=12,
             load=dict(num_prompts=4, prompt_len=24, max_tokens=8),

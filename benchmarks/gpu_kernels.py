@@ -9,6 +9,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -16,9 +17,13 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# wall-clock guards of the test runs (seconds): killed after these
+# wall-clock guards of the test runs (seconds): killed (the whole process group) after these
 TESTS_TIMEOUT_S = {"quick": 150, "full": 200}
 MEMCHECK_TIMEOUT_S = {"quick": 60, "full": 60}
+# no new copy / decode / prefill point starts after this many seconds of those sections
+BENCH_BUDGET_S = {"quick": 80.0, "full": 130.0}
+NOMINAL_L2_BYTES = 50 * 2**20  # H100 / H200; where the device does not say (and on CPU)
+FLUSH_L2_TIMES = 4  # the buffer read between timed replays: this many times the L2
 CUDA = "cuda:0"  # every device this check hands the project's code names its index
 DECODE_BATCHES = (1, 16, 64, 256)
 DECODE_CONTEXTS = (512, 2048, 8192)
@@ -73,7 +78,8 @@ def memcheck_skip_reason(has_cuda: bool, sanitizer: str | None) -> str | None:
 def run_memcheck(sanitizer: str, quick: bool) -> dict:
     """The `quick` Triton tests (one per kernel path, small shapes; the kernels compiled by
     the tests step come from Triton's cache) under compute-sanitizer's memcheck: any
-    out-of-bounds or misaligned access fails the step."""
+    out-of-bounds or misaligned access fails the step. The sanitizer and the pytest it
+    starts run in a session of their own, killed as a group at the timeout."""
     command = [sanitizer, "--tool", "memcheck", "--error-exitcode", "1", "--print-limit", "20",
                "--target-processes", "all"] + TRITON_TESTS + ["-m", "quick"]
     result = _run_pytest(command, "cuda", MEMCHECK_TIMEOUT_S["quick" if quick else "full"])
@@ -81,28 +87,74 @@ def run_memcheck(sanitizer: str, quick: bool) -> dict:
     return result | {"sanitizer_errors": int(errors[-1]) if errors else None, "clean": result["returncode"] == 0}
 
 
+def run_in_session(command: list[str], timeout: float, **options) -> tuple[int, str, str]:
+    """(returncode, stdout, stderr) of `command` started in a session of its own; at the
+    timeout its whole process group is killed (a sanitizer's child pytest included) and
+    TimeoutError raised."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True, **options)  # fmt: skip
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        print(stdout[-4000:], stderr[-2000:], sep="\n")
+        raise TimeoutError(f"{' '.join(command[:3])} ... killed with its process group after {timeout} s") from None
+    except BaseException:  # this run is ending (SIGTERM, Ctrl-C): the group must not outlive it
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return process.returncode, stdout, stderr
+
+
 def _run_pytest(command: list[str], device: str, timeout: float) -> dict:
     env = os.environ | {"RAYSERVE_PAGED_TRITON_TEST_DEVICE": device}
     started = time.monotonic()
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    lines = [line for line in result.stdout.strip().splitlines()  # pytest's last line: "N passed ... in S s"
+    returncode, stdout, stderr = run_in_session(command, timeout, cwd=REPO_ROOT, env=env)
+    lines = [line for line in stdout.strip().splitlines()  # pytest's last line: "N passed ... in S s"
              if re.search(r"\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s", line)]
-    summary = lines[-1] if lines else (result.stdout.strip().splitlines() or [""])[-1]
+    summary = lines[-1] if lines else (stdout.strip().splitlines() or [""])[-1]
     counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}
-    if result.returncode != 0:
-        print(result.stdout[-4000:], result.stderr[-2000:], sep="\n")
+    if returncode != 0:
+        print(stdout[-4000:], stderr[-2000:], sep="\n")
     return {
-        "command": " ".join(command[1:] if command[0] == sys.executable else command), "returncode": result.returncode,
+        "command": " ".join(command[1:] if command[0] == sys.executable else command), "returncode": returncode,
         "summary": summary, "counts": counts, "seconds": round(time.monotonic() - started, 1),
-        "output": result.stdout + result.stderr,
+        "output": stdout + stderr,
     }
 
 
 # ---------------------------------------------------------------------------- timing
 
 
+def l2_bytes(torch, device=CUDA) -> int:
+    """The device's L2 size (NOMINAL_L2_BYTES where it does not say, and off CUDA)."""
+    if torch.device(device).type != "cuda":
+        return NOMINAL_L2_BYTES
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or NOMINAL_L2_BYTES)
+
+
+def l2_flags(working_set_bytes: int, l2: int) -> dict:
+    """What a point records about the L2: its working set, and whether that fits in the L2
+    (its figure is then HBM-cold only because the timer flushed the L2 before each replay;
+    in serving such a point can run from the L2)."""
+    return {"working_set_bytes": working_set_bytes, "fits_l2": working_set_bytes <= l2, "l2_bytes": l2}
+
+
+_FLUSH: dict = {}
+
+
+def flush_l2(torch) -> None:
+    """Read a buffer of FLUSH_L2_TIMES x the L2 (clean lines: no write-back lands in the
+    timed kernel), so that the next kernel finds none of its inputs in the L2."""
+    buffer = _FLUSH.get("buffer")
+    if buffer is None:
+        buffer = _FLUSH["buffer"] = torch.ones(FLUSH_L2_TIMES * l2_bytes(torch) // 4, dtype=torch.float32, device=CUDA)
+    buffer.sum()
+
+
 def cuda_median_ms(torch, fn, *, repeats: int, warmup: int = 3) -> dict:
-    """Median ms of `fn` replayed from a CUDA graph (eager if capture fails), and eager."""
+    """Median ms of `fn` replayed from a CUDA graph (eager if capture fails), and eager; each
+    repeat L2-cold: the L2 is flushed before it (outside the timed events)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -117,15 +169,17 @@ def cuda_median_ms(torch, fn, *, repeats: int, warmup: int = 3) -> dict:
             fn()
         graph.replay()
         torch.cuda.synchronize()
-        return {"ms": _median_ms(torch, graph.replay, repeats), "eager_ms": eager_ms, "timing": "cuda_graph"}
+        timed = _median_ms(torch, graph.replay, repeats)
+        return {"ms": timed, "eager_ms": eager_ms, "timing": "cuda_graph, L2 flushed before each replay"}
     except Exception as error:  # noqa: BLE001 - fall back to eager timing, and say so
         torch.cuda.synchronize()
-        return {"ms": eager_ms, "eager_ms": eager_ms, "timing": f"eager ({type(error).__name__})"}
+        return {"ms": eager_ms, "eager_ms": eager_ms, "timing": f"eager ({type(error).__name__}), L2 flushed"}
 
 
 def _median_ms(torch, fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
+        flush_l2(torch)  # before the start event: not timed
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -142,7 +196,8 @@ def copy_bandwidth(torch, num_bytes: int = 2 * 2**30) -> dict:
     gbps = 2 * num_bytes / (timed["ms"] * 1e-3) / 1e9  # read + write
     del src, dst
     torch.cuda.empty_cache()
-    return {"bytes": num_bytes, "ms": timed["ms"], "gbps": gbps, "note": "GB/s counts bytes read + written"}
+    return {"bytes": num_bytes, "ms": timed["ms"], "gbps": gbps, "note": "GB/s counts bytes read + written",
+            **l2_flags(2 * num_bytes, l2_bytes(torch))}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- decode
@@ -159,7 +214,7 @@ def decode_bytes(batch: int, context: int, element_size: int, *, num_heads=NUM_H
 
 
 def decode_benchmark(torch, quick: bool, copy_gbps: float | None, deadline: Deadline) -> list[dict]:
-    dtypes = (torch.float16,) if quick else (torch.float16, torch.bfloat16)
+    dtypes = (torch.float16, torch.bfloat16)
     batches = (1, 64) if quick else DECODE_BATCHES
     contexts = (512, 8192) if quick else DECODE_CONTEXTS
     rows = []
@@ -180,8 +235,9 @@ def decode_benchmark(torch, quick: bool, copy_gbps: float | None, deadline: Dead
 
 
 def decode_point(torch, dtype, batch: int, context: int, *, repeats: int, device=CUDA, timer=None) -> dict:
-    """One decode measurement. `device` and `timer` exist so the CPU tests can run this
-    code under the interpreter with a stand-in timer."""
+    """One decode measurement (L2-cold; the point flagged where its working set fits in the
+    L2). `device` and `timer` exist so the CPU tests can run this code under the interpreter
+    with a stand-in timer."""
     import torch.nn.functional as F
 
     from rayserve_paged.ops.triton_backend import NOMINAL_NUM_SMS, choose_decode_variant, paged_decode_attention
@@ -211,6 +267,7 @@ def decode_point(torch, dtype, batch: int, context: int, *, repeats: int, device
         "ms": timings[rule]["ms"], "eager_ms": timings[rule]["eager_ms"], "timing": timings[rule]["timing"],
         "single_ms": timings["single"]["ms"], "partitioned_ms": timings["partitioned"]["ms"],
         "bytes": num_bytes, "gbps": num_bytes / (timings[rule]["ms"] * 1e-3) / 1e9,
+        **l2_flags(num_bytes, l2_bytes(torch, device)),
     }
     row["rule_picked_faster"] = timings[rule]["ms"] <= min(t["ms"] for t in timings.values()) * 1.02
     # the same K/V laid out contiguously: [batch, num_kv_heads, context, head_dim]
@@ -297,6 +354,9 @@ def prefill_point(
         "dtype": str(dtype).removeprefix("torch."), "num_seqs": num_seqs, "context": context, "new_tokens": new_tokens,
         "ms": timing["ms"], "eager_ms": timing["eager_ms"], "timing": timing["timing"],
         "tflops": flops / (timing["ms"] * 1e-3) / 1e12,
+        # K and V of every sequence, the query and the output
+        **l2_flags(2 * num_seqs * seq_len * NUM_KV_HEADS * HEAD_DIM * query.element_size() + 2 * query.nbytes,
+                   l2_bytes(torch, device)),
     }
     # dense: SDPA over contiguous [num_seqs, heads, len, head_dim], K/V repeated to every query head
     group = NUM_HEADS // NUM_KV_HEADS
@@ -368,10 +428,14 @@ def quant_check(torch, has_cuda: bool) -> dict:
             bound = 2**-3 * (x.float().abs() @ reference.abs().t()) + 1e-3  # activations rounded to 8 bits or fewer
             row = {"rows": num_rows, "layer": name, "kernel": kernel,
                    "error_over_bound": ((y - want).abs() / bound).max().item()}  # fmt: skip
-            if has_cuda:
+            weight_bytes = sum(p.nbytes for p in layer.parameters()) + sum(b.nbytes for b in layer.buffers())
+            row |= l2_flags(weight_bytes + x.nbytes + y.nbytes // 2, l2_bytes(torch, device))  # fmt: skip
+            if has_cuda:  # L2-cold: the 8 MiB of int4 codes (32 MiB of bf16) would otherwise stay in the L2
                 row["ms"] = cuda_median_ms(torch, lambda: layer.matmul(x), repeats=20)["ms"]
                 xb = x.to(torch.bfloat16)
                 row["bf16_ms"] = cuda_median_ms(torch, lambda: torch.nn.functional.linear(xb, dense), repeats=20)["ms"]
+                row["bf16_over_quant"] = row["bf16_ms"] / row["ms"]
+                row["bf16_fits_l2"] = dense.nbytes <= l2_bytes(torch, device)
             rows.append(row)
     bad = [row for row in rows if row["error_over_bound"] > 1]
     return {"device": str(device), "rows": rows, "failures": [f"{r['layer']} x{r['rows']}: error above the bound"
@@ -403,7 +467,7 @@ def report_lines(report: dict) -> list[str]:
     if decode:
         lines.append(
             "decode            dtype     batch context rule picks        ms    GB/s  %copy  paged/dense"
-            "  single_ms  partitioned_ms"
+            "  single_ms  partitioned_ms  (L2: working set fits in L2, timed after a flush)"
         )
         for row in decode:
             fraction = row.get("fraction_of_copy_bandwidth")
@@ -411,7 +475,7 @@ def report_lines(report: dict) -> list[str]:
                 f"                  {row['dtype']:<9} {row['batch']:>5} {row['context']:>7} {row['variant']:<11}"
                 f" {row['ms']:>8.4f} {row['gbps']:>7.0f} {100 * fraction if fraction else float('nan'):>5.1f}%"
                 f" {row.get('paged_over_dense', float('nan')):>12.2f} {row['single_ms']:>10.4f}"
-                f" {row['partitioned_ms']:>15.4f}"
+                f" {row['partitioned_ms']:>15.4f}{'  L2' if row.get('fits_l2') else ''}"
             )
     prefill = [row for row in report.get("prefill", []) if "ms" in row]
     if prefill:
@@ -425,7 +489,8 @@ def report_lines(report: dict) -> list[str]:
     if quant:
         lines.append(f"quant             {quant['device']}: rows, layer, kernel, max error / bound, ms (bf16 F.linear ms)")
         for row in quant["rows"]:
-            timing = f" {row['ms']:.4f} ({row['bf16_ms']:.4f})" if "ms" in row else ""
+            timing = (f" {row['ms']:.4f} ({row['bf16_ms']:.4f}; bf16 / quant {row['bf16_over_quant']:.2f})"
+                      if "ms" in row else "")  # fmt: skip
             lines.append(f"                  {row['rows']:>4} {row['layer']:<5} {row['kernel']:<22} "
                          f"{row['error_over_bound']:.3f}{timing}")  # fmt: skip
     return lines

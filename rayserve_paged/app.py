@@ -14,6 +14,11 @@ own, so an autoscaled replica always brings its own workers.
 which calls RoutedLLMServer by handle through PrefixAffinityRouter (deployments/routing.py):
 
     HTTP (Serve proxy) ──> OpenAIIngress ──(PrefixAffinityRouter)──> RoutedLLMServer ──> ...
+
+`build_openai_app(args)` (`import_path: rayserve_paged.app:build_openai_app`) takes Ray Serve
+LLM's `llm_configs` (serve_llm.py maps each entry onto AppArgs): one LLMServer deployment per
+model, behind one OpenAI ingress routing by `model` (deployments/multi_model.py); a single
+model under `routing: load` is served in one hop, as build_app does.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from pydantic import ConfigDict, Field, model_validator
 
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.deployments.access import API_KEY_ENV, API_KEY_FILE_ENV, API_KEY_REFUSED, DEFAULT_OPEN_PATHS
+from rayserve_paged.deployments.serving.response_store import ResponseStoreConfig
 from rayserve_paged.engine.frontend import STREAM_BATCHING_INTERVAL_MS
+from rayserve_paged.serve_llm import LLMConfigError, ModelSpec, error_source, is_llm_configs, translate
 from rayserve_paged.telemetry import TelemetryConfig
 
 
@@ -35,14 +42,33 @@ class AppArgs(EngineConfig):
     model_config = ConfigDict(**EngineConfig.model_config, hide_input_in_errors=True)
 
     served_model_name: str | None = Field(None, description="Model name in the API; defaults to `model`.")
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
-        None, description="Reads tool calls out of tool_choice 'auto' outputs (as vllm serve --tool-call-parser)."
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = Field(
+        None,
+        description="Reads tool calls out of tool_choice 'auto' outputs (as vllm serve --enable-auto-tool-choice "
+        "--tool-call-parser); without it, tool_choice 'auto' is a 400.",
+    )
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
+        None,
+        description="Moves a thinking model's <think>...</think> text into reasoning_content, and starts a "
+        "request's constraint after it (as vllm serve --reasoning-parser).",
+    )
+    chat_template: str | None = Field(
+        None,
+        min_length=1,
+        description="A Jinja chat template in place of the tokenizer's: the template's text, or the path of a "
+        "file holding it, read when the app is built (vLLM's --chat-template).",
     )
     allow_runtime_lora_updating: bool = Field(
         False,
         description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; behind the API "
         "key; as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING). Each call changes the replica that answers it only. "
         "Not with routing: prefix.",
+    )
+    responses_store: ResponseStoreConfig = Field(
+        default_factory=ResponseStoreConfig,
+        description="Bounds of the stored responses of /v1/responses (previous_response_id, GET "
+        "/v1/responses/{id}), kept in memory by each process that serves HTTP: each LLMServer replica "
+        "(routing: load) or each OpenAIIngress replica (routing: prefix). docs/API.md, Responses.",
     )
     unauthenticated_paths: list[str] = Field(
         default_factory=lambda: list(DEFAULT_OPEN_PATHS),
@@ -87,13 +113,20 @@ class AppArgs(EngineConfig):
         "logging_config, request_router_config), passed through and validated by Serve.",
     )
     num_replicas: int = Field(1, ge=1, description="Fixed LLMServer replicas when autoscaling_config is unset.")
-    max_ongoing_requests: int = Field(256, ge=1, description="Requests in flight per LLMServer replica.")
+    max_ongoing_requests: int = Field(
+        2048,
+        ge=1,
+        description="Requests Serve sends each LLMServer replica at once (Serve's option). Keep it >= "
+        "max_pending_requests, so that this replica's admission, not Serve, decides what waits and what is shed.",
+    )
     max_queued_requests: int = Field(
         -1,
         ge=-1,
         description=(
-            "Requests each caller (ingress replica) queues for LLMServer beyond max_ongoing_requests; "
-            "more are answered 503 + Retry-After (Serve's BackPressureError). -1 = no limit."
+            "Requests each caller (Serve's proxy, or an ingress replica) queues for LLMServer beyond "
+            "max_ongoing_requests. -1 (the default, and the shipped configs'): no limit, so Serve never answers "
+            "first; >= 0: past it Serve's proxy answers its own 503 (a text body, no Retry-After) under "
+            "routing: load, and routing: prefix's ingress turns Serve's refusal into the OpenAI 503 + Retry-After."
         ),
     )
     ray_actor_options: dict[str, Any] = Field(
@@ -107,6 +140,12 @@ class AppArgs(EngineConfig):
     )
     placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK", description="How a replica's bundles are placed."
+    )
+    accelerator_type: str | None = Field(
+        None,
+        min_length=1,
+        description="A GPU type (Ray's names: A10G, L4, H100, ...): each GPU bundle also asks for Ray's "
+        "`accelerator_type:<type>` resource, so replicas land on nodes of that type (as Ray Serve LLM).",
     )
     routing: Literal["load", "prefix"] = Field(
         "load",
@@ -145,16 +184,31 @@ class AppArgs(EngineConfig):
         1024, ge=1, description="routing: prefix: requests in flight per OpenAIIngress replica (ignored with `load`)."
     )
     max_pending_requests: int = Field(
-        256,
+        2048,
         ge=1,
         description=(
-            "Completion, chat, /tokenize and /detokenize requests in flight per LLMServer replica; more are "
-            "answered 503 + Retry-After at once. "
+            "Completion, chat, /tokenize and /detokenize requests in flight per LLMServer replica (a memory "
+            "bound, before a body is read); more are answered 503 + Retry-After at once. "
             "Keep it <= max_ongoing_requests, or Serve queues the excess before it gets here."
         ),
     )
+    max_queue_wait_s: float = Field(
+        300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="A tokenized completion or chat request is queued unless this replica estimates it would "
+        "wait longer than this (the work ahead of it, at least as urgent under scheduling_policy: priority, "
+        "over the work per second the replica has been measured to drain); then it is answered 503 + "
+        "Retry-After (the excess of the estimate) at once. Nothing is shed by time before the first measurement.",
+    )
+    max_queued_prompt_tokens: int = Field(
+        1 << 20,
+        ge=1,
+        description="Prompt tokens of the requests in flight per LLMServer replica; one that would pass it is "
+        "answered 503 + Retry-After (a request finding none queued always goes).",
+    )
     max_pending_sequences: int = Field(
-        1024,
+        4096,
         ge=1,
         description=(
             "Sequences in flight per LLMServer replica: each admitted completion or chat request takes "
@@ -163,17 +217,19 @@ class AppArgs(EngineConfig):
             "budget, 400."
         ),
     )
-    max_tokenizer_queue: int = Field(
-        64,
+    max_tokenizer_queue_bytes: int = Field(
+        8 << 20,
         ge=1,
-        description="Tokenizer jobs (prompts, chat templates, /tokenize, /detokenize) queued or running per "
-        "LLMServer replica; one more is answered 503 + Retry-After.",
+        description="Bytes of request bodies whose tokenizer jobs (prompts, chat templates, /tokenize, "
+        "/detokenize) are queued or running per LLMServer replica; a job that would pass it is answered 503 + "
+        "Retry-After (one finding the queue empty always runs).",
     )
     request_body_timeout_s: float = Field(
         30.0,
         gt=0,
-        description="A request whose body has not fully arrived this long after the request did is answered "
-        "408 and its admission slot freed (a client that sends half a body and stalls holds nothing).",
+        description="A request whose body's reads have waited this long in all without its last byte is "
+        "answered 408 and its admission slot freed (a client that sends half a body and stalls holds nothing); "
+        "time the replica takes before reading the body does not count.",
     )
     enable_prompt_tokens_details: bool = Field(
         False,
@@ -274,7 +330,10 @@ def placement_group_bundles(args: AppArgs) -> list[dict[str, float]]:
     from rayserve_paged.engine.ray_executor import replica_bundles
 
     replica_cpus = float(args.ray_actor_options.get("num_cpus", 1.0))
-    return replica_bundles(args, replica_cpus, args.scheduler_cpus, args.worker_cpus, uses_gpu(args))
+    bundles = replica_bundles(args, replica_cpus, args.scheduler_cpus, args.worker_cpus, uses_gpu(args))
+    if args.accelerator_type is not None:  # Ray's node resource for the type, 0.001 per GPU bundle
+        bundles = [b | {f"accelerator_type:{args.accelerator_type}": 0.001} if b.get("GPU") else b for b in bundles]
+    return bundles
 
 
 def engine_config_of(args: AppArgs) -> EngineConfig:
@@ -334,31 +393,48 @@ def llm_server_options(args: AppArgs) -> dict[str, Any]:
     return options
 
 
-def build_app(args: AppArgs | dict):
-    """Serve application builder (also what `serve run configs/*.yaml` calls)."""
-    from ray import serve
-
-    from rayserve_paged.deployments.llm_server import LLMServer
-
-    if not isinstance(args, AppArgs):
-        if "api_key" in args:  # before anything could echo it
-            raise ValueError(API_KEY_REFUSED)
-        args = AppArgs(**args)
-    engine = engine_config_of(args)
-    http = {  # no API key here: the replicas read it from their environment (deployments/access.py)
+def http_options_of(args: AppArgs) -> dict[str, Any]:
+    """create_openai_app's options (no API key here: the replicas read it from their
+    environment, deployments/access.py)."""
+    return {
         "served_model_name": args.served_model_name or args.model,
         "max_request_body_bytes": args.max_request_body_bytes,
         "max_pending_requests": args.max_pending_requests,
         "max_pending_sequences": args.max_pending_sequences,
-        "max_tokenizer_queue": args.max_tokenizer_queue,
+        "max_tokenizer_queue_bytes": args.max_tokenizer_queue_bytes,
+        "max_queue_wait_s": args.max_queue_wait_s,
+        "max_queued_prompt_tokens": args.max_queued_prompt_tokens,
+        "scheduling_policy": args.scheduling_policy,
         "request_body_timeout_s": args.request_body_timeout_s,
         "open_paths": tuple(args.unauthenticated_paths),
         "require_api_key": args.require_api_key,
         "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
         "tool_call_parser": args.tool_call_parser,
+        "reasoning_parser": args.reasoning_parser,
         "allow_runtime_lora_updating": args.allow_runtime_lora_updating,
+        "chat_template": chat_template_of(args.chat_template),
+        "responses_store": args.responses_store.model_dump(),
     }
-    server_kwargs = {
+
+
+def chat_template_of(value: str | None) -> str | None:
+    """The template's text: the file `value` names, else `value` itself when it reads as a
+    template (as vLLM resolves --chat-template). Read here, at build time, never in a replica."""
+    if value is None:
+        return None
+    from pathlib import Path
+
+    try:
+        return Path(value).read_text()
+    except (OSError, ValueError):
+        if any(c in value for c in "{}\n"):
+            return value
+        raise ValueError(f"chat_template: {value!r} is neither a readable file nor a Jinja template") from None
+
+
+def server_kwargs_of(args: AppArgs) -> dict[str, Any]:
+    """LLMServer's constructor options besides the engine config."""
+    return {
         "scheduler_cpus": args.scheduler_cpus,
         "worker_cpus": args.worker_cpus,
         "telemetry": args.telemetry.model_dump(),
@@ -366,6 +442,23 @@ def build_app(args: AppArgs | dict):
         "stream_batching_interval_ms": args.stream_batching_interval_ms,
         "metrics_cache_s": args.metrics_cache_s,
     }
+
+
+def build_app(args: AppArgs | dict):
+    """Serve application builder (also what `serve run configs/*.yaml` calls)."""
+    from ray import serve
+
+    from rayserve_paged.deployments.llm_server import LLMServer
+
+    if is_llm_configs(args):  # Ray Serve LLM's shape under this import path too
+        return build_openai_app(args)
+    if not isinstance(args, AppArgs):
+        if "api_key" in args:  # before anything could echo it
+            raise ValueError(API_KEY_REFUSED)
+        args = AppArgs(**args)
+    engine = engine_config_of(args)
+    http = http_options_of(args)
+    server_kwargs = server_kwargs_of(args)
     if args.routing == "prefix":
         return _prefix_routed_app(args, engine, server_kwargs, http)
     try:
@@ -375,13 +468,20 @@ def build_app(args: AppArgs | dict):
     return llm.bind(engine.model_dump(), http=http, **server_kwargs)
 
 
+SENT_GENERATION_MIN_S = 5.0
+
+
 def router_config_of(args: AppArgs) -> dict[str, Any]:
     """LLMServer's request_router_config under routing: prefix."""
     from rayserve_paged.deployments.routing import ROUTER_PATH
 
     return {
         "request_router_class": ROUTER_PATH,
-        "request_router_kwargs": {"imbalance_threshold": args.routing_imbalance_threshold},
+        "request_router_kwargs": {
+            "imbalance_threshold": args.routing_imbalance_threshold,
+            # a sent key lives two generations: past the next report even when one is late
+            "sent_generation_s": max(SENT_GENERATION_MIN_S, 4 * args.routing_stats_period_s),
+        },
         "request_routing_stats_period_s": args.routing_stats_period_s,
         "request_routing_stats_timeout_s": max(5.0, 2 * args.routing_stats_period_s),
     }
@@ -416,3 +516,88 @@ def _prefix_routed_app(args: AppArgs, engine: EngineConfig, server_kwargs: dict[
         metrics_cache_s=args.metrics_cache_s,
         lora_modules=dict(args.lora_modules),
     )
+
+
+def build_openai_app(args: dict):
+    """Serve application builder for Ray Serve LLM's args (`import_path:
+    rayserve_paged.app:build_openai_app`, `args: {llm_configs: [...]}`; serve_llm.py maps
+    each LLMConfig onto AppArgs). One model under `routing: load` is served in one hop, as
+    build_app serves it; otherwise every model's LLMServer deployment sits behind one
+    OpenAI ingress that routes by `model` (deployments/multi_model.py)."""
+    from ray import serve
+
+    from rayserve_paged.deployments.llm_server import LLMServer
+
+    spec = translate(args, frozenset(AppArgs.model_fields))
+    models = [(model, model_args_of(model)) for model in spec.models]
+    (first, first_args), many = models[0], len(models) > 1
+    if not many and first_args.routing == "load" and not spec.ingress_options:
+        options = llm_server_options(first_args) | {"name": first.deployment_name}
+        llm = _deployment(serve.ingress()(LLMServer), options)
+        return llm.bind(engine_config_of(first_args).model_dump(), http=http_options_of(first_args),
+                        **server_kwargs_of(first_args))  # fmt: skip
+    return _multi_model_app(models, spec.ingress_options)
+
+
+def model_args_of(model: ModelSpec) -> AppArgs:
+    """A model's AppArgs; an invalid value is an error naming the llm_configs key that set it."""
+    from pydantic import ValidationError
+
+    try:
+        args = AppArgs(**(model.args | {"served_model_name": model.model_id}))
+    except ValidationError as e:
+        problems = []
+        for error in e.errors():
+            loc = [str(part) for part in error["loc"]]
+            where = error_source(model, loc[0]) + "".join(f".{part}" for part in loc[1:]) if loc else "config"
+            problems.append(f"{where}: {error['msg']}")
+        raise LLMConfigError(f"{model.where}: {'; '.join(problems)}") from None
+    if args.allow_runtime_lora_updating:
+        raise LLMConfigError(
+            f"{model.where}: allow_runtime_lora_updating: adapters come from "
+            "lora_config.dynamic_lora_loading_path (read at start-up) in this form"
+        )
+    return args
+
+
+def _deployment(cls, options: dict[str, Any]):
+    from ray import serve
+
+    try:
+        return serve.deployment(cls, **options)
+    except TypeError as e:  # an option serve.deployment does not know (its own values raise ValidationError)
+        raise ValueError(f"deployment_options: {e}") from e
+
+
+def _multi_model_app(models: list[tuple[ModelSpec, AppArgs]], ingress_options: dict[str, Any]):
+    """One OpenAIIngress (deployments/multi_model.py) over one LLMServer deployment per model,
+    each with its own options (autoscaling, placement, routing)."""
+    from ray import serve
+
+    from rayserve_paged.deployments.llm_server import RoutedLLMServer
+    from rayserve_paged.deployments.multi_model import ModelServer, MultiModelIngress
+
+    served = []
+    for model, args in models:
+        options = llm_server_options(args) | {"name": model.deployment_name}
+        if args.routing == "prefix":
+            options["request_router_config"] = router_config_of(args)
+        llm = _deployment(RoutedLLMServer if args.routing == "prefix" else ModelServer, options)
+        served.append({
+            "model_id": model.model_id,
+            "deployment_name": model.deployment_name,
+            "handle": llm.bind(engine_config_of(args).model_dump(), **server_kwargs_of(args)),
+            "tokenizer": args.tokenizer or args.model,
+            "trust_remote_code": args.trust_remote_code,
+            "block_size": args.block_size,
+            "lora_modules": dict(args.lora_modules),
+            "http": http_options_of(args),
+        })  # fmt: skip
+    app_args = models[0][1]  # the application-wide fields are the same in every model's
+    options = dict(ingress_options)
+    options["ray_actor_options"] = {"num_cpus": app_args.ingress_cpus} | options.get("ray_actor_options", {})
+    if "autoscaling_config" not in options:
+        options["num_replicas"] = app_args.ingress_replicas
+    options.setdefault("max_ongoing_requests", app_args.ingress_max_ongoing_requests)
+    ingress = _deployment(serve.ingress()(MultiModelIngress), {"name": "OpenAIIngress"} | options)
+    return ingress.bind(served, metrics_cache_s=app_args.metrics_cache_s)

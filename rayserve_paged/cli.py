@@ -34,6 +34,10 @@ BENCHMARKS = {
     "lora": "benchmarks.lora",
     "stream-cadence": "benchmarks.stream_cadence",
     "report": "benchmarks.report",
+    "responses-host": "benchmarks.responses_host",
+    "load": "benchmarks.load",
+    "priority": "benchmarks.priority",
+    "routing-cost": "benchmarks.routing_cost",
 }
 
 DEMO_QUESTIONS = [

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_CPU_KV_CACHE_GB = 1.0
+DEFAULT_MAX_CPU_LORAS = 8  # adapters registered at once, unless max_cpu_loras says
 
 
 class EngineConfig(BaseModel):
@@ -49,6 +50,12 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
     watermark: float = Field(0.01, ge=0, lt=1, description="Share of KV blocks kept free at admission.")
     max_num_seqs: int = Field(256, ge=1, description="Most sequences in one step.")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="fcfs: requests are admitted in arrival order and the latest is preempted first; priority: "
+        "by each request's `priority` (lower is more urgent), then arrival: the most urgent is admitted first "
+        "and the least urgent, latest is preempted first (vLLM's --scheduling-policy).",
+    )
     max_num_batched_tokens: int | None = Field(
         None,
         ge=1,
@@ -98,8 +105,29 @@ class EngineConfig(BaseModel):
     max_loras: int = Field(1, ge=1, description="Adapters resident on the device at once (slots in every layer).")
     max_lora_rank: int = Field(16, ge=1, le=64, description="Largest adapter rank r; the slots are this wide.")
     max_cpu_loras: int | None = Field(
-        None, ge=1, description="Adapters kept in CPU memory, least recently used evicted (default: max_loras)."
+        None,
+        ge=1,
+        description="Adapters registered at once: each is read once, at registration, and its tensors stay in CPU "
+        "memory until it is unloaded; a load past the bound is refused (default: max(max_loras, the number of "
+        f"lora_modules, {DEFAULT_MAX_CPU_LORAS})).",
     )
+    max_cpu_lora_memory_gb: float = Field(
+        2.0, gt=0, description="CPU memory the registered adapters' tensors may take in all (float32 A and B); a "
+        "load past it is refused.",
+    )  # fmt: skip
+    max_lora_size_mb: float = Field(
+        1024.0, gt=0, description="Largest adapter_model.safetensors a load accepts."
+    )
+    lora_modules_root: list[str] = Field(
+        default_factory=list,
+        description="Directories under which runtime loads (POST /v1/load_lora_adapter) may name an adapter "
+        "(symlinks resolved first: none may lead out); none: runtime loading by path is refused.",
+    )
+
+    @field_validator("lora_modules_root", mode="before")
+    @classmethod
+    def _one_root(cls, value):
+        return [value] if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _check_lengths(self) -> EngineConfig:
@@ -115,6 +143,12 @@ class EngineConfig(BaseModel):
             )
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < len(self.lora_modules):
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= the number of lora_modules ({len(self.lora_modules)})"
+            )
+        if any(not root for root in self.lora_modules_root):
+            raise ValueError("lora_modules_root: a root must be a non-empty path")
         bad = next((name for name in self.lora_modules if not name or name == self.model), None)
         if bad is not None:
             raise ValueError(f"lora_modules: adapter name {bad!r} must be non-empty and differ from the model's")
@@ -126,7 +160,7 @@ class EngineConfig(BaseModel):
 
     @property
     def resolved_max_cpu_loras(self) -> int:
-        return max(self.max_cpu_loras or self.max_loras, self.max_loras)
+        return self.max_cpu_loras or max(self.max_loras, len(self.lora_modules), DEFAULT_MAX_CPU_LORAS)
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:

@@ -32,6 +32,16 @@ except ImportError:  # the core tests need no torch
     pass
 
 
+def pytest_configure(config):
+    # here, not in pyproject's filterwarnings: where pydantic does not import (the GPU image)
+    # pytest releases before the fix of pytest-dev/pytest#13732 refuse to start on such a filter
+    try:
+        import pydantic.warnings  # noqa: F401
+    except ImportError:
+        return
+    config.addinivalue_line("filterwarnings", "ignore::pydantic.warnings.PydanticDeprecatedSince20")
+
+
 def pytest_collection_modifyitems(config, items):
     """RAYSERVE_PAGED_TEST_ORDER=<seed>: run the test files in a shuffled order and each
     file's tests shuffled too (module fixtures are still made once per file), to show the

@@ -44,7 +44,13 @@ class NewRequest:
     # the whole prompt, only when sampling needs the token history (penalties) and the
     # first chunk may not carry all of it (a prefix-cache hit); else None
     prompt_token_ids: list[int] | None = None
-    lora_id: int = 0  # its LoRA adapter (0: the base model); its slot is in lora_slot_updates
+    # its LoRA adapter's identity (core/lora.LoRAKey; None: the base model); its slot is in
+    # lora_slot_updates
+    lora_key: tuple[int, str, str] | None = None
+
+    @property
+    def lora_id(self) -> int:
+        return 0 if self.lora_key is None else self.lora_key[0]
 
 
 @compact_pickle
@@ -79,9 +85,12 @@ class StepMessage:
     # little-endian int32 words, bit j of word w set = token 32 * w + j allowed
     bitmask_seq_ids: list[int] = field(default_factory=list)
     token_bitmasks: bytes = b""
-    # LoRA adapter slots that changed (core/lora.py): (slot, adapter id, PEFT directory),
-    # applied before the rows; a row's slot is its request's adapter's
-    lora_slot_updates: list[tuple[int, int, str]] = field(default_factory=list)
+    # LoRA adapters retired (core/lora.py): the workers drop their tensors, first; then the
+    # slots that changed: (slot, adapter key), filled from the tensors the workers were given
+    # at registration (never read from disk here), applied before the rows; a row's slot is
+    # its request's adapter's
+    lora_forgets: list[tuple[int, str, str]] = field(default_factory=list)
+    lora_slot_updates: list[tuple[int, tuple[int, str, str]]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -104,6 +113,7 @@ class StepMessage:
             or self.bitmask_seq_ids
             or self.token_bitmasks
             or self.lora_slot_updates
+            or self.lora_forgets
         )
 
     @property

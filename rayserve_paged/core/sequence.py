@@ -50,12 +50,65 @@ FINISH_REASONS = {
 # grow even with every other request preempted: the KV pool, not max_tokens, was the limit.
 KV_CACHE_LIMIT = "kv_cache_limit"
 
+# stop_reason of a sequence a grammar error ended (finish_reason "abort", vLLM's word for a
+# request ended by the server): "grammar_error: <what llguidance or the budget said>". Its
+# output so far met the constraint; it is not complete.
+GRAMMAR_ERROR = "grammar_error"
+
+
+def grammar_error(message: str) -> str:
+    """The stop_reason of a sequence ended by a grammar error."""
+    return f"{GRAMMAR_ERROR}: {message}"
+
+
+def is_grammar_error(stop_reason: object) -> bool:
+    return isinstance(stop_reason, str) and stop_reason.startswith(GRAMMAR_ERROR + ":")
+
 
 class SamplingParamsError(ValueError):
     """Invalid sampling parameters; the message names the field."""
 
 
+MAX_PRIORITY = 2**31 - 1  # |priority| at most this (a bounded key; vLLM takes any int)
+
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# vLLM's options of a JSON constraint (its StructuredOutputsParams fields)
+STRUCTURED_OUTPUT_OPTIONS = ("disable_any_whitespace", "disable_additional_properties")
+# nesting of a JSON schema (objects and arrays, as JSON text nests): below llguidance's own
+# limit (128, its JSON parser's) and far below Python's recursion limit
+MAX_SCHEMA_DEPTH = 100
+
+
+def json_depth(value: object) -> int:
+    """How deeply a JSON value nests (a scalar: 0; {} or []: 1). A stack, not recursion:
+    the depth is the client's choice."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, (list, tuple)):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
+def _without_additional_properties(schema: object) -> object:
+    """vLLM's disable_additional_properties: every object schema that does not say
+    otherwise gets "additionalProperties": false (on a copy)."""
+    schema = json.loads(json.dumps(schema))
+    stack = [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if (item.get("type") == "object" or "properties" in item) and "additionalProperties" not in item:
+                item["additionalProperties"] = False
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return schema
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,29 +116,58 @@ class StructuredOutputsParams:
     """A constraint on the output (vLLM's `structured_outputs`): exactly one of a JSON schema
     (`json`), any JSON object (`json_object`), a regular expression, a list of choices or a
     grammar (Lark, or GBNF / EBNF as llama.cpp writes it). The engine compiles it into a
-    token-level matcher; `key` names the compiled grammar in the cache."""
+    token-level matcher; `key` names the compiled grammar in the cache.
+
+    `after_token_id`: the constraint applies only after this token has been generated (a
+    reasoning model's end-of-thinking token: the model thinks freely first); None: from
+    the first token."""
 
     json: str | dict | bool | None = None  # a JSON schema (dict, or its JSON text)
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
+    # JSON only (vLLM's options): no whitespace at all between tokens (the default already
+    # allows none but one space after ',' and ':'); objects take no properties but theirs
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    after_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        after = self.after_token_id
+        if after is not None and (not isinstance(after, int) or isinstance(after, bool) or after < 0):
+            raise SamplingParamsError(f"structured_outputs.after_token_id: a token id is required (got {after!r})")
         given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise SamplingParamsError(
                 f"structured_outputs: give exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} (got {given or 'none'})"
             )
+        for name in STRUCTURED_OUTPUT_OPTIONS:
+            value = getattr(self, name)
+            if value is not True and value is not False:
+                raise SamplingParamsError(f"structured_outputs.{name}: must be true or false")
+            if value and given[0] not in ("json", "json_object"):
+                raise SamplingParamsError(
+                    f"structured_outputs.{name}: applies to a JSON constraint (json, json_object), not {given[0]}"
+                )
         if self.json is not None:
             schema = self.json
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
-                except ValueError as e:
-                    raise SamplingParamsError(f"structured_outputs.json: not valid JSON ({e})") from None
+                except (ValueError, RecursionError) as e:
+                    why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+                    raise SamplingParamsError(f"structured_outputs.json: not valid JSON ({why})") from None
             if not isinstance(schema, (dict, bool)):
                 raise SamplingParamsError("structured_outputs.json: a JSON schema is an object or a boolean")
+            depth = json_depth(schema)
+            if depth > MAX_SCHEMA_DEPTH:
+                raise SamplingParamsError(
+                    f"structured_outputs.json: the schema nests {depth} levels deep, past the limit of "
+                    f"{MAX_SCHEMA_DEPTH}"
+                )
+            if self.disable_additional_properties:
+                schema = _without_additional_properties(schema)
             object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
         if self.json_object is not False and self.json_object is not True:
             raise SamplingParamsError("structured_outputs.json_object: must be true or false")
@@ -121,6 +203,11 @@ class StructuredOutputsParams:
         if kind == "choice":
             return kind, json.dumps(list(value))
         return kind, "" if kind == "json_object" else value
+
+    @property
+    def cache_key(self) -> tuple:
+        """What makes a compiled grammar: the key and the options."""
+        return (*self.key, self.disable_any_whitespace, self.disable_additional_properties)
 
     @property
     def num_chars(self) -> int:
@@ -162,12 +249,15 @@ class SamplingParams:
     cache_salt: str | None = None
     # a constraint on the output (JSON schema, regex, choice, grammar); None: free text
     structured_outputs: StructuredOutputsParams | None = None
+    # under scheduling_policy "priority": lower is more urgent (admitted first, preempted
+    # last); ignored under "fcfs" (vLLM's `priority`)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.best_of is None:
             self.best_of = self.n
         if isinstance(self.structured_outputs, dict):
-            unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_OUTPUT_KINDS))
+            unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_OUTPUT_KINDS) - set(STRUCTURED_OUTPUT_OPTIONS))
             if unknown:
                 raise SamplingParamsError(f"structured_outputs.{unknown[0]}: unknown constraint")
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
@@ -215,6 +305,8 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise bad("cache_salt", "must be a non-empty string")
+        if not _is_int(self.priority) or not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise bad("priority", f"must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if not _is_finite(self.length_penalty) or not -10 <= self.length_penalty <= 10:
@@ -379,6 +471,11 @@ class SequenceGroup:
     def lora_id(self) -> int:
         """Its adapter's id; 0 for the base model."""
         return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
+    def lora_key(self):
+        """Its adapter's identity (core/lora.LoRAKey); None for the base model."""
+        return None if self.lora_request is None else self.lora_request.key
 
     @property
     def prompt_token_ids(self) -> list[int]:

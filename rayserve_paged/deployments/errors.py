@@ -72,9 +72,15 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 
 
 def overloaded(message: str, retry_after_s: float | None = None) -> OpenAIError:
-    """503 with a Retry-After (whole seconds, rounded up): the openai client retries it."""
-    seconds = RETRY_AFTER_S if retry_after_s is None else max(0, math.ceil(retry_after_s))
+    """503 with a Retry-After (whole seconds, rounded up, at least 1): the openai client
+    retries it."""
+    seconds = RETRY_AFTER_S if retry_after_s is None else max(1, math.ceil(retry_after_s))
     return retry_later(message, "overloaded", seconds)
+
+
+def forbidden(message: str, param: str | None = None) -> OpenAIError:
+    """403: the caller's API key may not ask for this (a priority past its limit)."""
+    return OpenAIError(403, message, type="permission_error", param=param, code="permission_denied")
 
 
 class RequestBodyRefused(StarletteHTTPException):

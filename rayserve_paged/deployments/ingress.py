@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from rayserve_paged.core.block_manager import prefix_block_keys
 from rayserve_paged.core.lora import startup_lora_ids
 from rayserve_paged.core.sequence import SamplingParams
-from rayserve_paged.deployments.access import replica_api_key
+from rayserve_paged.deployments.access import replica_api_keys
 from rayserve_paged.deployments.errors import engine_starting
 from rayserve_paged.deployments.fleet_metrics import METRICS_CACHE_S, CachedFetch, FleetMetricsCache
 from rayserve_paged.deployments.llm_server import load_tokenizer
@@ -199,7 +199,7 @@ class OpenAIIngress:
         from ray import serve
 
         self._http = dict(http)
-        self._api_key = replica_api_key(self._http.pop("require_api_key", False))
+        self._api_keys = replica_api_keys(self._http.pop("require_api_key", False))
         context = serve.get_replica_context()
         metrics = FleetMetricsCache(context.app_name, metrics_cache_s)
         readiness = FleetReadiness(context.app_name, llm_handle.deployment_name)
@@ -211,4 +211,4 @@ class OpenAIIngress:
     def __serve_build_asgi_app__(self):
         http = dict(self._http)
         served_model_name = http.pop("served_model_name")
-        return create_openai_app(self.client, self.tokenizer, served_model_name, self._api_key, **http)
+        return create_openai_app(self.client, self.tokenizer, served_model_name, self._api_keys, **http)

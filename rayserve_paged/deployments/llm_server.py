@@ -30,7 +30,7 @@ from ray.util.placement_group import get_current_placement_group
 
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
-from rayserve_paged.deployments.access import replica_api_key
+from rayserve_paged.deployments.access import replica_api_keys
 from rayserve_paged.deployments.autoscaling import EnginePressure, PressureReport
 from rayserve_paged.deployments.fleet_metrics import (
     METRICS_CACHE_S,
@@ -129,7 +129,7 @@ class LLMServer:
         # the key comes from this replica's environment, never from the app's arguments; a
         # missing key that is required stops the replica here, before anything starts
         require_api_key = self._http.pop("require_api_key", False)
-        self._api_key = replica_api_key(require_api_key) if self.serves_http else None
+        self._api_keys = replica_api_keys(require_api_key) if self.serves_http else {}
         self._app_name = None  # set when this replica's engine is findable by the fleet's /metrics
         if scheduler_actor is None:
             self._app_name = _app_name()
@@ -160,7 +160,7 @@ class LLMServer:
         http = dict(self._http)
         served_model_name = http.pop("served_model_name", None) or self.config.model
         return create_openai_app(
-            self, self.tokenizer, served_model_name, self._api_key, tokenizer_pool=self.tokenizer_pool, **http
+            self, self.tokenizer, served_model_name, self._api_keys, tokenizer_pool=self.tokenizer_pool, **http
         )
 
     # ------------------------------------------------------------------ handle API
@@ -265,7 +265,8 @@ class RoutedLLMServer(LLMServer):
         keys, adapters = await asyncio.gather(
             self.actor.prefix_cache_keys.remote(), self.actor.resident_lora_ids.remote()
         )
-        return {PREFIX_KEYS_STAT: keys, ADAPTERS_STAT: adapters}
+        # a frozenset: the routers take it over as it arrives, without building one per report
+        return {PREFIX_KEYS_STAT: frozenset(keys), ADAPTERS_STAT: adapters}
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):

@@ -23,9 +23,9 @@ import time
 from typing import Any, Literal
 
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
+from rayserve_paged.core.sequence import MAX_PRIORITY, SamplingParams, SamplingParamsError
 
 MAX_CHOICES = 16  # most n / best_of per prompt
 MAX_STOP_STRINGS = 16
@@ -136,11 +136,19 @@ class StructuredOutputsRequest(RequestModel):
     regex: str | None = Field(None, description="A regular expression the whole output matches.")
     choice: list[str] | None = Field(None, description="The output is exactly one of these strings.")
     grammar: str | None = Field(None, description="A Lark or GBNF (llama.cpp) grammar.")
+    disable_any_whitespace: bool = Field(
+        False, description="JSON only: no whitespace at all (the default allows one space after ',' and ':')."
+    )
+    disable_additional_properties: bool = Field(
+        False, description="JSON only: objects take only their declared properties (additionalProperties false)."
+    )
 
     def constraint(self) -> dict[str, Any]:
         given = {"json": self.json_, "json_object": self.json_object or None, "regex": self.regex,
                  "choice": self.choice, "grammar": self.grammar}  # fmt: skip
-        return {key: value for key, value in given.items() if value is not None}
+        options = {"disable_any_whitespace": self.disable_any_whitespace,
+                   "disable_additional_properties": self.disable_additional_properties}  # fmt: skip
+        return {key: value for key, value in given.items() if value is not None} | {k: v for k, v in options.items() if v}
 
 
 class GenerationRequest(RequestModel):
@@ -239,8 +247,18 @@ class GenerationRequest(RequestModel):
     guided_regex: str | None = Field(None, description="Older vLLM name of structured_outputs.regex.")
     guided_choice: list[str] | None = Field(None, description="Older vLLM name of structured_outputs.choice.")
     guided_grammar: str | None = Field(None, description="Older vLLM name of structured_outputs.grammar.")
+    priority: int | None = Field(
+        None,
+        ge=-MAX_PRIORITY,
+        le=MAX_PRIORITY,
+        description="Under scheduling_policy: priority, lower is more urgent: admitted first, preempted and shed "
+        "last (vLLM's). Default 0, or the API key's limit when that is less urgent; a value more urgent than the "
+        "key allows is a 403 (docs/API.md, 'Priority').",
+    )
     stream: bool = Field(False, description="Answer with server-sent events, one chunk per step.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options; only with stream: true.")
+    # the request's Admission (deployments/admission.py), once its sequences are reserved
+    _admission: Any = PrivateAttr(None)
 
     @field_validator("logit_bias")
     @classmethod
@@ -409,6 +427,7 @@ def to_sampling_params(request: GenerationRequest, max_logprobs: int) -> Samplin
         "logit_bias": {int(k): v for k, v in (request.logit_bias or {}).items()},
         "min_tokens": request.min_tokens,
         "cache_salt": request.cache_salt,
+        "priority": _or(request.priority, 0),
     }
     names = _field_names(request, logprobs_field)
     constraint, field = requested_constraint(request)

@@ -33,6 +33,15 @@ What the router knows of a replica's cache is up to one stats period old, so it 
 remembers the keys it sent to each replica since that replica's last two reports (a
 conversation's next turn, arriving before the report, still finds its replica).
 
+Cost per decision: O(replicas + the request's blocks), whatever the replicas cache. The
+tie-break among equal queues reads a count per replica kept as keys are sent and reports
+arrive (never a union of sets); the least-loaded replica is found only by the branches
+that use it; a report arrives as the replica's own frozenset (built in the replica, and
+taken over by reference), so no set of a cache's size is built when a request is routed.
+Memory: the sent keys are two generations per replica, turned over at each report, and
+also every `sent_generation_s` and at `max_sent_keys` whether or not a report came (a
+replica whose reports are missing or stale cannot grow them without bound).
+
 Adapter affinity: a request naming a LoRA adapter carries the adapter's int id in its
 RoutingKey (also the root of its prefix chain: prefix_block_keys(..., lora_id=), as the
 replica's block manager keys it, so a chain is found only where it was cached under that
@@ -57,9 +66,11 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 import weakref
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily
 
@@ -71,6 +82,8 @@ ADAPTERS_STAT = "lora_resident"  # ... and the int ids of the LoRA adapters in i
 ROUTER_PATH = "rayserve_paged.deployments.prefix_router:PrefixAffinityRouter"
 DEFAULT_IMBALANCE_THRESHOLD = 8
 MAX_SESSIONS = 100_000  # sessions remembered per router (least recently used forgotten first)
+SENT_GENERATION_S = 10.0  # the sent keys turn over at least this often, reports or not
+MAX_SENT_KEYS = 1 << 16  # keys per sent generation per replica (then it turns over)
 
 # why a request went where it went (the `reason` label of rayserve_paged_routing_decisions)
 SESSION = "session"  # its session's replica
@@ -91,21 +104,66 @@ class RoutingKey:
     adapter: int = 0  # the LoRA adapter's int id (0: the base model)
 
 
+@dataclass(slots=True)
+class SentKeys:
+    """The keys a router sent one replica: since the last turnover (`current`) and in the
+    generation before (`previous`), kept disjoint (a key sent again moves to `current`),
+    with how many of each the replica's published set lacks: so the keys it is known to
+    hold number len(published) + num_new_current + num_new_previous, kept, not counted."""
+
+    started_at: float
+    current: set[int] = field(default_factory=set)
+    previous: set[int] = field(default_factory=set)
+    num_new_current: int = 0
+    num_new_previous: int = 0
+
+    def turn_over(self, now: float) -> None:
+        """Forget the generation before; the current one becomes it. O(1)."""
+        self.previous, self.current = self.current, set()
+        self.num_new_previous, self.num_new_current = self.num_new_current, 0
+        self.started_at = now
+
+    def add(self, keys, published: frozenset[int]) -> None:
+        current, previous = self.current, self.previous
+        for key in keys:
+            if key in current:
+                continue
+            is_new = key not in published
+            if key in previous:
+                previous.discard(key)
+                self.num_new_previous -= is_new
+            current.add(key)
+            self.num_new_current += is_new
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.current or key in self.previous
+
+
 class AffinityPolicy:
     """The routing rule, over replica ids (strings) and their queue lengths; no Ray.
 
     State: each replica's published cached keys and resident adapters (replaced at each
     report), the keys and adapters this router sent it since (two generations, turned over
-    at each report), and a bounded session -> replica map."""
+    at each report; the keys also by time and size), and a bounded session -> replica map."""
 
-    def __init__(self, imbalance_threshold: float = DEFAULT_IMBALANCE_THRESHOLD, max_sessions: int = MAX_SESSIONS):
+    def __init__(
+        self,
+        imbalance_threshold: float = DEFAULT_IMBALANCE_THRESHOLD,
+        max_sessions: int = MAX_SESSIONS,
+        sent_generation_s: float = SENT_GENERATION_S,
+        max_sent_keys: int = MAX_SENT_KEYS,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if imbalance_threshold < 0:
             raise ValueError(f"imbalance_threshold must be >= 0 (got {imbalance_threshold})")
         self.imbalance_threshold = imbalance_threshold
         self.max_sessions = max_sessions
+        self.sent_generation_s = sent_generation_s
+        self.max_sent_keys = max_sent_keys
+        self.clock = clock
         self.sessions: OrderedDict[str, str] = OrderedDict()
         self._published: dict[str, tuple[object, frozenset[int]]] = {}  # replica -> (report, its keys)
-        self._sent: dict[str, tuple[set[int], set[int]]] = {}  # replica -> (since last report, the one before)
+        self._sent: dict[str, SentKeys] = {}  # replica -> the keys sent it (two generations)
         self._adapters: dict[str, frozenset[int]] = {}  # replica -> adapter ids resident at its report
         self._sent_adapters: dict[str, tuple[set[int], set[int]]] = {}  # as _sent, for adapter ids
 
@@ -118,11 +176,16 @@ class AffinityPolicy:
         last = self._published.get(replica)
         if last is not None and last[0] is keys:
             return
-        self._published[replica] = (keys, frozenset(keys))
+        published = keys if isinstance(keys, frozenset) else frozenset(keys)  # a replica reports a frozenset
+        self._published[replica] = (keys, published)
         self._adapters[replica] = frozenset(adapters or ())
-        for sent in (self._sent, self._sent_adapters):
-            current, _ = sent.get(replica, (set(), set()))
-            sent[replica] = (set(), current)
+        sent = self._sent.get(replica)
+        if sent is not None:
+            sent.turn_over(self.clock())
+            # once per report, O(keys sent in a generation): what the new report lacks
+            sent.num_new_previous = sum(1 for key in sent.previous if key not in published)
+        current, _ = self._sent_adapters.get(replica, (set(), set()))
+        self._sent_adapters[replica] = (set(), current)
 
     def retain(self, replicas: set[str]) -> None:
         """Forget what is known of every replica not in `replicas` (gone from the fleet)."""
@@ -137,14 +200,26 @@ class AffinityPolicy:
 
     def num_cached_blocks(self, replica: str, prefix_keys: tuple[int, ...]) -> int:
         """Leading blocks of the request this replica holds (or was just sent)."""
-        published = self._published.get(replica, (None, frozenset()))[1]
-        current, previous = self._sent.get(replica, (set(), set()))
+        published = self._published.get(replica, (None, _EMPTY))[1]
+        sent = self._sent_to(replica)
         n = 0
         for key in prefix_keys:
-            if key not in published and key not in current and key not in previous:
+            if key not in published and (sent is None or key not in sent):
                 break
             n += 1
         return n
+
+    def _sent_to(self, replica: str) -> SentKeys | None:
+        """The keys sent to `replica`, turned over first when their generation is past due."""
+        sent = self._sent.get(replica)
+        if sent is not None:
+            now = self.clock()
+            age = now - sent.started_at
+            if age >= self.sent_generation_s:
+                sent.turn_over(now)
+                if age >= 2 * self.sent_generation_s:  # silent for two generations: both are gone
+                    sent.turn_over(now)
+        return sent
 
     def choose(self, key: RoutingKey, loads: dict[str, float]) -> tuple[str, str]:
         """(replica, reason) for `key` among `loads` (replica -> queue length; not empty):
@@ -153,12 +228,12 @@ class AffinityPolicy:
         longest chain anywhere; the shortest queue when the rule's replica is past the
         threshold, or nothing matches."""
         lowest = min(loads.values())
-        least = self._least_loaded(loads, lowest)
+        least = _Once(lambda: self._least_loaded(loads, lowest))  # only the branches that use it pay
         if key.session is not None:
             replica = self.sessions.get(key.session)
             if replica in loads:
                 if loads[replica] - lowest > self.imbalance_threshold:
-                    return least, IMBALANCE  # the session moves (and sticks to its new replica)
+                    return least(), IMBALANCE  # the session moves (and sticks to its new replica)
                 return replica, SESSION
         matched = {r: self.num_cached_blocks(r, key.prefix_keys) for r in loads}
         if key.adapter:
@@ -166,15 +241,15 @@ class AffinityPolicy:
             if holders:
                 within = [r for r in holders if loads[r] - lowest <= self.imbalance_threshold]
                 if not within:
-                    return least, IMBALANCE  # the least-loaded replica loads the adapter
-                best = min(within, key=lambda r: (-matched[r], loads[r], r != least))
+                    return least(), IMBALANCE  # the least-loaded replica loads the adapter
+                best = min(within, key=lambda r: (-matched[r], loads[r], r != least()))
                 return best, PREFIX if matched[best] else ADAPTER
         longest = max(matched.values())
         if longest == 0:
-            return least, LOAD
-        best = min((r for r, n in matched.items() if n == longest), key=lambda r: (loads[r], r != least))
+            return least(), LOAD
+        best = min((r for r, n in matched.items() if n == longest), key=lambda r: (loads[r], r != least()))
         if loads[best] - lowest > self.imbalance_threshold:
-            return least, IMBALANCE
+            return least(), IMBALANCE
         return best, PREFIX
 
     def _least_loaded(self, loads: dict[str, float], lowest: float) -> str:
@@ -189,10 +264,11 @@ class AffinityPolicy:
 
     def _num_known_blocks(self, replica: str) -> int:
         """Blocks it reported or was sent since its report before last (the two generations
-        num_cached_blocks counts: a report taken before a request's prefill forgets nothing)."""
-        published = self._published.get(replica, (None, frozenset()))[1]
-        current, previous = self._sent.get(replica, (set(), set()))
-        return len(published | current | previous)
+        num_cached_blocks counts: a report taken before a request's prefill forgets nothing).
+        O(1): the counts SentKeys keeps."""
+        published = self._published.get(replica, (None, _EMPTY))[1]
+        sent = self._sent_to(replica)
+        return len(published) + (0 if sent is None else sent.num_new_current + sent.num_new_previous)
 
     def record(self, key: RoutingKey, replica: str) -> None:
         """`key`'s request went to `replica`: its session sticks there, its blocks will be there."""
@@ -201,10 +277,31 @@ class AffinityPolicy:
             self.sessions.move_to_end(key.session)
             if len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)
-        current, previous = self._sent.setdefault(replica, (set(), set()))
-        current.update(key.prefix_keys)
+        sent = self._sent_to(replica)
+        if sent is None:
+            sent = self._sent[replica] = SentKeys(self.clock())
+        sent.add(key.prefix_keys, self._published.get(replica, (None, _EMPTY))[1])
+        if len(sent.current) >= self.max_sent_keys:
+            sent.turn_over(self.clock())
         if key.adapter:
             self._sent_adapters.setdefault(replica, (set(), set()))[0].add(key.adapter)
+
+
+_EMPTY: frozenset[int] = frozenset()
+
+
+class _Once:
+    """A value computed on its first call, then remembered."""
+
+    __slots__ = ("_make", "_value", "_is_made")
+
+    def __init__(self, make: Callable[[], str]) -> None:
+        self._make, self._value, self._is_made = make, None, False
+
+    def __call__(self) -> str:
+        if not self._is_made:
+            self._value, self._is_made = self._make(), True
+        return self._value
 
 
 class RoutingStats:

@@ -70,6 +70,11 @@ class EventStreamResponse(StreamingResponse):
         super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._outputs = outputs
 
+    @property
+    def outputs(self) -> AsyncIterator:
+        """The engine outputs the events read (a route that rewrites the events closes them too)."""
+        return self._outputs
+
     async def stream_response(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         async for chunk in self.body_iterator:

@@ -18,6 +18,12 @@ class Executor:
     def execute(self, msg: StepMessage) -> SamplerOutput:
         raise NotImplementedError
 
+    def add_lora(self, key: tuple, adapter) -> None:
+        """Give every rank a newly registered LoRA adapter's tensors (models/lora.PeftAdapter,
+        read and checked once by the engine), before any step names `key`. Called off the
+        step thread; the workers drop them when a step's `lora_forgets` names the key."""
+        raise NotImplementedError
+
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 
@@ -52,6 +58,9 @@ class InProcessExecutor(Executor):
 
     def execute(self, msg: StepMessage) -> SamplerOutput:
         return self.worker.execute(msg)
+
+    def add_lora(self, key: tuple, adapter) -> None:
+        self.worker.add_lora(key, adapter)
 
     def gpu_snapshots(self) -> list[dict]:
         return [self.worker.gpu_snapshot()]

@@ -233,7 +233,8 @@ class EngineFrontend:
                 out = await buffer.get()
                 if out.error is not None:
                     finished = True
-                    raise RequestFailed(f"prompt: {out.error}")
+                    # the engine's errors name their field ("model: ..." for a failed adapter)
+                    raise RequestFailed(out.error if out.error.startswith("model: ") else f"prompt: {out.error}")
                 finished = out.finished
                 yield out
         finally:

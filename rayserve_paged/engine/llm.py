@@ -12,7 +12,8 @@ from rayserve_paged.core.sequence import SamplingParams, StructuredOutputsParams
 from rayserve_paged.engine.llm_engine import LLMEngine
 from rayserve_paged.engine.output_processor import OutputProcessor
 from rayserve_paged.engine.outputs import RequestOutput
-from rayserve_paged.engine.tool_calls import forced_calls, forced_schema, parse_tool_calls
+from rayserve_paged.engine.tool_calls import ToolSet, forced_calls, forced_schema
+from rayserve_paged.engine.tool_parsers import parse_tool_calls
 
 PromptLike = str | list[int] | dict
 
@@ -51,15 +52,17 @@ class LLM:
         loras = list(lora_request) if isinstance(lora_request, Seq) else [lora_request] * len(items)
         if len(loras) != len(items):
             raise ValueError(f"lora_request: {len(loras)} given for {len(items)} prompts")
+        # grammars compiled first (each distinct one once): a bad constraint adds nothing
+        grammars = [self.engine.compile_constraint(p) for p in params]
         order = {}
-        for (text, token_ids), p, lora in zip(items, params, loras):
+        for (text, token_ids), p, lora, grammar in zip(items, params, loras, grammars):
             request_id = f"offline-{next(self._ids)}"
             order[request_id] = len(order)
             if token_ids is None:
                 if not isinstance(text, str):
                     raise ValueError("prompt: give a string or prompt_token_ids")
                 token_ids = self.engine.encode(text)
-            self.engine.add_request(request_id, text, p, prompt_token_ids=token_ids, lora_request=lora)
+            self.engine.add_request(request_id, text, p, prompt_token_ids=token_ids, lora_request=lora, grammar=grammar)
             self.processor.add_request(request_id, text, token_ids, p)
         return self._run(order, use_tqdm)
 
@@ -78,7 +81,8 @@ class LLM:
         With `tools` (OpenAI's tool definitions, passed to the template) and tool_choice
         "required" or {"type": "function", "function": {"name": ...}}, the output is
         constrained to calls; with "auto" and a `tool_call_parser` ("hermes",
-        "llama3_json") calls are read from the text. Either way each choice's
+        "llama3_json", "mistral", "pythonic") calls of the declared tools are read from
+        the text. Either way each choice's
         `tool_calls` holds them (ToolCall: name, arguments as JSON text, id)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
@@ -96,11 +100,12 @@ class LLM:
             sampling_params = _constrained(sampling_params, StructuredOutputsParams(json=schema))
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         if use_tools and (schema is not None or tool_call_parser is not None):
+            declared = ToolSet(tools) if schema is None else None
             for choice in (c for o in outputs for c in o.outputs):
                 if schema is not None:
                     choice.tool_calls = forced_calls(choice.text, tool_choice) if choice.finish_reason == "stop" else []
                 else:
-                    choice.tool_calls = parse_tool_calls(tool_call_parser, choice.text)[1]
+                    choice.tool_calls = parse_tool_calls(tool_call_parser, choice.text, declared)[1]
         return outputs
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:

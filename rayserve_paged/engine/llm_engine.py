@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.block_manager import BlockManager
-from rayserve_paged.core.lora import LoRARequest, LoRASlots, UnknownLoRAError, startup_lora_ids
+from rayserve_paged.core.lora import LoRAKey, LoRARequest, LoRASlots, UnknownLoRAError, startup_lora_ids
 from rayserve_paged.core.outputs import SchedulerOutput
 from rayserve_paged.core.scheduler import Scheduler, SchedulerConfig
 from rayserve_paged.core.sequence import (
@@ -38,9 +39,9 @@ from rayserve_paged.engine.detokenizer import DecodeState, Detokenizer
 from rayserve_paged.engine.executor import Executor, InProcessExecutor
 from rayserve_paged.engine.output_processor import find_stop
 from rayserve_paged.engine.outputs import RequestMetrics, SequenceDelta, StepOutput
-from rayserve_paged.engine.structured_outputs import GrammarCompiler, StructuredOutputs
+from rayserve_paged.engine.structured_outputs import CompiledGrammar, GrammarCompiler, StructuredOutputs
 from rayserve_paged.models.loader import get_model_config, load_tokenizer, model_skeleton
-from rayserve_paged.models.lora import check_adapter
+from rayserve_paged.models.lora import LoRAError, check_adapter
 from rayserve_paged.models.sampler import SamplerOutput, SeqSample
 from rayserve_paged.models.tiny import resolve_model
 
@@ -114,6 +115,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
+                policy=config.scheduling_policy,
                 max_num_batched_tokens=config.resolved_max_num_batched_tokens(self.max_model_len),
                 max_model_len=self.max_model_len,
                 preemption_mode=config.preemption_mode,
@@ -136,13 +138,21 @@ class LLMEngine:
         )
         self.structured = StructuredOutputs(self.grammars)
         self._constrained: dict[str, SequenceGroup] = {}  # request id -> its group, while it lives
+        self._mask_errors: dict[int, str] = {}  # this step's rows whose grammar failed at the mask
         self.num_prompt_tokens = 0  # computed prompt tokens (after prefix-cache hits)
         self.num_generation_tokens = 0
-        # LoRA adapters by name; the model's layer shapes (a meta-device skeleton) check them
+        # LoRA adapters by name (core/lora.py: identity); the model's layer shapes (a
+        # meta-device skeleton) check them
         self.loras: dict[str, LoRARequest] = {}
         self.num_lora_requests: dict[str, int] = {}  # adapter name -> requests added with it
-        self._lora_ids = itertools.count(1)
-        self._skeleton = None
+        self._lora_given: dict[str, tuple[int, str]] = {}  # name -> (id, path) as its caller gave them
+        self._lora_keys: dict[int, LoRAKey] = {}  # every id ever drawn or given -> its adapter: never reused
+        self._next_lora_id = len(config.lora_modules) + 1  # past the start-up ids
+        self._lora_lock = threading.Lock()  # adapters are read (and ids drawn) off the step thread
+        self._lora_bytes: dict[LoRAKey, int] = {}  # registered or retiring adapter -> its CPU bytes
+        self._retiring: set[LoRAKey] = set()  # unregistered, still named by some request
+        self._lora_roots = [os.path.realpath(root) for root in config.lora_modules_root]
+        self._skeleton = model_skeleton(self.model_path) if config.is_lora_enabled else None
         for name, lora_id in startup_lora_ids(config.lora_modules).items():
             self.add_lora(LoRARequest(name, lora_id, str(config.lora_modules[name])))
         logger.info(
@@ -193,35 +203,112 @@ class LLMEngine:
             )
 
     # ------------------------------------------------------------------ LoRA adapters
+    #
+    # An adapter is read and checked once, at registration, off the step thread where a
+    # caller can (prepare_lora), and its tensors go to the workers' CPU memory then; the
+    # step thread only commits it (register_lora). Its identity is (id, resolved path,
+    # digest of its weights): ids are never reused, so neither are slots, CPU entries or
+    # prefix chains. Unloaded, it stays until the last request naming it ends (retiring).
 
     def add_lora(self, lora: LoRARequest) -> LoRARequest:
-        """Register an adapter after checking it against the model (LoRAError names what
-        does not fit: rank above max_lora_rank, an unknown target module, a shape). Adding
-        the same adapter again is a no-op; another adapter under a taken name or id is not."""
-        if not self.config.is_lora_enabled:
-            raise RequestError("LoRA adapters are not enabled: start the engine with enable_lora or lora_modules")
+        """Register an adapter from a trusted caller (start-up, the offline API): any path,
+        the caller's id. LoRAError names what does not fit (rank above max_lora_rank, an
+        unknown target module, a shape, a malformed file). Adding the same name, id and
+        path again is a no-op (the adapter is not read again); another adapter under a
+        taken name, or an id once given to another adapter, is refused."""
         known = self.loras.get(lora.lora_name)
-        if known == lora:
+        as_given = (lora.lora_int_id, lora.lora_path)
+        if known is not None and (lora == known or self._lora_given[known.lora_name] == as_given):
             return known
-        if known is not None:
-            raise RequestError(f"LoRA adapter {lora.lora_name!r} is already loaded (from {known.lora_path})")
-        if any(k.lora_int_id == lora.lora_int_id for k in self.loras.values()):
-            raise RequestError(f"lora_int_id {lora.lora_int_id} is already used by another adapter")
-        if lora.lora_name == self.config.model:
-            raise RequestError(f"LoRA adapter name {lora.lora_name!r} is the base model's")
-        if self._skeleton is None:
-            self._skeleton = model_skeleton(self.model_path)
-        check_adapter(self._skeleton, lora.lora_path, self.config.max_lora_rank)
+        registered, num_bytes = self.prepare_lora(lora.lora_name, lora.lora_path, lora.lora_int_id)
+        return self.register_lora(registered, num_bytes, given_path=lora.lora_path)
+
+    def load_lora(self, name: str, path: str) -> LoRARequest:
+        """A runtime load (a path under lora_modules_root) with the next id, in one call."""
+        lora, num_bytes = self.prepare_lora(name, path, is_runtime=True)
+        return self.register_lora(lora, num_bytes)
+
+    def prepare_lora(
+        self, name: str, path: str, lora_int_id: int | None = None, is_runtime: bool = False
+    ) -> tuple[LoRARequest, int]:
+        """Read and check the adapter, draw its id and give its tensors to the workers; the
+        adapter, not yet registered, and its CPU bytes. Thread-safe (no step state is
+        touched): the slow part of a load, run off the step thread by the SchedulerActor."""
+        self._check_lora_name(name)
+        resolved = self._resolve_lora_path(path, is_runtime)
+        adapter = check_adapter(
+            self._skeleton, resolved, self.config.max_lora_rank, int(self.config.max_lora_size_mb * 2**20)
+        )
+        self._check_lora_room(adapter.num_bytes)
+        with self._lora_lock:
+            if lora_int_id is None:
+                lora_int_id = self._next_lora_id
+            key = (lora_int_id, resolved, adapter.digest)
+            known = self._lora_keys.get(lora_int_id)
+            if known is not None and known != key:
+                raise RequestError(
+                    f"lora_int_id: {lora_int_id} was given to another adapter in this engine (ids are never reused)"
+                )
+            self._lora_keys[lora_int_id] = key
+            self._next_lora_id = max(self._next_lora_id, lora_int_id + 1)
+        lora = LoRARequest(name, lora_int_id, resolved, adapter.digest)
+        if key not in self._lora_bytes:  # else the workers hold it already (it is retiring)
+            self.executor.add_lora(key, adapter)
+        return lora, adapter.num_bytes
+
+    def register_lora(self, lora: LoRARequest, num_bytes: int, given_path: str | None = None) -> LoRARequest:
+        """Commit a prepared adapter (on the step thread): requests may name it from now."""
+        try:
+            self._check_lora_name(lora.lora_name)
+            other = next((n for n, known in self.loras.items() if known.key == lora.key), None)
+            if other is not None:
+                raise RequestError(f"lora_int_id: {lora.lora_int_id} is the LoRA adapter {other!r}'s")
+            if lora.key not in self._lora_bytes:
+                self._check_lora_room(num_bytes)
+        except ValueError:
+            if lora.key not in self._lora_bytes:
+                self.lora_slots.retire(lora.key)  # the workers drop what they were given
+            raise
+        self._retiring.discard(lora.key)
+        self._lora_bytes[lora.key] = num_bytes
         self.loras[lora.lora_name] = lora
+        self._lora_given[lora.lora_name] = (lora.lora_int_id, given_path or lora.lora_path)
         self.num_lora_requests.setdefault(lora.lora_name, 0)
         return lora
 
-    def load_lora(self, name: str, path: str) -> LoRARequest:
-        """Register the adapter in `path` under `name`, with the next free id."""
-        lora_id = next(self._lora_ids)
-        while any(k.lora_int_id == lora_id for k in self.loras.values()):
-            lora_id = next(self._lora_ids)
-        return self.add_lora(LoRARequest(name, lora_id, str(path)))
+    def _check_lora_name(self, name: str) -> None:
+        if not self.config.is_lora_enabled:
+            raise RequestError("LoRA adapters are not enabled: start the engine with enable_lora or lora_modules")
+        known = self.loras.get(name)
+        if known is not None:
+            raise RequestError(f"lora_name: the LoRA adapter {name!r} is already loaded")
+        if name == self.config.model:
+            raise RequestError(f"lora_name: {name!r} is the base model's name")
+
+    def _resolve_lora_path(self, path: str, is_runtime: bool) -> str:
+        """The adapter directory, symlinks resolved; for a runtime load it must lie under a
+        lora_modules_root (checked before the directory is looked at)."""
+        if is_runtime and not self._lora_roots:
+            raise LoRAError("runtime loading by path is off (no lora_modules_root is configured)")
+        try:
+            resolved = os.path.realpath(path)
+        except (OSError, ValueError):
+            raise LoRAError("not a usable path") from None
+        if is_runtime and not any(resolved == root or resolved.startswith(root + os.sep) for root in self._lora_roots):
+            raise LoRAError("must name a directory under lora_modules_root (after resolving symlinks)")
+        return resolved
+
+    def _check_lora_room(self, num_bytes: int) -> None:
+        """Registered (and retiring) adapters within max_cpu_loras and max_cpu_lora_memory_gb."""
+        limit, held = self.config.resolved_max_cpu_loras, dict(self._lora_bytes)
+        if len(held) >= limit:
+            raise RequestError(f"lora_name: {limit} LoRA adapters are registered, max_cpu_loras; unload one first")
+        budget = self.config.max_cpu_lora_memory_gb * 2**30
+        if sum(held.values()) + num_bytes > budget:
+            raise LoRAError(
+                f"the adapter's {num_bytes / 2**20:.1f} MiB do not fit in max_cpu_lora_memory_gb "
+                f"({self.config.max_cpu_lora_memory_gb:g}) beside the adapters registered"
+            )
 
     def lora_by_name(self, name: str) -> LoRARequest:
         lora = self.loras.get(name)
@@ -230,8 +317,48 @@ class LLMEngine:
         return lora
 
     def remove_lora(self, name: str) -> bool:
-        """Forget an adapter: new requests cannot name it; requests running with it finish."""
-        return self.loras.pop(name, None) is not None
+        """Forget an adapter: new requests cannot name it, its metric series go; requests
+        running with it finish, then its slot and tensors are freed."""
+        lora = self.loras.pop(name, None)
+        if lora is None:
+            return False
+        self._lora_given.pop(name, None)
+        self.num_lora_requests.pop(name, None)
+        self._retiring.add(lora.key)
+        self._retire_unused_loras()
+        self._flush_worker_state()
+        return True
+
+    def _retire_unused_loras(self) -> None:
+        """Retire each unloaded adapter no request names any more (core/lora.py)."""
+        if not self._retiring:
+            return
+        used = {g.lora_key for g in self.scheduler.groups.values() if g.lora_request is not None}
+        for key in [k for k in self._retiring if k not in used]:
+            self._retiring.discard(key)
+            self._lora_bytes.pop(key, None)
+            self.lora_slots.retire(key)
+
+    def _fail_loras(self, failures: list[tuple[LoRAKey, str]]) -> tuple[list[StepOutput], set[str]]:
+        """Adapters the workers could not activate: each is unloaded and only its requests
+        end, with the reason; its slot is rolled back (freed). (outputs, their request ids)"""
+        outputs = []
+        for key, reason in failures:
+            name = next((n for n, lora in self.loras.items() if lora.key == key), None)
+            if name is not None:
+                self.loras.pop(name)
+                self._lora_given.pop(name, None)
+                self.num_lora_requests.pop(name, None)
+            self._retiring.add(key)
+            shown = repr(name) if name is not None else f"id {key[0]}"
+            error = f"model: the LoRA adapter {shown} could not be activated ({reason}); it was unloaded"
+            for group in [g for g in self.scheduler.groups.values() if g.lora_key == key]:
+                self.scheduler.abort(group.request_id)
+                metrics = self._metrics.get(group.request_id)
+                outputs.append(StepOutput(group.request_id, [], finished=True, metrics=metrics, error=error))
+                self._forget(group)
+        self._retire_unused_loras()
+        return outputs, {out.request_id for out in outputs}
 
     # ------------------------------------------------------------------ requests
 
@@ -246,15 +373,21 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> None:
         """Queue a request (on `lora_request`'s adapter, registered now if it is new, or on
         the registered adapter of that name); raises RequestError / SamplingParamsError /
-        LoRAError for bad input, UnknownLoRAError for an adapter name not registered."""
+        LoRAError for bad input, UnknownLoRAError for an adapter name not registered.
+
+        A constrained request brings its compiled grammar (`compile_constraint`, called
+        off the step loop); without one only a grammar the cache holds compiled now will
+        do: add_request never compiles and never waits for a compile."""
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise RequestError("prompt: give a string or prompt_token_ids")
             prompt_token_ids = self.encode(prompt)
         self._validate(request_id, prompt_token_ids, sampling_params)
+        matcher = self._request_matcher(sampling_params, grammar)
         if isinstance(lora_request, str):
             lora_request = self.lora_by_name(lora_request)
         elif lora_request is not None:
@@ -264,9 +397,8 @@ class LLMEngine:
         group = SequenceGroup(request_id, [seq], sampling_params, arrival, next(self._arrivals), lora_request)
         if lora_request is not None:
             self.num_lora_requests[lora_request.lora_name] = self.num_lora_requests.get(lora_request.lora_name, 0) + 1
-        if sampling_params.structured_outputs is not None:
-            # waits for the grammar (compiled ahead by prepare_constraint where a caller can)
-            self.structured.add(seq.seq_id, sampling_params.structured_outputs)
+        if matcher is not None:
+            self.structured.add(seq.seq_id, matcher, sampling_params.structured_outputs.after_token_id)
             self._constrained[request_id] = group
         self.scheduler.add_group(group)
         self._metrics[request_id] = RequestMetrics(arrival_time=arrival)
@@ -295,23 +427,51 @@ class LLMEngine:
             raise SamplingParamsError(f"logprobs: at most {self.config.max_logprobs} (got {params.logprobs})")
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
+            after = params.structured_outputs.after_token_id
+            if after is not None and after >= vocab:
+                raise SamplingParamsError(
+                    f"structured_outputs.after_token_id: {after} is outside the vocabulary [0, {vocab})"
+                )
         if params.best_of > self.config.max_num_seqs:
             raise SamplingParamsError(
                 f"best_of: {params.best_of} sequences exceed max_num_seqs {self.config.max_num_seqs}"
             )
 
     def prepare_constraint(self, params: SamplingParams):
-        """Start compiling the request's grammar (a future; None without a constraint): a
-        caller off the step loop awaits it before add_request, so the step loop never waits
-        for a compile. Thread-safe."""
+        """Start compiling the request's grammar (a future of its CompiledGrammar; None
+        without a constraint): a caller off the step loop awaits it and hands the result to
+        add_request, so the step loop never waits for a compile. Thread-safe."""
         if params.structured_outputs is None:
             return None
         return self.grammars.submit(params.structured_outputs)
+
+    def compile_constraint(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The request's compiled grammar, waiting for it (at most the compile timeout):
+        for callers that are not the step loop (LLM.generate). Thread-safe."""
+        if not isinstance(params, SamplingParams) or params.structured_outputs is None:
+            return None
+        return self.grammars.compile(params.structured_outputs)
+
+    def _request_matcher(self, params: SamplingParams, grammar: CompiledGrammar | None):
+        """The new request's own matcher (None: unconstrained); fails at once when its
+        grammar is not at hand compiled."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return None
+        if grammar is None:
+            grammar = self.grammars.cached(constraint)
+        if grammar is None:
+            raise SamplingParamsError(
+                f"structured_outputs.{constraint.kind}: the grammar is not compiled (compile it off the "
+                "step loop first: LLMEngine.compile_constraint)"
+            )
+        return grammar.new_matcher()
 
     def abort_request(self, request_id: str) -> bool:
         group = self.scheduler.abort(request_id)
         if group is not None:
             self._forget(group)
+            self._retire_unused_loras()
             self._flush_worker_state()
         return group is not None
 
@@ -330,6 +490,7 @@ class LLMEngine:
             self.scheduler.free_finished(group)
             return None
         self.scheduler.abort(request_id)  # out of every queue (it may be waiting or swapped)
+        self._retire_unused_loras()
         self._flush_worker_state()
         stopped = [_delta(i, group.seqs[i], params, group.seqs[i].num_output_tokens) for i, _ in stops]
         out = StepOutput(request_id, stopped, finished=True, metrics=self._metrics.get(request_id))
@@ -352,7 +513,9 @@ class LLMEngine:
         now = time.monotonic()
         results = [self._ignored_output(rid) for rid in out.ignored]
         if out.is_empty:
+            self._retire_unused_loras()
             return results
+        self._mask_errors = {}
         if self._constrained:
             self._fill_bitmasks(out)
         try:
@@ -361,7 +524,12 @@ class LLMEngine:
             # the step's K/V may be missing: no cached prefix from it may be reused
             self.block_manager.reset_prefix_cache()
             raise
-        results += self._process(out, sampled, now)
+        failed: set[str] = set()
+        if sampled.lora_failures:
+            failures, failed = self._fail_loras(sampled.lora_failures)
+            results += failures
+        results += self._process(out, sampled, now, failed)
+        self._retire_unused_loras()
         self._flush_worker_state()
         return results
 
@@ -374,7 +542,9 @@ class LLMEngine:
         if not out.is_empty:
             self.executor.execute(out.message)
 
-    def _process(self, out: SchedulerOutput, sampled: SamplerOutput, now: float) -> list[StepOutput]:
+    def _process(
+        self, out: SchedulerOutput, sampled: SamplerOutput, now: float, failed: set[str] = frozenset()
+    ) -> list[StepOutput]:
         samples = sampled.samples
         msg = out.message
         counts = msg.num_query_tokens
@@ -382,6 +552,9 @@ class LLMEngine:
         next_sample = 0
         for group, first_row, num_rows, do_sample, is_first_step in out.scheduled:
             request_id = group.request_id
+            if request_id in failed:  # its adapter failed: its rows ran without it, and it ended
+                next_sample += num_rows if do_sample else 0
+                continue
             metrics = self._metrics[request_id]
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
@@ -412,7 +585,8 @@ class LLMEngine:
         return results
 
     def _fill_bitmasks(self, out: SchedulerOutput) -> None:
-        """The token bitmasks of the step's constrained sampled rows, into its message."""
+        """The token bitmasks of the step's constrained sampled rows, into its message; the
+        rows whose grammar fails here end with a grammar error once the step is sampled."""
         msg = out.message
         seq_ids = []
         matchers = self.structured.matchers
@@ -421,7 +595,7 @@ class LLMEngine:
                 seq_ids += [s for s in msg.seq_ids[first_row : first_row + num_rows] if s in matchers]
         if seq_ids:
             msg.bitmask_seq_ids = seq_ids
-            msg.token_bitmasks = self.structured.bitmasks(seq_ids)
+            msg.token_bitmasks, self._mask_errors = self.structured.fill(seq_ids)
 
     def _new_child(self, group: SequenceGroup, parent: Sequence, with_blocks: bool = True) -> Sequence:
         child = parent.fork(next(self._seq_ids))
@@ -442,15 +616,30 @@ class LLMEngine:
             picks = list(range(len(sample.token_ids)))
             # first step of best_of > 1: one draw per sequence; the parent forks the others
             children = [self._new_child(group, seq) for _ in picks[1:]] if is_first_step else []
+            mask_error = self._mask_errors.get(seq.seq_id)
             for target, i in zip([seq, *children], picks):
+                if mask_error is not None:  # sampled without its grammar: the token is dropped
+                    self._end_with_grammar_error(target, params, mask_error)
+                    continue
                 target.append_token(sample.token_ids[i], sample.logprobs[i])
                 if sample.top_logprobs is not None:
                     target.output_logprobs.append(sample.top_logprobs[i])
-                is_complete = is_constrained and self.structured.accept(target.seq_id, sample.token_ids[i])
+                is_complete, error = (
+                    self.structured.accept(target.seq_id, sample.token_ids[i]) if is_constrained else (False, None)
+                )
                 self._check_stop(target, params)
-                if is_complete and target.status is not SequenceStatus.FINISHED_STOPPED:
+                if error is not None:
+                    self._end_with_grammar_error(target, params, error)
+                elif is_complete and target.status is not SequenceStatus.FINISHED_STOPPED:
                     # the grammar is complete (only EOS may follow): the output is whole
                     self._finish(target, SequenceStatus.FINISHED_STOPPED, None)
+
+    def _end_with_grammar_error(self, seq: Sequence, params: SamplingParams, error: str) -> None:
+        """A grammar that cannot go on ends the sequence visibly (finish_reason "abort",
+        stop_reason the error), never as a stop; a grammar that failed leaves the cache."""
+        self._finish(seq, SequenceStatus.FINISHED_ABORTED, error)
+        self.structured.remove(seq.seq_id)
+        self.grammars.discard(params.structured_outputs)
 
     def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
         """Stop tokens, EOS and lengths; stop strings are the output processor's."""

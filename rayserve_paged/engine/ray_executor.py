@@ -161,13 +161,24 @@ class RayExecutor(Executor):
         return CacheSizes(num_gpu, num_cpu, sizes[0].block_bytes)
 
     def execute(self, msg: StepMessage) -> SamplerOutput:
-        if self._graph is not None:
-            return ray.get(self._graph.execute(msg), timeout=STEP_TIMEOUT_S)[0]
-        if len(self.workers) == 1:
+        if len(self.workers) == 1 and self._graph is None:
             return ray.get(self.workers[0].execute.remote(msg))
+        # the token bitmasks go to rank 0 alone (the rank that samples)
+        bitmasks, msg.token_bitmasks = msg.token_bitmasks, b""
+        if self._graph is not None:
+            return ray.get(self._graph.execute(msg, bitmasks), timeout=STEP_TIMEOUT_S)[0]
         ref = ray.put(msg)  # serialised once, read by every rank
-        results = ray.get([w.execute.remote(ref) for w in self.workers])
+        results = ray.get([w.execute.remote(ref, bitmasks) if rank == 0 else w.execute.remote(ref)
+                           for rank, w in enumerate(self.workers)])  # fmt: skip
         return results[0]
+
+    def add_lora(self, key: tuple, adapter) -> None:
+        """Every rank gets the same tensors (one object in the store, read by each), and
+        cuts its own shard of them. Under the compiled graph the step runs on each actor's
+        graph thread and this call on its main thread (Ray's rule for actors in a compiled
+        graph); the key is new, so no step reads it yet."""
+        ref = ray.put(adapter)
+        ray.get([w.add_lora.remote(key, ref) for w in self.workers], timeout=STEP_TIMEOUT_S)
 
     def gpu_snapshots(self) -> list[dict]:
         return ray.get([w.gpu_snapshot.remote() for w in self.workers], timeout=10)
@@ -199,10 +210,14 @@ STEP_TIMEOUT_S = 600.0
 
 
 def _compile_step_graph(workers: list):
-    """The step as a compiled graph: one input (the StepMessage) read by every rank,
-    one output per rank (rank 0's samples; None from the others)."""
+    """The step as a compiled graph: two inputs, the StepMessage (without its token
+    bitmasks), read by every rank, and the bitmasks, read by rank 0 only (one channel per
+    input attribute, each to its readers); one output per rank (rank 0's samples; None
+    from the others)."""
     from ray.dag import InputNode, MultiOutputNode
 
     with InputNode() as step:
-        graph = MultiOutputNode([w.execute.bind(step) for w in workers])
+        msg, bitmasks = step[0], step[1]
+        graph = MultiOutputNode([w.execute.bind(msg, bitmasks) if rank == 0 else w.execute.bind(msg)
+                                 for rank, w in enumerate(workers)])  # fmt: skip
     return graph.experimental_compile()

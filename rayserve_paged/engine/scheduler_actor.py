@@ -28,13 +28,20 @@ from collections import deque
 from dataclasses import dataclass
 
 from rayserve_paged.config import EngineConfig
-from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError
+from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.engine.frontend import EngineUnavailable
 from rayserve_paged.engine.llm_engine import LLMEngine
+from rayserve_paged.engine.structured_outputs import CompiledGrammar
 from rayserve_paged.models.loader import release_freed_memory
 from rayserve_paged.telemetry import ReplicaTelemetry, TelemetryConfig
 
 logger = logging.getLogger(__name__)
+
+
+def _one_torch_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # this thread's own setting (OpenMP's is per thread)
 
 
 @dataclass(slots=True)
@@ -70,6 +77,11 @@ class SchedulerActor:
         self._alive = True
         self._error: BaseException | None = None
         self.timing = StepTiming()
+        # one thread reads adapters, its torch work on one thread (no second OpenMP team
+        # beside the step thread's)
+        self._lora_loader = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="lora-load", initializer=_one_torch_thread
+        )
         # The engine is built on the step thread, which then runs every step: the model's torch
         # and compiled-kernel work all starts its OpenMP parallel regions from that one thread,
         # so the process has one OpenMP team. (Built here on the actor's thread, the load and
@@ -99,15 +111,24 @@ class SchedulerActor:
         self._attach_loop()
         if self._error is not None:
             raise EngineUnavailable(f"the engine failed: {self._error!r}")
-        await self._wait_for_grammar(params)
+        grammar = await self._wait_for_grammar(params)
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("add", (request_id, prompt, params, prompt_token_ids, None, lora_name), done))
+        self._submit(("add", (request_id, prompt, params, prompt_token_ids, None, lora_name, grammar), done))
         await asyncio.wrap_future(done)
 
     async def load_lora(self, name: str, path: str) -> dict:
-        """Register the adapter in `path` under `name` (checked against the model first:
-        LoRAError names what does not fit); its {"lora_name", "lora_int_id", "lora_path"}."""
-        lora = await self._call(lambda: self.engine.load_lora(name, path))
+        """Register the adapter in `path` under `name` (a directory under lora_modules_root,
+        checked against the model first: LoRAError names what does not fit); its
+        {"lora_name", "lora_int_id", "lora_path"}. The adapter is read, checked and handed
+        to the workers on a loader thread: the steps go on meanwhile; only the commit runs
+        on the step thread."""
+        self._attach_loop()
+        if self._error is not None:
+            raise EngineUnavailable(f"the engine failed: {self._error!r}")
+        loop = asyncio.get_running_loop()
+        prepare = self.engine.prepare_lora
+        lora, num_bytes = await loop.run_in_executor(self._lora_loader, prepare, name, path, None, True)
+        lora = await self._call(lambda: self.engine.register_lora(lora, num_bytes))
         return {"lora_name": lora.lora_name, "lora_int_id": lora.lora_int_id, "lora_path": lora.lora_path}
 
     async def unload_lora(self, name: str) -> bool:
@@ -123,27 +144,30 @@ class SchedulerActor:
         self._submit(("call", fn, done))
         return await asyncio.wrap_future(done)
 
-    async def _wait_for_grammar(self, params: SamplingParams) -> None:
+    async def _wait_for_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
         """A constrained request waits here, off the step loop, until its grammar is
-        compiled (or the compile fails or runs past the limit: the caller's error)."""
+        compiled (or the compile fails or runs past the limit: the caller's error, and the
+        compile is abandoned); the compiled grammar travels with the request into the step
+        thread, which never compiles (a cache eviction meanwhile changes nothing)."""
         if not isinstance(params, SamplingParams):
-            return  # the engine names the problem
+            return None  # the engine names the problem
         if params.structured_outputs is not None and not self.engine.grammars.tokenizer_ready:
             # the first grammar loads the tokenizer: a one-time cost, not the grammar's, so
             # outside the compile limit (and off the event loop)
             await asyncio.get_running_loop().run_in_executor(None, self.engine.grammars.ll_tokenizer)
         compiled = self.engine.prepare_constraint(params)
         if compiled is None:
-            return
-        timeout = self.engine.grammars.timeout_s
+            return None
+        grammars = self.engine.grammars
         # asyncio.wait, not wait_for: a caller that goes away must not cancel the shared compile
         waiter = asyncio.wrap_future(compiled)
-        waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # the engine reports it
-        await asyncio.wait({waiter}, timeout=timeout)
+        waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # raised below
+        await asyncio.wait({waiter}, timeout=grammars.timeout_s)
         if not compiled.done():
-            raise SamplingParamsError(
-                f"structured_outputs.{params.structured_outputs.kind}: compiling took longer than {timeout:g} s"
-            )
+            raise grammars.give_up(params.structured_outputs, compiled)
+        if compiled.cancelled():  # abandoned by another waiter's timeout while queued
+            raise grammars.give_up(params.structured_outputs, compiled)
+        return compiled.result()  # a compile error is the caller's, raised here
 
     async def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id, None))
@@ -223,7 +247,7 @@ class SchedulerActor:
     def resident_lora_ids(self) -> list[int]:
         """Int ids of the LoRA adapters in this engine's device slots (a fleet routes on them)."""
         slots = self.engine.lora_slots
-        return [] if slots is None else list(slots.slot_of)
+        return [] if slots is None else [key[0] for key in slots.slot_of]
 
     async def metrics_text(self) -> str:
         """Prometheus exposition text of this replica's engine and GPU metrics."""
@@ -233,6 +257,7 @@ class SchedulerActor:
         self._alive = False
         self._wake.set()
         self._thread.join(timeout=10)
+        self._lora_loader.shutdown(wait=False, cancel_futures=True)
         self.telemetry.shutdown()
         self.engine.executor.shutdown()
 

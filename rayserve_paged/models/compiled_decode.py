@@ -12,8 +12,8 @@ skeleton's own layer, attention and MLP (a family that swaps one in, e.g. Gemma 
 norms, does not), with silu, no q/k norms and no norm weight offset, on one rank, float32 on
 the CPU, every projection held by the compiled group-quantized kernel (`quantization: auto` on
 a CPU with AVX-512), and the torch attention backend decoding with its compiled kernel. A step
-runs compiled when it has no prefill token and no padding token and no projection has LoRA
-adapters in use.
+runs compiled when it has no prefill token and no padding token and none of its rows uses a
+LoRA adapter (LoRA enabled or not: a LoRA engine's base-only steps run compiled too).
 """
 
 from __future__ import annotations
@@ -56,12 +56,12 @@ class CompiledDecode:
         return cls(model, kernel)
 
     def can_run(self, metadata: AttentionMetadata, kv_caches: list) -> bool:
-        """A decode-only step without padding tokens, no adapters in use, caches the attention
+        """A decode-only step without padding tokens, no row on an adapter, caches the attention
         backend decodes with its compiled kernel."""
         if metadata.num_prefill_tokens or metadata.num_decode_tokens != metadata.slot_mapping.shape[0]:
             return False
-        if any(lin.lora_batch is not None for lin in self.linears):
-            return False
+        if any(lin.lora_batch is not None and lin.lora_batch.is_active for lin in self.linears):
+            return False  # a row of this step uses an adapter (base-only steps of a LoRA engine run here)
         return self._decode_layers(kv_caches) is not None
 
     def forward(

@@ -25,10 +25,10 @@ its contribution after its base matmul (LinearBase.matmul), without merging anyt
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +46,12 @@ _TENSOR = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight
 
 
 class LoRAError(ValueError):
-    """An adapter this model cannot run; the message says why (and names the adapter)."""
+    """An adapter this model cannot run; the message says why, naming the file or field and
+    never quoting the files' contents (the HTTP error prefixes `lora_path:`)."""
+
+
+MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json: PEFT writes ~1 KB
+MAX_CONFIG_DEPTH = 16  # nesting of adapter_config.json (PEFT's is 2 deep)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,81 +63,143 @@ class PeftAdapter:
     scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) (rsLoRA)
     target_modules: tuple[str, ...] | str
     tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]  # checkpoint module -> (A [r, in], B [out, r])
+    digest: str = ""  # blake2b of adapter_model.safetensors, hex
+    num_bytes: int = 0  # of the float32 tensors held (what the CPU memory bound counts)
 
 
-def read_peft_adapter(path: str | Path, max_lora_rank: int, known_targets: set[str] | None = None) -> PeftAdapter:
-    """Read and check a PEFT LoRA directory (its target_modules among `known_targets`, when
-    given); raises LoRAError naming what is wrong."""
-    from safetensors.torch import load_file
-
+def read_peft_adapter(
+    path: str | Path, max_lora_rank: int, known_targets: set[str] | None = None, max_bytes: int | None = None
+) -> PeftAdapter:
+    """Read and check a PEFT LoRA directory, each file once (its target_modules among
+    `known_targets`, when given; its weights file at most `max_bytes`); raises LoRAError
+    naming what is wrong."""
     where = Path(path)
     config_file, weights_file = where / CONFIG_FILE, where / WEIGHTS_FILE
-    if not config_file.is_file():
-        raise LoRAError(f"adapter {path}: no {CONFIG_FILE} (is it a PEFT LoRA directory?)")
-    if not weights_file.is_file():
-        raise LoRAError(f"adapter {path}: no {WEIGHTS_FILE}")
     try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise LoRAError(f"adapter {path}: {CONFIG_FILE} is not JSON: {exc}") from exc
-    rank, alpha = _config_number(config, "r", path), _config_number(config, "lora_alpha", path)
-    _check_supported(config, path)
-    if rank > max_lora_rank:
-        raise LoRAError(f"adapter {path}: rank r={rank} exceeds max_lora_rank {max_lora_rank}")
-    targets = config.get("target_modules")
-    if not targets or not isinstance(targets, (str, list)):
-        raise LoRAError(f"adapter {path}: target_modules must be a list of module names or a pattern")
-    if known_targets is not None and isinstance(targets, list):
-        _check_targets(path, targets, known_targets)
+        if not config_file.is_file():
+            raise LoRAError(f"no {CONFIG_FILE} in the directory (is it a PEFT LoRA directory?)")
+        if not weights_file.is_file():
+            raise LoRAError(f"no {WEIGHTS_FILE} in the directory")
+        if config_file.stat().st_size > MAX_CONFIG_BYTES:
+            raise LoRAError(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+        config_bytes = config_file.read_bytes()
+        size = weights_file.stat().st_size
+        if max_bytes is not None and size > max_bytes:
+            raise LoRAError(f"{WEIGHTS_FILE} is {size / 2**20:.1f} MiB, above max_lora_size_mb ({max_bytes / 2**20:g})")
+        config = _parse_config(config_bytes)
+        rank, alpha = _config_number(config, "r"), _config_number(config, "lora_alpha")
+        _check_supported(config, path)
+        if rank > max_lora_rank:
+            raise LoRAError(f"rank r={rank} exceeds max_lora_rank {max_lora_rank}")
+        targets = config.get("target_modules")
+        is_names = isinstance(targets, list) and all(isinstance(t, str) for t in targets)
+        if not targets or not (isinstance(targets, str) or is_names):
+            raise LoRAError(f"{CONFIG_FILE} target_modules must be a list of module names or a pattern")
+        if known_targets is not None and isinstance(targets, list):
+            _check_targets(path, targets, known_targets)
+        data = weights_file.read_bytes()
+    except OSError as exc:  # unreadable, a name too long, a directory that vanished
+        raise LoRAError(f"the adapter directory cannot be read ({exc.strerror or type(exc).__name__})") from None
+    digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+    tensors = _lora_tensors(data, rank)
+    del data
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    names = tuple(targets) if isinstance(targets, list) else targets
+    num_bytes = sum(a.nbytes + b.nbytes for a, b in tensors.values())
+    return PeftAdapter(str(path), rank, scaling, names, tensors, digest, num_bytes)
+
+
+def _parse_config(raw: bytes) -> dict:
+    def refuse(constant: str):
+        raise ValueError("not a number")
+
     try:
-        raw = load_file(str(weights_file))
-    except Exception as exc:  # safetensors raises its own error types for a damaged file
-        raise LoRAError(f"adapter {path}: {WEIGHTS_FILE} cannot be read: {exc}") from exc
+        config = json.loads(raw.decode("utf-8"), parse_constant=refuse)
+    except RecursionError:
+        raise LoRAError(f"{CONFIG_FILE} is nested too deeply") from None
+    except ValueError:  # also UnicodeDecodeError; NaN / Infinity refused by parse_constant
+        raise LoRAError(f"{CONFIG_FILE} is not valid JSON (NaN and Infinity are not numbers)") from None
+    if not isinstance(config, dict):
+        raise LoRAError(f"{CONFIG_FILE} must hold a JSON object")
+    if _depth(config) > MAX_CONFIG_DEPTH:
+        raise LoRAError(f"{CONFIG_FILE} is nested too deeply (more than {MAX_CONFIG_DEPTH} levels)")
+    return config
+
+
+def _depth(value) -> int:
+    """Nesting depth of a parsed JSON value, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > MAX_CONFIG_DEPTH:
+                return depth
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _lora_tensors(data: bytes, rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """checkpoint module -> (A [r, in], B [out, r]) float32, every value finite."""
+    from safetensors.torch import load
+
+    try:
+        raw = load(data)
+    except Exception:  # safetensors raises its own error types for a damaged file
+        raise LoRAError(f"{WEIGHTS_FILE} cannot be read as safetensors") from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in raw.items():
         match = _TENSOR.match(name.removeprefix(_PEFT_PREFIX))
         if match is None:
-            raise LoRAError(f"adapter {path}: tensor {name!r} is not a LoRA A or B weight (only LoRA is supported)")
+            raise LoRAError(f"tensor {_shown(name)} is not a LoRA A or B weight (only LoRA is supported)")
+        if not tensor.is_floating_point():
+            raise LoRAError(f"tensor {_shown(name)} is not floating point")
         pairs.setdefault(match["module"], {})[match["which"]] = tensor
     tensors = {}
     for module, pair in pairs.items():
         if set(pair) != {"A", "B"}:
-            raise LoRAError(f"adapter {path}: module {module!r} has lora_{'A' if 'A' in pair else 'B'} only")
+            raise LoRAError(f"module {_shown(module)} has lora_{'A' if 'A' in pair else 'B'} only")
         a, b = pair["A"], pair["B"]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
             raise LoRAError(
-                f"adapter {path}: module {module!r}: shape mismatch, lora_A {list(a.shape)} and lora_B "
+                f"module {_shown(module)}: shape mismatch, lora_A {list(a.shape)} and lora_B "
                 f"{list(b.shape)} for rank {rank}"
             )
-        tensors[module] = (a.to(torch.float32), b.to(torch.float32))
+        a, b = a.to(torch.float32), b.to(torch.float32)
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoRAError(f"module {_shown(module)}: NaN or infinite weights")
+        tensors[module] = (a, b)
     if not tensors:
-        raise LoRAError(f"adapter {path}: {WEIGHTS_FILE} holds no LoRA weights")
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    names = tuple(targets) if isinstance(targets, list) else targets
-    return PeftAdapter(str(path), rank, scaling, names, tensors)
+        raise LoRAError(f"{WEIGHTS_FILE} holds no LoRA weights")
+    return tensors
 
 
-def _config_number(config: dict, key: str, path) -> int | float:
+def _shown(name: str) -> str:
+    """A module or tensor name as an error quotes it (bounded)."""
+    return repr(name if len(name) <= 80 else name[:77] + "...")
+
+
+def _config_number(config: dict, key: str) -> int | float:
     value = config.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (key == "r" and value != int(value)):
-        raise LoRAError(f"adapter {path}: {CONFIG_FILE} {key} must be a positive {'integer' if key == 'r' else 'number'}")
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or not math.isfinite(value) or value <= 0 or (key == "r" and value != int(value)):
+        raise LoRAError(f"{CONFIG_FILE} {key} must be a positive {'integer' if key == 'r' else 'finite number'}")
     return int(value) if key == "r" else float(value)
 
 
 def _check_supported(config: dict, path) -> None:
     """What PEFT can write that these layers do not run, each refused by name."""
-    peft_type = config.get("peft_type", "LORA")
-    if peft_type != "LORA":
-        raise LoRAError(f"adapter {path}: peft_type {peft_type!r} is not supported (LORA only)")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"{CONFIG_FILE} peft_type is not supported (LORA only)")
     for key, why in (
         ("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D layers)"),
         ("modules_to_save", "modules_to_save (fully trained modules)"), ("rank_pattern", "rank_pattern"),
         ("alpha_pattern", "alpha_pattern"), ("layer_replication", "layer_replication"),
     ):  # fmt: skip
         if config.get(key):
-            raise LoRAError(f"adapter {path}: {why} is not supported")
+            raise LoRAError(f"{CONFIG_FILE}: {why} is not supported")
     if config.get("bias", "none") != "none":
-        raise LoRAError(f"adapter {path}: bias {config['bias']!r} is not supported (bias 'none' only)")
+        raise LoRAError(f"{CONFIG_FILE} bias is not supported (bias 'none' only)")
 
 
 # --------------------------------------------------------------------------- the model's layers
@@ -163,7 +230,7 @@ def _check_targets(path, targets, known: set[str]) -> None:
 
 def _unknown_target(path, module: str, known: set[str]) -> LoRAError:
     return LoRAError(
-        f"adapter {path}: target module {module!r} is unknown to this model (supported: {', '.join(sorted(known))})"
+        f"target module {_shown(module)} is unknown to this model (supported: {', '.join(sorted(known))})"
     )
 
 
@@ -183,7 +250,7 @@ def shard_adapter(
     layers = lora_layers(model)
     rank, width = adapter.rank, max_lora_rank
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for module, (a, b) in adapter.tensors.items():
+    for module, (a, b) in sorted(adapter.tensors.items()):  # the first wrong module, named, is always the same one
         target = model.map_weight_name(module + ".weight")
         layer_name = target[0].rpartition(".")[0] if target is not None else None
         layer = layers.get(layer_name)
@@ -199,7 +266,7 @@ def shard_adapter(
         try:
             a_rank, b_rank = _shard_pair(layer, a, b, shard_id)
         except ValueError as exc:
-            raise LoRAError(f"adapter {adapter.path}: module {module!r}: shape mismatch: {exc}") from exc
+            raise LoRAError(f"module {_shown(module)}: shape mismatch: {exc}") from exc
         pool_a[block * width : block * width + rank] = a_rank
         pool_b[:, block * width : block * width + rank] += b_rank * adapter.scaling
     return out
@@ -227,9 +294,9 @@ def _shard_pair(layer: LinearBase, a: torch.Tensor, b: torch.Tensor, shard_id) -
     return a, b_rank
 
 
-def check_adapter(model: nn.Module, path: str | Path, max_lora_rank: int) -> PeftAdapter:
+def check_adapter(model: nn.Module, path: str | Path, max_lora_rank: int, max_bytes: int | None = None) -> PeftAdapter:
     """Read the adapter and fit it to the model (a skeleton will do); raises LoRAError."""
-    adapter = read_peft_adapter(path, max_lora_rank, target_names(model))
+    adapter = read_peft_adapter(path, max_lora_rank, target_names(model), max_bytes)
     shard_adapter(model, adapter, max_lora_rank)
     return adapter
 
@@ -271,20 +338,20 @@ class LoRABatch:
 
 @dataclass(slots=True)
 class LoRAPoolCounters:
-    num_disk_loads: int = 0  # adapters read from their directory
-    num_cpu_hits: int = 0  # ... or found in the CPU LRU
+    num_added: int = 0  # adapters given to this rank (at registration)
+    num_activations: int = 0  # adapters put into a slot (from CPU memory)
 
 
 class LoRAPool:
     """One rank's adapter slots: `max_loras` slots in every LoRA layer of the model, filled
-    from an LRU of up to `max_cpu_loras` adapters kept in CPU memory (already cut to this
-    rank), read from disk on a miss."""
+    from CPU memory, where each registered adapter's tensors (already cut to this rank) stay
+    from registration (`add`, off the step) until the engine retires it (`remove`). A step
+    only copies tensors from CPU memory into slots: it never reads a file."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int) -> None:
+    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int) -> None:
         self.model = model
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
-        self.max_cpu_loras = max(max_cpu_loras, 1)
         self.batch = LoRABatch()
         self.layers = lora_layers(model)
         for layer in self.layers.values():
@@ -295,14 +362,38 @@ class LoRAPool:
             layer.lora_a = torch.zeros(max_loras, width, in_cols, dtype=dtype, device=weight.device)  # [L, W, in]
             layer.lora_b = torch.zeros(max_loras, out_rows, width, dtype=dtype, device=weight.device)  # [L, out, W]
             layer.lora_batch = self.batch
-        self.slot_of: dict[int, int] = {}  # adapter id -> its slot
-        self._in_slot: list[int | None] = [None] * max_loras
-        self._cpu: OrderedDict[int, tuple[str, dict]] = OrderedDict()  # adapter id -> (path, shards)
+        self.slot_of: dict[tuple, int] = {}  # adapter key (core/lora.LoRAKey) -> its slot
+        self._in_slot: list[tuple | None] = [None] * max_loras
+        self._cpu: dict[tuple, dict] = {}  # adapter key -> this rank's shards (layer -> (a, b))
         self.counters = LoRAPoolCounters()
 
-    def activate(self, slot: int, lora_id: int, path: str) -> None:
-        """Put the adapter into the slot (its previous adapter leaves it)."""
-        shards = self._shards(lora_id, path)
+    def add(self, key: tuple, adapter: PeftAdapter) -> None:
+        """Keep the adapter's tensors, cut to this rank, for later activations (thread-safe:
+        called off the step thread; the key is new, so no step reads it yet)."""
+        shards = shard_adapter(self.model, adapter, self.max_lora_rank)
+        self._cpu[key] = shards
+        self.counters.num_added += 1
+
+    def remove(self, key: tuple) -> None:
+        """The adapter is retired: its tensors go, and its slot (idle by then) is emptied."""
+        self._cpu.pop(key, None)
+        slot = self.slot_of.pop(key, None)
+        if slot is not None:
+            self._in_slot[slot] = None
+
+    def holds(self, key: tuple) -> bool:
+        return key in self._cpu
+
+    def activate(self, slot: int, key: tuple) -> None:
+        """Put the adapter into the slot (its previous adapter leaves it); LoRAError when
+        its tensors are not in CPU memory (the slot is then empty)."""
+        previous = self._in_slot[slot]
+        if previous is not None:
+            self.slot_of.pop(previous, None)
+            self._in_slot[slot] = None
+        shards = self._cpu.get(key)
+        if shards is None:
+            raise LoRAError(f"adapter {key[0]} is not in this rank's CPU memory")
         for name, layer in self.layers.items():
             pair = shards.get(name)
             if pair is None:
@@ -311,23 +402,6 @@ class LoRAPool:
             else:
                 layer.lora_a[slot].copy_(pair[0])
                 layer.lora_b[slot].copy_(pair[1])
-        previous = self._in_slot[slot]
-        if previous is not None:
-            self.slot_of.pop(previous, None)
-        self._in_slot[slot] = lora_id
-        self.slot_of[lora_id] = slot
-
-    def _shards(self, lora_id: int, path: str) -> dict:
-        cached = self._cpu.get(lora_id)
-        if cached is not None and cached[0] == path:
-            self._cpu.move_to_end(lora_id)
-            self.counters.num_cpu_hits += 1
-            return cached[1]
-        adapter = read_peft_adapter(path, self.max_lora_rank, target_names(self.model))
-        shards = shard_adapter(self.model, adapter, self.max_lora_rank)
-        self.counters.num_disk_loads += 1
-        self._cpu[lora_id] = (path, shards)
-        self._cpu.move_to_end(lora_id)
-        while len(self._cpu) > self.max_cpu_loras:
-            self._cpu.popitem(last=False)
-        return shards
+        self._in_slot[slot] = key
+        self.slot_of[key] = slot
+        self.counters.num_activations += 1

@@ -38,6 +38,9 @@ class SeqSample:
 @dataclass(slots=True)
 class SamplerOutput:
     samples: list[SeqSample]  # one per logits row, in row order
+    # LoRA adapters (keys) this step could not put into their slot, with the reason: the
+    # engine aborts their requests (whose rows here ran without the adapter)
+    lora_failures: list[tuple[tuple, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -4,7 +4,8 @@
 
     config.json                 HF config (transformers 5 keys: `dtype`, `rope_parameters`)
     generation_config.json      bos / eos / pad ids
-    model.safetensors           float32 random weights, one seeded generator per tensor
+    model.safetensors           random weights drawn in float32, one seeded generator per tensor,
+                                stored in the config's `dtype` (default float32; float16 halves the file)
     tokenizer.json              byte-level BPE trained on models/data/corpus.txt
     tokenizer_config.json       special tokens + a chat template
     special_tokens_map.json
@@ -257,7 +258,11 @@ def make_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, **o
     _write_json(out / "config.json", config)
     generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     _write_json(out / "generation_config.json", generation)
-    save_file(tiny_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = tiny_weights(config, seed)  # float32; stored in the config's dtype (a float16 checkpoint is half the bytes)
+    dtype = getattr(torch, config.get("dtype") or "float32")
+    if dtype != torch.float32:
+        weights = {name: tensor.to(dtype) for name, tensor in weights.items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     write_tokenizer(out, config["max_position_embeddings"])
     return out
 

@@ -102,6 +102,8 @@ def _check_tensors(out, query, key_cache, value_cache, block_tables, seq_lens) -
             raise ValueError(f"paged decode kernel: {name} must be contiguous int32 on the CPU, got "
                              f"{tensor.dtype}, contiguous={tensor.is_contiguous()}")  # fmt: skip
     num_seqs, num_heads, head_dim = query.shape
+    if key_cache.dim() == 4 and key_cache.shape[1] < 1:  # the C code divides by the block size
+        raise ValueError(f"paged decode kernel: the block size must be >= 1, got caches {tuple(key_cache.shape)}")
     if (
         out.shape != query.shape
         or key_cache.dim() != 4

@@ -129,6 +129,8 @@ def decode_layer(
     _check_float("value cache", value_cache, (num_blocks, block_size, num_kv_heads, head_dim))
     if num_heads % num_kv_heads or head_dim % 2:
         raise ValueError(f"decoder layer kernel: {num_heads} heads over {num_kv_heads} kv heads of {head_dim}")
+    if block_size < 1:  # the C code divides by it
+        raise ValueError(f"decoder layer kernel: the block size must be >= 1, got caches {tuple(key_cache.shape)}")
     struct = _Layer(
         input_norm.data_ptr(), post_norm.data_ptr(), eps,
         _weight("qkv", *qkv, (num_heads + 2 * num_kv_heads) * head_dim, hidden),

@@ -240,7 +240,7 @@ def launch_spec(config: KernelConfig):
         "stride_table_seq": 0, "max_partitions": 0, "window": 0,  # do_not_specialize: the values never matter
         # group_quant_gemm: a 4096 x 4096 projection (Llama-3-8B's q / o)
         "num_rows": config.num_rows, "out_features": 4096, "in_features": 4096, "stride_x_row": 4096,
-        "stride_out_row": 4096,
+        "stride_out_row": 4096, "k_per_split": 2048, "stride_out_split": config.num_rows * 4096,
         # lora kernels: a 4096 x 4096 projection, 16 slots of the config's rank width
         "lora_width": config.lora_width, "stride_a_slot": config.lora_width * 4096,
         "stride_b_slot": config.lora_width * 4096, "stride_y_row": 4096,
@@ -252,6 +252,11 @@ def launch_spec(config: KernelConfig):
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
             signature[name] = _POINTER_TYPES.get(name, "*" + _TRITON_DTYPES[config.dtype])
+            if config.kernel == "group_quant_gemm" and name == "out_ptr":  # the decode tile's float32 partials
+                from .quant_gemm import out_dtype
+
+                out = str(out_dtype(config.num_rows, config.torch_dtype)).removeprefix("torch.")
+                signature[name] = "*" + _TRITON_DTYPES[out]
             attrs[(index,)] = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned
         elif name in ("scale_log2", "cap_log2"):
             signature[name] = "fp32"

@@ -30,6 +30,7 @@ class EngineLike(Protocol):
     block_manager.counters                       (copy_on_write_blocks, swapped_in_blocks,
                                                   swapped_out_blocks, prefix_cache_queries/hits)
     num_prompt_tokens, num_generation_tokens
+    structured.errors.items(), grammars.num_cached_bytes  (grammar errors by stage, cache bytes)
     lora_slots, loras, num_lora_requests          (only with LoRA: lora_slots not None)
     """
 
@@ -153,6 +154,21 @@ class EngineMetrics:
             description="Tokens computed: prompt (prefilled, after prefix-cache hits) and generation (sampled).",
         )
 
+        if getattr(engine, "structured", None) is not None:
+            meter.create_observable_counter(
+                names.GRAMMAR_ERRORS,
+                callbacks=[self._counter(lambda e: e.structured.errors.items(), names.STAGE)],
+                unit="{sequence}",
+                description="Sequences ended by a grammar error (finish_reason abort, stop_reason grammar_error), "
+                "by stage: consume (the sampled token), mask (computing the next mask), mask_budget (masks "
+                "costlier than the budget).",
+            )
+            meter.create_observable_up_down_counter(
+                names.GRAMMAR_CACHE_BYTES,
+                callbacks=[self._counter(lambda e: e.grammars.num_cached_bytes)],
+                unit="By",
+                description="Estimated bytes held by the compiled grammars in the cache.",
+            )
         if getattr(engine, "lora_slots", None) is not None:
             self._add_lora_instruments(meter)
 

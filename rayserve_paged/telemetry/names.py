@@ -29,6 +29,8 @@ PREFIX_CACHE_HITS = "rayserve_paged.prefix_cache.hits"
 SCHEDULER_REQUESTS = "rayserve_paged.scheduler.requests"  # {state}
 SCHEDULER_PREEMPTIONS = "rayserve_paged.scheduler.preemptions"  # {mode}
 TOKENS = "rayserve_paged.tokens"  # {type}
+GRAMMAR_ERRORS = "rayserve_paged.structured_outputs.grammar_errors"  # {stage}
+GRAMMAR_CACHE_BYTES = "rayserve_paged.structured_outputs.cache.memory"  # compiled grammars in the cache
 
 # -- engine with LoRA adapters (absent when the engine serves none): observable
 LORA_ADAPTERS = "rayserve_paged.lora.adapters"  # {state}: registered | resident | active
@@ -69,6 +71,7 @@ MODE = "mode"  # recompute | swap
 DIRECTION = "direction"  # in | out
 TOKEN_TYPE = "type"  # prompt | generation
 FINISH_REASON = "finish_reason"  # stop | length | abort
+STAGE = "stage"  # consume | mask | mask_budget (where a grammar error happened)
 LORA_NAME = "lora_name"  # the adapter's name (what a request's `model` says)
 
 ENGINE_INSTRUMENTS = (
@@ -84,6 +87,8 @@ ENGINE_INSTRUMENTS = (
     SCHEDULER_REQUESTS,
     SCHEDULER_PREEMPTIONS,
     TOKENS,
+    GRAMMAR_ERRORS,
+    GRAMMAR_CACHE_BYTES,
     REQUEST_FINISHED,
     REQUEST_TIME_TO_FIRST_TOKEN,
     REQUEST_TIME_PER_OUTPUT_TOKEN,

@@ -24,13 +24,13 @@ from rayserve_paged.worker.sampling_inputs import RowTemplate, row_template, sam
 
 
 class RequestState:
-    __slots__ = ("request_id", "params", "template", "num_prompt_tokens", "seq_ids", "lora_id")
+    __slots__ = ("request_id", "params", "template", "num_prompt_tokens", "seq_ids", "lora_key")
 
     def __init__(
-        self, request_id: str, params: SamplingParams, template: RowTemplate, num_prompt_tokens: int, lora_id: int = 0
+        self, request_id: str, params: SamplingParams, template: RowTemplate, num_prompt_tokens: int, lora_key=None
     ) -> None:
         self.request_id = request_id
-        self.lora_id = lora_id  # its LoRA adapter (0: the base model)
+        self.lora_key = lora_key  # its LoRA adapter (core/lora.LoRAKey; None: the base model)
         self.params = params
         self.template = template  # its rows' sampler columns, derived once
         self.num_prompt_tokens = num_prompt_tokens
@@ -93,7 +93,7 @@ class InputBatch:
                     seqs.pop(seq_id, None)
         for new in msg.new_requests:
             template = row_template(new.sampling_params, self.eos_token_ids)
-            request = RequestState(new.request_id, new.sampling_params, template, new.num_prompt_tokens, new.lora_id)
+            request = RequestState(new.request_id, new.sampling_params, template, new.num_prompt_tokens, new.lora_key)
             self.requests[new.request_id] = request
             history = None
             if new.sampling_params.needs_history:

@@ -46,6 +46,7 @@ class ModelRunner:
         self.rope_len_rule: str | None = getattr(model, "rope_len_rule", None)  # dynamic NTK / LongRoPE
         self.last_path = ""  # the last step's: "eager", "static-graph" or "static-eager" (padded, no graph)
         self.lora: LoRAPool | None = None  # the adapter slots, when the engine serves LoRA
+        self.staging = StepStaging(device)  # an eager step's inputs: one buffer, one copy
 
     def prepare(self, msg: StepMessage, rows: list[SeqState]) -> StepInputs:
         bs = self.block_size
@@ -80,7 +81,6 @@ class ModelRunner:
         else:  # decodes only: the message's columns are the inputs
             input_ids = tokens
             positions = starts
-        device = self.device
         query_lens = [counts[i] for i in prefills]
         prefill_seq_lens = [starts[i] + counts[i] for i in prefills]
         decode_seq_lens = [starts[i] + 1 for i in decodes]
@@ -92,45 +92,56 @@ class ModelRunner:
         if self.rope_len_rule is not None:  # in packing order: prefill rows' tokens, then the decodes
             rule = self.rope_len_rule
             rope_lens = [n for i in [*prefills, *decodes] for n in rope_lens_of(rows[i], starts[i], counts[i], rule)]
+        sampled = last_index if not unsampled else [last_index[i] for i, s in enumerate(msg.seq_ids) if s not in unsampled]
+        prefill_tables, prefill_width = _padded([rows[i].block_table for i in prefills])
+        decode_tables, decode_width = _padded([rows[i].block_table for i in decodes])
+        longs, ints = self.staging.stage(
+            [input_ids, positions, slots, sampled, rope_lens or []],
+            [query_start, [starts[i] for i in prefills], prefill_seq_lens, decode_seq_lens, prefill_tables,
+             decode_tables],
+        )  # fmt: skip
+        ids_t, positions_t, slots_t, sampled_t, rope_t = longs
+        start_t, context_t, prefill_lens_t, decode_lens_t, prefill_tables_t, decode_tables_t = ints
         metadata = AttentionMetadata(
-            slot_mapping=_long(slots, device),
+            slot_mapping=slots_t,
             num_prefill_tokens=num_prefill_tokens,
             num_decode_tokens=len(decodes),
             block_size=bs,
-            prefill_query_start_loc=_int(query_start, device),
-            prefill_context_lens=_int([starts[i] for i in prefills], device),
-            prefill_seq_lens=_int(prefill_seq_lens, device),
-            prefill_block_tables=_block_tables([rows[i].block_table for i in prefills], device),
+            prefill_query_start_loc=start_t,
+            prefill_context_lens=context_t,
+            prefill_seq_lens=prefill_lens_t,
+            prefill_block_tables=prefill_tables_t.view(len(prefills), prefill_width),  # [n, max_blocks]
             max_prefill_query_len=max(query_lens, default=0),
             max_prefill_seq_len=max(prefill_seq_lens, default=0),
-            decode_seq_lens=_int(decode_seq_lens, device),
-            decode_block_tables=_block_tables([rows[i].block_table for i in decodes], device),
+            decode_seq_lens=decode_lens_t,
+            decode_block_tables=decode_tables_t.view(len(decodes), decode_width),  # [n, max_blocks]
             max_decode_seq_len=max(decode_seq_lens, default=0),
             prefill_query_lens_host=query_lens,
             prefill_seq_lens_host=prefill_seq_lens,
             decode_seq_lens_host=decode_seq_lens,
-            rope_lens=None if rope_lens is None else _long(rope_lens, device),
+            rope_lens=None if rope_lens is None else rope_t,
         )
-        sampled = last_index if not unsampled else [last_index[i] for i, s in enumerate(msg.seq_ids) if s not in unsampled]
         lora_token_slots = None
         row_slots = self._lora_row_slots(rows)
         if row_slots is not None:  # in packing order, as the tokens
             lora_token_slots = [row_slots[i] for i in prefills for _ in range(counts[i])]
             lora_token_slots += [row_slots[i] for i in decodes]
         return StepInputs(
-            input_ids=_long(input_ids, device),
-            positions=_long(positions, device),
+            input_ids=ids_t,
+            positions=positions_t,
             metadata=metadata,
-            logits_indices=_long(sampled, device),
+            logits_indices=sampled_t,
             lora_token_slots=lora_token_slots,
         )
 
     def _lora_row_slots(self, rows: list[SeqState]) -> list[int] | None:
         """Each row's adapter slot (-1: the base model); None when no row has an adapter."""
-        if self.lora is None or not any(seq.request.lora_id for seq in rows):
+        if self.lora is None or all(seq.request.lora_key is None for seq in rows):
             return None
         slot_of = self.lora.slot_of
-        return [slot_of[seq.request.lora_id] if seq.request.lora_id else -1 for seq in rows]
+        # an adapter whose activation failed this step has no slot: its rows run on the base
+        # model and the engine discards them (it aborts that adapter's requests)
+        return [-1 if seq.request.lora_key is None else slot_of.get(seq.request.lora_key, -1) for seq in rows]
 
     @torch.inference_mode()
     def execute(self, msg: StepMessage, kv_caches: list) -> SamplerOutput | None:
@@ -145,7 +156,7 @@ class ModelRunner:
         rows = self.batch.rows(msg)
         _record_history(msg, rows)
         # rows with adapters run eagerly (the static decode buckets hold no adapter slots)
-        is_static = self.static_decode is not None and (self.lora is None or not any(s.request.lora_id for s in rows))
+        is_static = self.static_decode is not None and (self.lora is None or all(s.request.lora_key is None for s in rows))
         decode = decode_rows(msg, rows, self.block_size, self.rope_len_rule) if is_static else None
         if decode is not None and self.static_decode.fits(decode):
             hidden = self.static_decode.forward(decode, kv_caches)  # [num_decodes, hidden]
@@ -194,11 +205,67 @@ def _long(values: list[int], device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
 
 
-def _int(values: list[int], device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32, device=device)
-
-
-def _block_tables(tables: list[list[int]], device) -> torch.Tensor:
+def _padded(tables: list[list[int]]) -> tuple[list[int], int]:
+    """Block tables as one flat row-major list padded with block 0 to the longest, and its width."""
     width = max((len(t) for t in tables), default=0)
-    rows = [t + [0] * (width - len(t)) for t in tables]
-    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(tables), width)  # [n, max_blocks]
+    return [block for t in tables for block in (t + [0] * (width - len(t)))], width
+
+
+class StepStaging:
+    """An eager step's input columns in one buffer: the int64 columns, then the int32 ones,
+    each starting on a 16-byte boundary (so every pointer a kernel gets is aligned: Triton
+    compiles a variant per alignment).
+
+    On CUDA the buffer is written in pinned host memory, reused from step to step, and
+    reaches the device in one non-blocking copy per step (an event says when the copy has
+    read it, before the next step rewrites it); the columns are views of the device copy,
+    a fresh allocation each step. Elsewhere (CPU) the buffer is the columns: no pinning,
+    no copy. `copy=True` forces the copy path (tests)."""
+
+    def __init__(self, device: torch.device | str, *, copy: bool | None = None) -> None:
+        self.device = torch.device(device)
+        self.is_copied = self.device.type == "cuda" if copy is None else copy
+        self._pin = self.is_copied and self.device.type == "cuda"
+        self._host: torch.Tensor | None = None  # int32 words, grown to the largest step
+        self._copied = None  # CUDA event after the last copy
+        self.num_copies = 0
+
+    def stage(self, longs: list[list[int]], ints: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The columns on the device: int64 tensors for `longs`, int32 tensors for `ints`."""
+        flat_long, long_at = _aligned(longs, 2)  # int64 elements: 2 per 16 bytes
+        flat_int, int_at = _aligned(ints, 4)
+        long_words = 2 * len(flat_long)
+        words = long_words + len(flat_int)
+        if self.is_copied:
+            if self._copied is not None:
+                self._copied.synchronize()  # the last step's copy has read the host buffer
+            if self._host is None or self._host.numel() < words:
+                self._host = torch.empty(max(words, 1024), dtype=torch.int32, pin_memory=self._pin)
+            host = self._host[:words]
+        else:
+            host = torch.empty(words, dtype=torch.int32)
+        host[:long_words].view(torch.int64).copy_(torch.tensor(flat_long, dtype=torch.int64))
+        host[long_words:].copy_(torch.tensor(flat_int, dtype=torch.int32))
+        buffer = host
+        if self.is_copied:
+            buffer = host.to(self.device, non_blocking=True, copy=True)  # [words] int32: one host-to-device copy
+            self.num_copies += 1
+            if self._pin:
+                self._copied = self._copied or torch.cuda.Event()
+                self._copied.record(torch.cuda.current_stream(self.device))
+        long_view = buffer[:long_words].view(torch.int64)
+        int_view = buffer[long_words:]
+        return ([long_view[at : at + len(c)] for at, c in zip(long_at, longs)],
+                [int_view[at : at + len(c)] for at, c in zip(int_at, ints)])  # fmt: skip
+
+
+def _aligned(columns: list[list[int]], per_16_bytes: int) -> tuple[list[int], list[int]]:
+    """The columns concatenated, each padded with zeros to a multiple of `per_16_bytes`
+    elements; and where each starts."""
+    flat: list[int] = []
+    starts = []
+    for column in columns:
+        starts.append(len(flat))
+        flat.extend(column)
+        flat.extend([0] * (-len(column) % per_16_bytes))
+    return flat, starts

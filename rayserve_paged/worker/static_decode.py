@@ -13,10 +13,14 @@ length (dynamic NTK, LongRoPE) also gets each row's RoPE length (a column of the
                                  | nothing), sequence length 1 over block 0 (reads one
                                  | cached slot: finite, never NaN), block-table entry 0 = 0
 
-The buffer, in int32 words, R = the largest bucket, W = ceil(length class / block_size):
+The buffer, in int32 words, R = the largest bucket, W = ceil(length class / block_size);
+the int64 columns first, every section starting on a 16-byte boundary (4 words: `_align`),
+so that each column is a naturally aligned view at every R (1 and 2 included) and every
+pointer a kernel gets is 16-byte aligned (Triton specializes on that: an unaligned one would
+compile another variant after warm-up):
 
-    [ token ids R x int64 | positions R x int64 | slots R x int64 | seq_lens R |
-      RoPE lengths R x int64 | tables R x W ]
+    [ token ids R x int64 | positions R x int64 | slots R x int64 | RoPE lengths R x int64 |
+      seq_lens R (+ pad) | tables R x W ]
 
 The block-table section is read as [R, W] of the step's class (row stride W), so a class's
 rows are contiguous and a step's inputs are one prefix of the buffer. A pinned host mirror
@@ -69,6 +73,28 @@ SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32)
 BUCKET_STEP = 16  # above SMALL_BUCKETS[-1]
 LENGTH_CLASS_BASE = 1024  # tokens: the smallest length class
 LENGTH_CLASS_GROWTH = 4  # each class this many times the one below (the last is max_model_len)
+
+
+ALIGN_WORDS = 4  # int32 words in 16 bytes: where every section of the input buffer starts
+
+
+def _align(words: int) -> int:
+    return -(-words // ALIGN_WORDS) * ALIGN_WORDS
+
+
+def column_offsets(rows: int) -> tuple[int, ...]:
+    """Where the input buffer's sections start, in int32 words, for `rows` rows: token ids,
+    positions, slots, RoPE lengths (int64, 2 words a row), seq_lens (int32), then the block
+    tables; each 16-byte aligned.
+
+    >>> column_offsets(1), column_offsets(2), column_offsets(4)
+    ((0, 4, 8, 12, 16, 20), (0, 4, 8, 12, 16, 20), (0, 8, 16, 24, 32, 36))
+    """
+    offsets, at = [], 0
+    for words_per_row in (2, 2, 2, 2, 1):
+        offsets.append(at)
+        at = _align(at + words_per_row * rows)
+    return (*offsets, at)
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -181,7 +207,8 @@ class StaticDecode:
         self.use_cuda_graphs = use_cuda_graphs
         self.capture_error_mode = capture_error_mode
         rows = self.rows = self.buckets[-1]
-        self._tables_at = 9 * rows  # int32 words before the block-table section
+        self._column_at = column_offsets(rows)  # int32 word where each column starts
+        self._tables_at = self._column_at[-1]  # int32 words before the block-table section
         words = self._tables_at + rows * self.max_blocks
         pin = self.device.type == "cuda"
         self._words = torch.zeros(words, dtype=torch.int32, device=self.device)  # the layout in the module docstring
@@ -215,9 +242,9 @@ class StaticDecode:
     def _columns(self, words: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(token ids, positions, slots) as int64 [rows], seq_lens as int32 [rows], RoPE
         lengths as int64 [rows]."""
-        r = self.rows
-        return (words[: 2 * r].view(torch.int64), words[2 * r : 4 * r].view(torch.int64),
-                words[4 * r : 6 * r].view(torch.int64), words[6 * r : 7 * r], words[7 * r : 9 * r].view(torch.int64))
+        r, at = self.rows, self._column_at
+        ids, positions, slots, rope_lens = (words[at[i] : at[i] + 2 * r].view(torch.int64) for i in range(4))
+        return ids, positions, slots, words[at[4] : at[4] + r], rope_lens
 
     def _tables(self, words: torch.Tensor, length: int) -> torch.Tensor:
         """The block-table section read as [rows, ceil(length / block_size)]."""

@@ -20,7 +20,7 @@ from rayserve_paged.core.outputs import NewRequest, StepMessage
 from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.models.layers import ParallelState
 from rayserve_paged.models.loader import get_model_config, load_model
-from rayserve_paged.models.lora import LoRAPool
+from rayserve_paged.models.lora import LoRAError, LoRAPool
 from rayserve_paged.models.sampler import Sampler, SamplerOutput
 from rayserve_paged.ops.cache_ops import BlockSwapper, copy_blocks
 from rayserve_paged.ops.backends import get_attention_backend
@@ -143,7 +143,7 @@ class Worker:
         self.runner = ModelRunner(model, self.config.block_size, self.device, sampler, backend, static)
         if self.config.is_lora_enabled:
             cfg = self.config
-            self.runner.lora = LoRAPool(model, cfg.max_loras, cfg.max_lora_rank, cfg.resolved_max_cpu_loras)
+            self.runner.lora = LoRAPool(model, cfg.max_loras, cfg.max_lora_rank)
         logger.info(
             "rank %d loaded %s (%s, %s, attention %s)", self.rank, self.model_path, self.dtype, self.device, backend.name
         )
@@ -312,7 +312,11 @@ class Worker:
 
     # ------------------------------------------------------------------ the step
 
-    def execute(self, msg: StepMessage) -> SamplerOutput | None:
+    def execute(self, msg: StepMessage, token_bitmasks: bytes | None = None) -> SamplerOutput | None:
+        """One step. At TP > 1 the token bitmasks come apart, to rank 0 only (the rank
+        that samples): `token_bitmasks`, put back into the message here."""
+        if token_bitmasks is not None:
+            msg.token_bitmasks = token_bitmasks
         start = time.perf_counter()
         try:
             return self._execute(msg)
@@ -331,9 +335,31 @@ class Worker:
             self.swapper.swap_in(msg.blocks_to_swap_in)
         if msg.blocks_to_copy:
             copy_blocks(self.kv_caches, msg.blocks_to_copy)
-        for slot, lora_id, path in msg.lora_slot_updates:
-            self.runner.lora.activate(slot, lora_id, path)
-        return self.runner.execute(msg, self.kv_caches)
+        failures = self._apply_lora_updates(msg) if msg.lora_slot_updates or msg.lora_forgets else None
+        out = self.runner.execute(msg, self.kv_caches)
+        if failures and out is not None:
+            out.lora_failures = failures
+        return out
+
+    def _apply_lora_updates(self, msg: StepMessage) -> list[tuple[tuple, str]]:
+        """Drop retired adapters, then fill the changed slots from CPU memory; an adapter
+        that cannot be activated is reported (its slot left empty), the step goes on."""
+        pool = self.runner.lora
+        for key in msg.lora_forgets:
+            pool.remove(key)
+        failures = []
+        for slot, key in msg.lora_slot_updates:
+            try:
+                pool.activate(slot, key)
+            except (LoRAError, RuntimeError) as exc:  # RuntimeError: a device copy that failed
+                logger.error("rank %d: LoRA adapter %d not activated: %s", self.rank, key[0], exc)
+                failures.append((key, str(exc)))
+        return failures
+
+    def add_lora(self, key: tuple, adapter) -> None:
+        """Keep a newly registered adapter's tensors (cut to this rank) in CPU memory; called
+        off the step thread, before any step names the key."""
+        self.runner.lora.add(key, adapter)
 
     def ping(self) -> int:
         return os.getpid()

@@ -35,4 +35,8 @@ def test_quick_run_reports_every_case(tmp_path, capsys):
     assert (result["slot_loads"], result["slot_evictions"]) == (2, 0)  # both fit: loaded once
     assert all(c["output_tokens_per_s"] > 0 for c in result["cases"].values())
     assert len(result["load"]["read_and_shard_ms"]) == 2
-    assert "adapter load" in capsys.readouterr().out
+    gap, decode = result["load_gap"]["after"], result["base_decode"]["after"]
+    assert gap["output_tokens"] == lora.GAP_QUICK["output_len"] and gap["num_gaps_during_load"] >= 1
+    assert decode["lora_on"]["output_tokens_per_s"] > 0 and decode["lora_off"]["output_tokens_per_s"] > 0
+    out = capsys.readouterr().out
+    assert "adapter load" in out and "load gap (after)" in out and "base decode (after" in out

@@ -30,9 +30,13 @@ def check_block_manager(bm: BlockManager) -> None:
 def check_scheduler(s: Scheduler) -> None:
     bm = s.block_manager
     check_block_manager(bm)
-    arrivals = [g.arrival_index for g in s.running]
+    # fcfs: by arrival; priority: by (priority, arrival), waiting included
+    key = (lambda g: (g.sampling_params.priority, g.arrival_index)) if s.by_priority else (lambda g: g.arrival_index)
+    arrivals = [key(g) for g in s.running]
     assert arrivals == sorted(arrivals), "running is oldest first"
-    assert [g.arrival_index for g in s.swapped] == sorted(g.arrival_index for g in s.swapped)
+    assert [key(g) for g in s.swapped] == sorted(key(g) for g in s.swapped)
+    if s.by_priority:
+        assert [key(g) for g in s.waiting] == sorted(key(g) for g in s.waiting)
     queued = list(s.waiting) + s.running + list(s.swapped)
     assert len({id(g) for g in queued}) == len(queued), "a group sits in one queue"
     live = {g.request_id for g in queued if not g.is_finished()}

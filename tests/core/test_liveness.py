@@ -131,9 +131,9 @@ class LivenessMachine(SchedulerMachine):
         pinned = [g for g in self.s.groups.values() if g.has_lora_slot]
         assert all(g in self.s.running or g in self.s.swapped for g in pinned)
         assert all(g.has_lora_slot for g in (*self.s.running, *self.s.swapped) if g.lora_request and not g.is_finished())
-        counts: dict[int, int] = {}
+        counts: dict[tuple, int] = {}
         for g in pinned:
-            counts[g.lora_id] = counts.get(g.lora_id, 0) + 1
+            counts[g.lora_key] = counts.get(g.lora_key, 0) + 1
         assert counts == slots.num_pins
         assert len(slots.slot_of) <= slots.max_loras and set(slots.num_pins) <= set(slots.slot_of)
 

@@ -9,25 +9,25 @@ from rayserve_paged.core.lora import LoRARequest, LoRASlots
 
 from .worlds import finish, make_group, make_world
 
-A, B, C = (LoRARequest(name, i, f"/adapters/{name}") for i, name in enumerate("abc", start=1))
+A, B, C = (LoRARequest(name, i, f"/adapters/{name}", f"digest-{name}") for i, name in enumerate("abc", start=1))
 
 
 def test_slots_fill_free_first_then_evict_the_least_recently_released():
     slots = LoRASlots(2)
     assert [slots.acquire(A), slots.acquire(B), slots.acquire(A)] == [0, 1, 0]
-    assert slots.take_updates() == [(0, 1, "/adapters/a"), (1, 2, "/adapters/b")]
-    assert not slots.can_acquire(3) and slots.can_acquire(1)
-    slots.release(2)  # b idle first
-    slots.release(1)
-    assert slots.can_acquire(3)  # a still holds one pin: only b may go
+    assert slots.take_updates() == [(0, A.key), (1, B.key)]
+    assert not slots.can_acquire(C.key) and slots.can_acquire(A.key)
+    slots.release(B.key)  # b idle first
+    slots.release(A.key)
+    assert slots.can_acquire(C.key)  # a still holds one pin: only b may go
     assert slots.acquire(C) == 1
-    assert slots.take_updates() == [(1, 3, "/adapters/c")]
-    assert slots.slot_of == {1: 0, 3: 1}
-    slots.release(1)
-    slots.release(3)
+    assert slots.take_updates() == [(1, C.key)]
+    assert slots.slot_of == {A.key: 0, C.key: 1}
+    slots.release(A.key)
+    slots.release(C.key)
     assert slots.acquire(B) == 0  # a was released before c
     assert (slots.counters.num_loads, slots.counters.num_evictions) == (4, 2)
-    assert slots.take_updates() == [(0, 2, "/adapters/b")]
+    assert slots.take_updates() == [(0, B.key)]
     assert slots.take_updates() == []
 
 
@@ -48,7 +48,7 @@ def test_a_request_waits_for_a_slot_and_nothing_behind_it_passes():
         s.add_group(g)
     out = s.schedule()
     assert [g.request_id for g, *_ in out.scheduled] == ["first"]
-    assert out.message.lora_slot_updates == [(0, 1, "/adapters/a")]
+    assert out.message.lora_slot_updates == [(0, A.key)]
     assert [r.lora_id for r in out.message.new_requests] == [1]
     first.seqs[0].append_token(7)
     out = s.schedule()  # a decode of first; second still waits, and base behind it
@@ -56,7 +56,7 @@ def test_a_request_waits_for_a_slot_and_nothing_behind_it_passes():
     finish(s, first)
     out = s.schedule()
     assert [g.request_id for g, *_ in out.scheduled] == ["second", "base"]
-    assert out.message.lora_slot_updates == [(0, 2, "/adapters/b")]
+    assert out.message.lora_slot_updates == [(0, B.key)]
     assert [r.lora_id for r in out.message.new_requests] == [2, 0]
     assert (s.lora_slots.counters.num_loads, s.lora_slots.counters.num_evictions) == (2, 1)
 
@@ -75,11 +75,11 @@ def test_preemption_keeps_the_adapter(mode):
     out = s.schedule()  # old needs a third block: new (the newest) is preempted
     assert out.preempted == ["new"]
     assert new.has_lora_slot is (mode == "swap")
-    assert s.lora_slots.num_pins == ({1: 1, 2: 1} if mode == "swap" else {1: 1})
+    assert s.lora_slots.num_pins == ({A.key: 1, B.key: 1} if mode == "swap" else {A.key: 1})
     finish(s, old)
     out = s.schedule()
     assert [g.request_id for g, *_ in out.scheduled] == ["new"]
-    assert new.has_lora_slot and s.lora_slots.num_pins == {2: 1}
+    assert new.has_lora_slot and s.lora_slots.num_pins == {B.key: 1}
     assert out.message.lora_slot_updates == []  # b never left its slot
     finish(s, new)
     assert s.lora_slots.num_pins == {}
@@ -98,3 +98,18 @@ def test_the_same_prompt_on_two_adapters_shares_no_block():
     assert not set(tables[1]) & set(tables[2])
     assert tables[3][:2] == tables[0][:2]  # the same adapter shares its two full blocks
     assert bm.counters.prefix_cache_hits == 32
+
+
+def test_a_retired_adapter_frees_its_idle_slot_and_is_forgotten_by_the_workers():
+    slots = LoRASlots(2)
+    slots.acquire(A)
+    slots.acquire(B)
+    slots.take_updates()
+    with pytest.raises(ValueError, match="still pinned"):
+        slots.retire(A.key)
+    slots.release(A.key)
+    slots.retire(A.key)
+    assert slots.slot_of == {B.key: 1} and slots.take_forgets() == [A.key] and slots.take_forgets() == []
+    # an adapter with A's id and path but other weights is another adapter: a slot load
+    other = LoRARequest("a", 1, "/adapters/a", "digest-other")
+    assert slots.acquire(other) == 0 and slots.take_updates() == [(0, other.key)]

@@ -65,6 +65,8 @@ class ShadowKV:
 
 
 class StepMachine(SchedulerMachine):
+    policy = "fcfs"  # the scheduling policy (PriorityStepMachine: "priority")
+
     @initialize(
         block_size=st.sampled_from([4, 16]),
         num_gpu=st.integers(6, 24),
@@ -74,7 +76,7 @@ class StepMachine(SchedulerMachine):
     )
     def setup(self, block_size, num_gpu, num_cpu, mode, caching):
         self.s, _ = make_world(
-            num_gpu, num_cpu, block_size, caching=caching,
+            num_gpu, num_cpu, block_size, caching=caching, policy=self.policy,
             max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128, preemption_mode=mode,
         )  # fmt: skip
         self.shadow = ShadowKV(block_size)

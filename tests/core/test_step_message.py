@@ -167,7 +167,8 @@ def test_is_empty_reads_every_field():
         "first_step_seq_ids": [1],
         "bitmask_seq_ids": [1],
         "token_bitmasks": b"\xff\xff\xff\xff",
-        "lora_slot_updates": [(0, 1, "/adapters/a")],
+        "lora_slot_updates": [(0, (1, "/adapters/a", "digest"))],
+        "lora_forgets": [(1, "/adapters/a", "digest")],
     }
     assert set(samples) == {f.name for f in fields(StepMessage)}
     for name, value in samples.items():

@@ -38,7 +38,8 @@ LAUNCHER = DEPLOY / "cluster-launcher-gpu.yaml"
 NETWORK_POLICY = DEPLOY / "networkpolicy.yaml"
 DOCKERFILE = DEPLOY / "Dockerfile"
 DOC = ROOT / "docs" / "DEPLOY.md"
-IMPORT_PATH = "rayserve_paged.app:build_app"
+IMPORT_PATH = "rayserve_paged.app:build_app"  # the flat args, one model
+SERVE_LLM_IMPORT_PATH = "rayserve_paged.app:build_openai_app"  # Ray Serve LLM's llm_configs
 GPU = "nvidia.com/gpu"
 
 
@@ -76,6 +77,18 @@ def _config(name: str) -> dict:
 def _args(serve_config: dict) -> dict:
     (app,) = serve_config["applications"]
     return app["args"]
+
+
+def _models(serve_config: dict) -> list[dict]:
+    """Each model's AppArgs fields, in either form (flat args: the one model's)."""
+    from rayserve_paged.app import AppArgs, model_args_of
+    from rayserve_paged.serve_llm import is_llm_configs, translate
+
+    args = _args(serve_config)
+    if not is_llm_configs(args):
+        return [args]
+    models = translate(args, frozenset(AppArgs.model_fields)).models
+    return [model_args_of(m).model_dump(exclude_unset=True) | {"served_model_name": m.model_id} for m in models]
 
 
 def _bundles(args: dict) -> list[dict[str, float]]:
@@ -184,7 +197,7 @@ def test_serve_config_v2_is_a_valid_serve_config_string(path):
     assert (http["host"], http["port"]) == ("0.0.0.0", 8000), "pods must listen on all interfaces"
     assert http["request_timeout_s"] > 0, "no request holds the proxy without bound"
     (app,) = config["applications"]
-    assert app["import_path"] == IMPORT_PATH
+    assert app["import_path"] in (IMPORT_PATH, SERVE_LLM_IMPORT_PATH)
 
 
 @each_rayservice
@@ -201,9 +214,10 @@ def test_serve_config_v2_equals_its_config(path):
 def test_embedded_app_builds(path):
     from rayserve_paged.app import AppArgs, build_app
 
-    args = AppArgs(**_args(_serve_config(path)))
-    assert build_app(args) is not None
-    assert args.device == "cuda" and not args.trust_remote_code
+    assert build_app(_args(_serve_config(path))) is not None  # build_app takes llm_configs too
+    for model in _models(_serve_config(path)):
+        args = AppArgs(**model)
+        assert args.device == "cuda" and not args.trust_remote_code
 
 
 @each_rayservice
@@ -305,17 +319,20 @@ def test_worker_shm_is_memory_backed(path):
 
 @each_rayservice
 def test_replica_placement_group_fits_a_gpu_worker_and_the_group_covers_max_replicas(path):
-    args = _args(_serve_config(path))
-    need = _pack(_bundles(args))  # STRICT_PACK: all bundles on one node
-    assert need.get("GPU", 0) >= 1
-    capacity = 0
+    """Every model's replicas at their max_replicas at once (each GPU worker holds one
+    replica; several models share the worker group)."""
+    models = _models(_serve_config(path))
+    capacity, wanted = 0, 0
+    for args in models:
+        need = _pack(_bundles(args))  # STRICT_PACK: all bundles on one node
+        assert need.get("GPU", 0) >= 1
+        per_node = [_per_node(_ray_resources(group), need) for group in _cluster(path)["workerGroupSpecs"]]
+        assert max(per_node) >= 1, f"no worker group fits a replica's placement group {need}"
+        wanted += args["autoscaling_config"]["max_replicas"]
     for group in _cluster(path)["workerGroupSpecs"]:
-        node = _ray_resources(group)
-        per_node = _per_node(node, need)
+        per_node = min(_per_node(_ray_resources(group), _pack(_bundles(args))) for args in models)
         capacity += group["maxReplicas"] * per_node
-    assert capacity >= 1, f"no worker group fits a replica's placement group {need}"
-    max_replicas = args["autoscaling_config"]["max_replicas"]
-    assert capacity >= max_replicas, f"worker groups hold {capacity} replicas, Serve may ask for {max_replicas}"
+    assert capacity >= wanted, f"worker groups hold {capacity} replicas, Serve may ask for {wanted}"
 
 
 @each_rayservice
@@ -410,6 +427,7 @@ def test_deploy_doc_covers_the_files_and_commands():
         "deploy/Dockerfile",
         "deploy/rayservice-opt13b.yaml",
         "deploy/rayservice-opt13b-tp2.yaml",
+        "deploy/rayservice-serve-llm-gpu.yaml",
         "deploy/cluster-launcher-gpu.yaml",
         "deploy/networkpolicy.yaml",
         "helm install",
@@ -434,8 +452,8 @@ def test_api_key_comes_from_a_required_secret_into_the_replica_pods_only(path):
     from rayserve_paged.deployments.access import API_KEY_ENV, API_KEY_FILE_ENV
 
     cluster = _cluster(path)
-    args = _args(_serve_config(path))
-    assert "api_key" not in args and args["require_api_key"] is True
+    assert "api_key" not in _args(_serve_config(path))
+    assert all(args["require_api_key"] is True for args in _models(_serve_config(path)))
     head_env = {e["name"] for e in _container(cluster["headGroupSpec"]).get("env", [])}
     assert not head_env & {API_KEY_ENV, API_KEY_FILE_ENV}, "the head runs no replica"
     for group in cluster["workerGroupSpecs"]:
@@ -449,9 +467,25 @@ def test_api_key_comes_from_a_required_secret_into_the_replica_pods_only(path):
 
 
 @each_rayservice
-def test_gpu_configs_scale_on_kv_pressure_and_drain_on_scale_down(path):
+def test_an_ingress_that_checks_the_key_runs_beside_a_replica_on_a_worker(path):
+    """llm_configs' OpenAIIngress reads the API key: the head (no key) takes no Serve actor
+    (num-cpus 0), and a GPU worker holds the ingress beside a replica of every model."""
     args = _args(_serve_config(path))
-    assert args["autoscaling_policy"] == "kv" and args["graceful_shutdown_timeout_s"] >= 300
+    if "llm_configs" not in args:
+        return  # the flat form: the HTTP app runs in the replicas
+    cluster = _cluster(path)
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    ingress_cpus = args["ingress_deployment_config"]["ray_actor_options"]["num_cpus"]
+    for model in _models(_serve_config(path)):
+        need = _pack(_bundles(model))
+        need["CPU"] += ingress_cpus
+        assert any(_per_node(_ray_resources(g), need) >= 1 for g in cluster["workerGroupSpecs"]), need
+
+
+@each_rayservice
+def test_gpu_configs_scale_on_kv_pressure_and_drain_on_scale_down(path):
+    for args in _models(_serve_config(path)):
+        assert args["autoscaling_policy"] == "kv" and args["graceful_shutdown_timeout_s"] >= 300
 
 
 # ---------------------------------------------------------------- NetworkPolicy

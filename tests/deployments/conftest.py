@@ -83,6 +83,18 @@ async def http(app):
         yield client
 
 
+@pytest.fixture
+def hermes_app(engine_client, engine):
+    """The app of a deployment that reads tool_choice "auto" calls with the hermes parser."""
+    return create_openai_app(engine_client, engine.tokenizer, MODEL, tool_call_parser="hermes")
+
+
+@pytest.fixture
+async def hermes_http(hermes_app):
+    async with asgi_client(hermes_app) as client:
+        yield client
+
+
 def parse_sse(response: httpx.Response) -> list[dict]:
     """The JSON events of a server-sent event stream that must end with [DONE]."""
     assert response.status_code == 200, response.text
@@ -104,14 +116,14 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
     return error
 
 
-def record_binds(monkeypatch, args: AppArgs) -> dict[str, dict]:
-    """build_app(args) with serve.deployment recorded: {name: {options, args, kwargs}}."""
+def record_binds(monkeypatch, args: AppArgs | dict, build=build_app) -> dict[str, dict]:
+    """build(args) (build_app's) with serve.deployment recorded: {name: {cls, options, args, kwargs}}."""
     from ray import serve
 
     bound: dict[str, dict] = {}
 
     def deployment(cls, **options):
-        record = bound.setdefault(options["name"], {"options": options})
+        record = bound.setdefault(options["name"], {"cls": cls, "options": options})
 
         class _Deployment:
             @staticmethod
@@ -122,5 +134,5 @@ def record_binds(monkeypatch, args: AppArgs) -> dict[str, dict]:
         return _Deployment()
 
     monkeypatch.setattr(serve, "deployment", deployment)
-    build_app(args)
+    build(args)
     return bound

@@ -26,7 +26,9 @@ class InProcessCore:
 
     async def add_request(self, request_id, prompt, prompt_token_ids, params, lora_name=None) -> None:
         self._start()
-        self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids, lora_request=lora_name)
+        grammar = self.engine.compile_constraint(params)  # as the SchedulerActor: before the step
+        self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids, lora_request=lora_name,
+                                grammar=grammar)
         self._wakeup.set()
 
     async def abort(self, request_id: str) -> None:

@@ -82,7 +82,8 @@ async def test_tokenize_and_detokenize_take_admission_slots(engine_client, engin
 
 
 async def test_a_full_tokenizer_queue_is_503_with_retry_after(engine_client, engine, monkeypatch):
-    app = create_openai_app(engine_client, engine.tokenizer, MODEL, max_tokenizer_queue=1)
+    # the held job's body is 17 bytes, each other one's at least 14: 31 bytes are past the bound
+    app = create_openai_app(engine_client, engine.tokenizer, MODEL, max_tokenizer_queue_bytes=30)
     serving = app.state.serving
     released = threading.Event()
     call = type(engine.tokenizer).__call__
@@ -166,11 +167,17 @@ async def test_a_content_length_int_cannot_parse_is_a_4xx(engine_client, engine)
 
 def test_the_admission_and_usage_options_reach_the_app(monkeypatch):
     args = AppArgs(model="tiny-opt", device="cpu")
-    assert (args.max_pending_sequences, args.max_tokenizer_queue, args.request_body_timeout_s) == (1024, 64, 30.0)
+    assert (args.max_pending_sequences, args.max_tokenizer_queue_bytes, args.request_body_timeout_s) == (
+        4096, 8 << 20, 30.0
+    )
+    assert (args.max_queue_wait_s, args.max_queued_prompt_tokens, args.scheduling_policy) == (300.0, 1 << 20, "fcfs")
     assert args.enable_prompt_tokens_details is False
     options = {
         "max_pending_sequences": 48,
-        "max_tokenizer_queue": 4,
+        "max_tokenizer_queue_bytes": 4096,
+        "max_queue_wait_s": 7.5,
+        "max_queued_prompt_tokens": 1000,
+        "scheduling_policy": "priority",
         "request_body_timeout_s": 2.5,
         "enable_prompt_tokens_details": True,
     }

@@ -189,6 +189,11 @@ def _check(response: httpx.Response, path: str) -> None:
     if response.status_code >= 400:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    elif response.headers["content-type"].startswith("text/event-stream") and path == "/v1/responses":
+        # typed events (`event:` and `data:` lines), ending with the response's own end, as OpenAI's (no [DONE])
+        events = [json.loads(e.split("\ndata: ", 1)[1]) for e in response.text.split("\n\n") if e]
+        assert events[-1]["type"] in ("response.completed", "response.incomplete"), response.text[-500:]
+        assert all(e["type"] != "response.failed" for e in events), response.text[:500]
     elif response.headers["content-type"].startswith("text/event-stream"):
         events = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e]
         assert events[-1] == "[DONE]", response.text[-500:]

@@ -122,7 +122,8 @@ async def test_the_tool_template_renders_those_fields(http, tool_template, engin
     assert "<user ann>Hi" in text and '"id": "call_1"' in text and "<tool>[call_1]1" in text
     plain = (await http.post("/v1/chat/completions", json=CHAT)).json()["usage"]["prompt_tokens"]
     tools = [{"type": "function", "function": {"name": "f"}}]
-    response = await http.post("/v1/chat/completions", json={**CHAT, "tools": tools})
+    named = {"type": "function", "function": {"name": "f"}}  # "auto" needs a tool_call_parser
+    response = await http.post("/v1/chat/completions", json={**CHAT, "tools": tools, "tool_choice": named})
     assert response.json()["usage"]["prompt_tokens"] > plain  # the tools were rendered
 
 

@@ -5,6 +5,9 @@ vLLM's load / unload routes (off by default, behind the API key) change what is 
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+from pathlib import Path
 
 import httpx
 import openai
@@ -26,6 +29,7 @@ PROMPT = "Hello world"
 def adapters(tiny_opt_path, tmp_path_factory):
     root = tmp_path_factory.mktemp("http-lora")
     return {
+        "root": str(root),
         "a0": str(write_adapter(tiny_opt_path, root / "a0", "opt", "all", 8, 16, seed=1)),
         "a1": str(write_adapter(tiny_opt_path, root / "a1", "opt", "attn", 4, 8, seed=2)),
         "big": str(write_adapter(tiny_opt_path, root / "big", "opt", "attn", 32, 8, seed=3)),
@@ -37,12 +41,17 @@ def lora_engine(tiny_opt_path, adapters) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=tiny_opt_path, device="cpu", max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=64,
         swap_space_gb=0.01, max_loras=2, max_lora_rank=16, lora_modules={"a0": adapters["a0"]},
+        lora_modules_root=[adapters["root"]],
     ))  # fmt: skip
+
+
+LONG = [5 + (7 * i) % 300 for i in range(40)]  # token ids: two full blocks and some
 
 
 @pytest.fixture(scope="module")
 def offline_texts(tiny_opt_path, adapters) -> dict:
-    """Greedy text of PROMPT on the base model and each adapter, from the offline LLM."""
+    """Greedy text of PROMPT on the base model and each adapter, from the offline LLM (and
+    of the LONG token ids, under (name, "long"))."""
     llm = LLM(tiny_opt_path, max_model_len=MAX_MODEL_LEN, kv_cache_memory_gb=0.02, swap_space_gb=0.01,
               enable_lora=True, max_loras=2, max_lora_rank=16)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -50,7 +59,10 @@ def offline_texts(tiny_opt_path, adapters) -> dict:
     for i, name in enumerate(("a0", "a1"), start=1):
         lora = LoRARequest(name, i, adapters[name])
         texts[name] = llm.generate(PROMPT, params, lora_request=lora, use_tqdm=False)[0].outputs[0].text
-    assert len(set(texts.values())) == 3  # every adapter changes the answer
+        long = {"prompt_token_ids": LONG}
+        texts[name, "long"] = llm.generate(long, params, lora_request=lora, use_tqdm=False)[0].outputs[0].text
+    assert len({texts[n] for n in (None, "a0", "a1")}) == 3  # every adapter changes the answer
+    assert texts["a0", "long"] != texts["a1", "long"]
     return texts
 
 
@@ -115,7 +127,8 @@ async def test_load_and_unload_at_run_time(lora_client, lora_engine, adapters, o
         # bad directories: the reason, naming lora_path
         for path, reason in (
             (adapters["big"], "rank r=32 exceeds max_lora_rank 16"),
-            (str(tmp_path / "nowhere"), "no adapter_config.json"),
+            (str(Path(adapters["root"]) / "nowhere"), "no adapter_config.json"),
+            (str(tmp_path / "nowhere"), "must name a directory under lora_modules_root"),
         ):
             bad = await http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": path}, headers=auth)
             assert_openai_error(bad, 400, "lora_path", reason)
@@ -168,7 +181,7 @@ async def test_handle_api_over_the_scheduler_actor(tiny_opt_path, adapters, offl
     monkeypatch.setattr(llm_server, "ray", SimpleNamespace(get=lambda ref: ref))
     config = EngineConfig(
         model=tiny_opt_path, device="cpu", max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=64, swap_space_gb=0.01,
-        max_loras=1, max_lora_rank=16, lora_modules={"a0": adapters["a0"]},
+        max_loras=1, max_lora_rank=16, lora_modules={"a0": adapters["a0"]}, lora_modules_root=adapters["root"],
     )  # fmt: skip
     actor = SchedulerActor(config, executor="in-process")
     server = LLMServer(config, scheduler_actor=_LocalActor(actor))
@@ -193,3 +206,109 @@ async def test_handle_api_over_the_scheduler_actor(tiny_opt_path, adapters, offl
         await server.frontend.close()
         actor.shutdown()
     assert not actor.engine.has_unfinished_requests()
+
+
+async def test_an_unloaded_start_up_adapters_id_is_never_reused(lora_client, lora_engine, adapters, offline_texts):
+    """Unload the start-up adapter a0 (id 1), load a1 under a new name: a1 gets a new id,
+    serves its own weights, and its first request finds none of a0's cached blocks."""
+    app = create_openai_app(lora_client, lora_engine.tokenizer, MODEL, KEY, allow_runtime_lora_updating=True)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": LONG, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    hits = lora_engine.block_manager.counters
+    try:
+        async with _http(app) as http:
+            first = await http.post("/v1/completions", headers=auth, json={"model": "a0", **body})
+            assert first.json()["choices"][0]["text"] == offline_texts["a0", "long"]
+            unload = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a0"}, headers=auth)
+            assert unload.status_code == 200
+            load = {"lora_name": "c", "lora_path": adapters["a1"]}
+            assert (await http.post("/v1/load_lora_adapter", json=load, headers=auth)).status_code == 200
+            assert lora_engine.loras["c"].lora_int_id > 1
+            before = hits.prefix_cache_hits
+            done = await http.post("/v1/completions", headers=auth, json={"model": "c", **body})
+            assert done.json()["choices"][0]["text"] == offline_texts["a1", "long"]
+            assert hits.prefix_cache_hits == before  # nothing of a0's chain
+    finally:
+        lora_engine.remove_lora("c")
+        lora_engine.add_lora(LoRARequest("a0", 1, adapters["a0"]))  # back to the start-up set (the same adapter)
+
+
+def _malformed(root: Path, outside: Path, a1: str) -> dict[str, str]:
+    """name -> a lora_path the load route must refuse (4xx, lora_path), each holding 'SECRET'
+    where a file's content could be echoed."""
+    from safetensors.torch import load_file, save_file
+
+    def variant(name: str, config=None, tensors=None) -> str:
+        where = root / name
+        shutil.copytree(a1, where)
+        if config is not None:
+            (where / "adapter_config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+        if tensors is not None:
+            weights = where / "adapter_model.safetensors"
+            save_file(tensors(load_file(weights)), weights)
+        return str(where)
+
+    good = json.loads((Path(a1) / "adapter_config.json").read_text())
+
+    def nan_first(tensors):
+        name = sorted(tensors)[0]
+        tensors[name] = tensors[name].clone()
+        tensors[name][0, 0] = float("nan")
+        return tensors
+
+    def wrong_shape(tensors):
+        name = next(n for n in sorted(tensors) if "lora_A" in n)
+        tensors[name] = tensors[name][:, :-1].contiguous()  # one input feature short
+        return tensors
+
+    shutil.copytree(a1, outside / "copy")
+    (root / "escape").symlink_to(outside / "copy")
+    return {
+        "config-a-list": variant("config-a-list", '["SECRET", 1]'),
+        "config-too-deep": variant("config-too-deep", '{"r": ' + "[" * 100_000 + "]" * 100_000 + ', "x": "SECRET"}'),
+        "config-deep": variant("config-deep", {**good, "x": {"y": [[[[[[[[[[[[[[[[["SECRET"]]]]]]]]]]]]]]]]]}}),
+        "config-not-json": variant("config-not-json", "SECRET {"),
+        "alpha-nan": variant("alpha-nan", json.dumps({**good, "lora_alpha": float("nan")})),  # NaN, as Python writes it
+        "alpha-inf": variant("alpha-inf", json.dumps({**good, "lora_alpha": float("inf")})),  # Infinity
+        "r-a-string": variant("r-a-string", {**good, "r": "SECRET"}),
+        "peft-type": variant("peft-type", {**good, "peft_type": "SECRET"}),
+        "unknown-target": variant("unknown-target", {**good, "target_modules": ["q_proj", "not_a_module"]}),
+        "weights-nan": variant("weights-nan", tensors=nan_first),
+        "shape-mismatch": variant("shape-mismatch", tensors=wrong_shape),
+        "weights-garbage": variant("weights-garbage"),
+        "rank-too-big": str(root / "big"),
+        "relative": "a1",
+        "dot-dot": f"{root}/../{outside.name}/copy",
+        "symlink-out": str(root / "escape"),
+        "proc": "/proc/self/cwd",
+        "missing": str(root / "SECRET-nowhere"),
+        "name-too-long": f"{root}/" + "x" * (4096 - len(str(root)) - 1),
+        "component-too-long": f"{root}/" + "y" * 300,
+    }
+
+
+async def test_every_malformed_adapter_is_a_4xx_that_registers_nothing(lora_client, lora_engine, adapters, tmp_path):
+    root = Path(adapters["root"])
+    cases = _malformed(root, tmp_path, adapters["a1"])
+    (Path(cases["weights-garbage"]) / "adapter_model.safetensors").write_bytes(b"SECRET" * 100)
+    app = create_openai_app(lora_client, lora_engine.tokenizer, MODEL, KEY, allow_runtime_lora_updating=True)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    before = dict(lora_engine.loras), dict(lora_engine._lora_bytes)
+    async with _http(app) as http:
+        for case, path in cases.items():
+            body = {"lora_name": "bad", "lora_path": path}
+            response = await http.post("/v1/load_lora_adapter", json=body, headers=auth)
+            error = assert_openai_error(response, 400, "lora_path")
+            assert "SECRET" not in error["message"], (case, error)
+            assert (dict(lora_engine.loras), dict(lora_engine._lora_bytes)) == before, case
+        for case, words in (("alpha-nan", "NaN"), ("config-too-deep", "nested too deeply"),
+                            ("config-deep", "nested too deeply"), ("config-a-list", "must hold a JSON object"),
+                            ("weights-nan", "NaN or infinite weights"), ("unknown-target", "'not_a_module' is unknown"),
+                            ("shape-mismatch", "shape mismatch"), ("symlink-out", "under lora_modules_root"),
+                            ("name-too-long", "cannot be read")):  # fmt: skip
+            response = await http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": cases[case]},
+                                       headers=auth)  # fmt: skip
+            assert_openai_error(response, 400, "lora_path", words)
+        body = {"lora_name": "a1", "lora_path": adapters["a1"]}
+        ok = await http.post("/v1/load_lora_adapter", json=body, headers=auth)
+        assert ok.status_code == 200  # the replica still loads a good adapter

@@ -219,6 +219,15 @@ def test_trust_remote_code_is_off_by_default_and_reaches_tokenizers_and_engine(m
     assert [kw["trust_remote_code"] for kw in loaded] == [False, True, False, True]
 
 
+def _devices(args: dict) -> set[str | None]:
+    """The devices a config's models run on (flat args: its one model; llm_configs: each entry's)."""
+    from rayserve_paged.serve_llm import is_llm_configs, translate
+
+    if not is_llm_configs(args):
+        return {args.get("device")}
+    return {m.args.get("device") for m in translate(args, frozenset(AppArgs.model_fields)).models}
+
+
 def test_cpu_configs_bind_loopback_and_only_cluster_configs_bind_every_interface():
     """Cluster (GPU) configs bind 0.0.0.0 on purpose, for a load balancer in front of the
     cluster (docs/API.md); a local config must not expose the server to the network."""
@@ -226,7 +235,7 @@ def test_cpu_configs_bind_loopback_and_only_cluster_configs_bind_every_interface
         config = yaml.safe_load(path.read_text())
         host = config.get("http_options", {}).get("host", "127.0.0.1")  # Serve's default is loopback
         (app,) = config["applications"]
-        if app["args"].get("device") == "cuda":
+        if "cuda" in _devices(app["args"]):
             assert host in ("0.0.0.0", "127.0.0.1"), path.name
         else:
             assert host == "127.0.0.1", path.name

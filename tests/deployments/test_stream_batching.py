@@ -195,3 +195,45 @@ def test_the_reads_keep_the_schedule_when_the_reader_is_late():
         (0, [0], False), (16, [4, 8, 12], False), (56, [20, 24, 28, 36], False), (64, [60], False),
         (90, [90], False), (106, [94], False), (126, [110], False), (138, [130], False), (140, [140], True),
     ]  # fmt: skip
+
+
+async def test_the_first_event_leaves_with_the_first_token_whatever_the_interval(engine):
+    """TTFT under coalescing: with an interval of 60 s, the first SSE body message (the
+    first token) is sent while the engine is still generating the rest, not held for the
+    interval (Ray Serve LLM's first-token wait, ray-project/ray#59681)."""
+    import json
+    import time
+
+    from rayserve_paged.deployments.openai_ingress import create_openai_app
+    from tests.deployments.test_disconnect import _scope
+
+    client = InProcessEngineClient(engine, MODEL, stream_batching_interval_ms=NEVER)
+    app = create_openai_app(client, engine.tokenizer, MODEL)
+    body = json.dumps({"model": MODEL, "prompt": streaming.PROMPT, "max_tokens": 40, "ignore_eos": True,
+                       "temperature": 0, "stream": True}).encode()  # fmt: skip
+    chunks: list[tuple[bytes, bool]] = []  # (body, whether the engine still ran the request then)
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message.get("body"):
+            chunks.append((message["body"], engine.has_unfinished_requests()))
+
+    start = time.monotonic()
+    try:
+        await asyncio.wait_for(app(_scope(body), receive, send), 30)
+    finally:
+        await client.close()
+    assert time.monotonic() - start < 30  # nothing waited for the interval
+    first, is_running = chunks[0]
+    (event,) = [e for e in first.decode().split("\n\n") if e]
+    assert is_running, "the first token was held until the request ended"
+    assert json.loads(event.removeprefix("data: "))["choices"][0]["finish_reason"] is None
+    text = b"".join(c for c, _ in chunks).decode()
+    assert text.endswith("data: [DONE]\n\n") and len(chunks) == 2  # the first token, then the rest at the end

@@ -48,13 +48,6 @@ async def client(app):
         yield c
 
 
-@pytest.fixture
-async def hermes_http(engine_client, engine):
-    app = create_openai_app(engine_client, engine.tokenizer, MODEL, tool_call_parser="hermes")
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
-        yield c
-
-
 async def test_parse_with_a_pydantic_model_returns_the_object(client):
     for seed in (1, 2, 3):
         chat = await client.chat.completions.parse(
@@ -193,9 +186,10 @@ async def test_auto_with_the_hermes_parser_on_a_scripted_output(hermes_http):
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Rome", "unit": "c"}'}
     events = parse_sse(await hermes_http.post("/v1/chat/completions", json={**body, "stream": True}))
     deltas = [e["choices"][0]["delta"] for e in events]
-    (streamed,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
-    assert streamed[0]["function"] == call["function"] and streamed[0]["index"] == 0
-    assert "".join(d.get("content", "") for d in deltas) == "Let me look. "  # sent before the call began
+    head, *arguments = [c for d in deltas for c in d.get("tool_calls", [])]  # the name first, then the arguments
+    assert head["function"] == {"name": "get_weather", "arguments": ""} and head["index"] == 0
+    assert "".join(a["function"]["arguments"] for a in arguments) == call["function"]["arguments"]
+    assert "".join(d.get("content", "") for d in deltas) == "Let me look."  # sent before the call began
     assert len([d for d in deltas if d.get("content")]) > 1  # as it came, not at the end
     # plain text is content, finish_reason unchanged
     body["structured_outputs"] = {"choice": ["no tools needed"]}
@@ -207,7 +201,9 @@ async def test_auto_with_the_hermes_parser_on_a_scripted_output(hermes_http):
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
-async def test_tool_results_continue_through_the_template(client):
+async def test_tool_results_continue_through_the_template(hermes_app):
+    transport = httpx.AsyncClient(transport=httpx.ASGITransport(app=hermes_app), base_url="http://test")
+    client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=transport)
     turns = [
         *MESSAGES,
         {"role": "assistant", "content": None, "tool_calls": [
@@ -219,6 +215,7 @@ async def test_tool_results_continue_through_the_template(client):
         model=MODEL, messages=turns, tools=TOOLS, max_tokens=5, temperature=0, extra_body={"guided_choice": ["ok"]}
     )
     assert chat.choices[0].message.content == "ok"
+    await client.close()
 
 
 async def test_bad_tool_choices_are_400s(http):

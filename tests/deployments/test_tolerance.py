@@ -41,8 +41,9 @@ CLIENT_PAYLOADS = [
 
 
 @pytest.mark.parametrize("route, body", CLIENT_PAYLOADS)
-async def test_client_payloads_are_served(http, route, body):
-    response = await http.post(route, json=body)
+async def test_client_payloads_are_served(hermes_http, route, body):
+    # a deployment with a tool_call_parser: without one, tool_choice "auto" is a 400 (as vLLM's)
+    response = await hermes_http.post(route, json=body)
     assert response.status_code == 200, response.text
 
 
@@ -53,7 +54,8 @@ async def test_unknown_fields_are_logged(http, caplog):
     assert "frobnicate" in caplog.text and "messages[0].mood" in caplog.text
 
 
-async def test_tool_messages_and_tools_reach_the_chat_template(app, engine, monkeypatch):
+async def test_tool_messages_and_tools_reach_the_chat_template(hermes_app, engine, monkeypatch):
+    app = hermes_app
     seen = {}
     original = engine.tokenizer.apply_chat_template
 

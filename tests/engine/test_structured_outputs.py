@@ -303,7 +303,7 @@ def test_the_engine_loads_its_tokenizer_only_for_a_request_that_needs_it(tiny_pa
     prompt_ids = AutoTokenizer.from_pretrained(tiny_paths["opt"])(PROMPTS[1]).input_ids
 
     def run(request_id, prompt, params, ids=None):
-        engine.add_request(request_id, prompt, params, ids)
+        engine.add_request(request_id, prompt, params, ids, grammar=engine.compile_constraint(params))
         tokens = []
         while engine.has_unfinished_requests():
             for out in engine.step():

@@ -79,3 +79,23 @@ def test_models_that_do_not_qualify_run_layer_by_layer(llama_dir, tmp_path, laye
         _greedy_steps(model, config, 2)
         assert model.model._compiled is None
     assert layer_calls == []
+
+
+def test_a_lora_engine_runs_its_base_only_decode_steps_compiled(llama_dir, tmp_path, layer_calls):
+    """LoRA enabled: a step whose rows use no adapter takes the compiled layer; a step with
+    an adapter row runs layer by layer (and equals PEFT, tests/engine/test_lora.py)."""
+    from rayserve_paged import LLM, LoRARequest, SamplingParams
+    from tests.peft_adapters import write_adapter
+
+    path = tmp_path / "tiny.Q8_0.gguf"
+    write_gguf(path, llama_dir, "Q8_0")
+    adapter = write_adapter(llama_dir, tmp_path / "lora", "llama", "attn", 4, 8, seed=3)
+    llm = LLM(model=str(path), tokenizer=str(llama_dir), enable_lora=True, max_lora_rank=8, max_model_len=64,
+              kv_cache_memory_gb=0.01, swap_space_gb=0.01)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    num_layers = get_model_config(path).num_layers
+    llm.generate([[1, 40, 41, 42]], params, use_tqdm=False)
+    assert layer_calls == [1] * (num_layers * 5)  # every decode step of the base-only request
+    layer_calls.clear()
+    llm.generate([[1, 40, 41, 42]], params, lora_request=LoRARequest("a", 1, str(adapter)), use_tqdm=False)
+    assert layer_calls == []  # an adapter row: layer by layer

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rayserve_paged.models.loader import get_model_config, load_model
-from rayserve_paged.models.lora import LoRAPool, lora_layers
+from rayserve_paged.models.lora import LoRAPool, lora_layers, read_peft_adapter
 from tests.peft_adapters import peft_model, write_adapter
 
 from .conftest import hf_logits
@@ -32,14 +32,22 @@ def adapters(tiny_checkpoint, tmp_path_factory):
     }
 
 
+def _activate(pool: LoRAPool, slot: int, adapter_dir) -> None:
+    """Read the adapter into the pool's CPU memory (as registration does), then into the slot."""
+    adapter = read_peft_adapter(adapter_dir, pool.max_lora_rank)
+    key = (slot + 1, str(adapter_dir), adapter.digest)
+    pool.add(key, adapter)
+    pool.activate(slot, key)
+
+
 def _run(path, adapter_dirs, parallel=None) -> list[torch.Tensor]:
     """Logits of a packed prefill (three prompts on slots 0, 1 and the base) and two decodes."""
     config = get_model_config(path)
     tp_size = parallel.tp_size if parallel else 1
     model = load_model(path, parallel=parallel)
-    pool = LoRAPool(model, max_loras=2, max_lora_rank=8, max_cpu_loras=2)
+    pool = LoRAPool(model, max_loras=2, max_lora_rank=8)
     for slot, adapter in enumerate(adapter_dirs):
-        pool.activate(slot, slot + 1, adapter)
+        _activate(pool, slot, adapter)
     runner = PagedRunner(model, config.num_layers, config.num_kv_heads_per_rank(tp_size), config.head_dim)
     pool.batch.set_step([SLOTS[s] for s, p in PROMPTS.items() for _ in p], "cpu")
     logits = [runner.step(list(PROMPTS.items()), all_logits=True)]
@@ -79,10 +87,10 @@ def test_a_rank_holds_its_shard_of_the_adapter(tiny_checkpoint, adapters):
     from .test_tensor_parallel import ThreadCollectives, ThreadParallelState
 
     path = tiny_checkpoint("llama")
-    full = LoRAPool(load_model(path), 1, 8, 1)
-    half = LoRAPool(load_model(path, parallel=ThreadParallelState(1, 2, collectives=ThreadCollectives(2))), 1, 8, 1)
+    full = LoRAPool(load_model(path), 1, 8)
+    half = LoRAPool(load_model(path, parallel=ThreadParallelState(1, 2, collectives=ThreadCollectives(2))), 1, 8)
     for pool in (full, half):
-        pool.activate(0, 1, adapters["llama"][0])
+        _activate(pool, 0, adapters["llama"][0])
     name = "model.layers.0.self_attn"
     qkv_full, qkv_half = full.layers[f"{name}.qkv_proj"], half.layers[f"{name}.qkv_proj"]
     # column-parallel: all of A (q | k | v blocks of 8), rank 1's rows of B (q rows 32..63, KV head 1)
@@ -118,8 +126,8 @@ def test_decoder_families_equal_peft(family, tmp_path, hf_model):
     adapter = str(write_adapter(path, tmp_path / "lora", family, FAMILY_TARGETS[family], 8, 16, seed=4))
     config = get_model_config(path)
     model = load_model(path)
-    pool = LoRAPool(model, max_loras=1, max_lora_rank=8, max_cpu_loras=1)
-    pool.activate(0, 1, adapter)
+    pool = LoRAPool(model, max_loras=1, max_lora_rank=8)
+    _activate(pool, 0, adapter)
     runner = PagedRunner(model, config.num_layers, config.num_kv_heads, config.head_dim)
     prompts = [(0, PROMPTS[0]), (2, PROMPTS[2])]  # the first on the adapter, the second on the base model
     pool.batch.set_step([0] * len(PROMPTS[0]) + [-1] * len(PROMPTS[2]), "cpu")
@@ -128,3 +136,13 @@ def test_decoder_families_equal_peft(family, tmp_path, hf_model):
     torch.testing.assert_close(logits[:n], hf_logits(peft_model(path, adapter), PROMPTS[0]), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[n:], hf_logits(hf_model(path), PROMPTS[2]), atol=1e-4, rtol=1e-4)
     assert (logits[:n] - hf_logits(hf_model(path), PROMPTS[0])).abs().max() > 0.1
+
+
+def test_a_weights_file_over_the_size_limit_is_refused_before_it_is_read(tiny_checkpoint, tmp_path):
+    from rayserve_paged.models.lora import LoRAError
+
+    adapter = write_adapter(tiny_checkpoint("llama"), tmp_path / "lora", "llama", "attn", 4, 8, seed=1)
+    size = (adapter / "adapter_model.safetensors").stat().st_size
+    with pytest.raises(LoRAError, match=r"adapter_model.safetensors is .* MiB, above max_lora_size_mb"):
+        read_peft_adapter(adapter, 8, max_bytes=size - 1)
+    assert read_peft_adapter(adapter, 8, max_bytes=size).num_bytes > 0

@@ -145,6 +145,13 @@ def test_bad_slots_and_block_ids_are_refused_by_name_before_any_write():
         num_heads=c["num_heads"], num_kv_heads=c["num_kv_heads"], head_dim=D, scale=0.25, sliding_window=None,
         soft_cap=None, key_cache=key_cache, value_cache=value_cache,
     )  # fmt: skip
+    with pytest.raises(ValueError, match="block size must be >= 1"):  # a division by zero in the C code
+        empty = key_cache[:, :0].contiguous()
+        cpu_layer.decode_layer(
+            input_norm=norms[0], post_norm=norms[1], eps=1e-5, **{n: w[:2] for n, w in weights.items()},
+            num_heads=c["num_heads"], num_kv_heads=c["num_kv_heads"], head_dim=D, scale=0.25, sliding_window=None,
+            soft_cap=None, key_cache=empty, value_cache=empty,
+        )  # fmt: skip
     x, residual = torch.zeros(2, HIDDEN), torch.zeros(2, HIDDEN)
     bad_slots = slots.clone()
     bad_slots[1] = NUM_BLOCKS * BLOCK_SIZE

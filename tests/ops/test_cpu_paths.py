@@ -142,6 +142,9 @@ def test_kernel_rejects_block_ids_outside_the_cache(generator):
     with pytest.raises(ValueError, match="query must be contiguous float32"):
         kernel(out, inputs.query.double(), inputs.key_cache, inputs.value_cache, tables,
                batch.metadata.decode_seq_lens, 0.1)  # fmt: skip
+    empty = inputs.key_cache[:, :0].contiguous()  # block size 0: a division by zero in the C code (SIGFPE)
+    with pytest.raises(ValueError, match=r"block size must be >= 1, got caches \(\d+, 0, 2, 64\)"):
+        kernel(out, inputs.query, empty, empty, tables, batch.metadata.decode_seq_lens, 0.1)
 
 
 @requires_compiler

@@ -67,3 +67,37 @@ def test_linear_layer_on_the_triton_plan(bits, group_size, tp_rank):
     assert torch.equal(layer.method.dequantize(layer), shard)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4))
     torch.testing.assert_close(layer.matmul(x), x @ shard.t(), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_sms", [1, 6, 132])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_decode_tile_split_over_k_equals_the_reference(monkeypatch, rows, num_sms):
+    """The decode tile (BLOCK_K = the group, float32 partials per K split, summed) at 1, a
+    few and many splits: each equal to the dequantized product."""
+    monkeypatch.setattr(quant_gemm, "_num_sms", lambda device: num_sms)
+    codes, scales, offsets, weight = quantized(64, 512, 4, 128, 11)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(3))
+    constants = quant_gemm.gemm_constants(torch.float32, 4, 128, rows, interpreted=True)
+    assert quant_gemm.split_k(rows, 64, 512, constants, num_sms) == {1: (1, 512), 6: (3, 192), 132: (8, 64)}[num_sms]
+    args = [t.to(DEVICE) for t in (x, quant_gemm.pack_codes(codes, 4), scales, offsets)]
+    y = quant_gemm.group_quant_matmul(*args, 4, 128).cpu()
+    assert ((y - x @ weight.t()).abs() <= 1e-5 * (x.abs() @ weight.abs().t()) + 1e-6).all()
+
+
+def test_decode_tile_fills_the_sms_and_compiles_once_for_every_row_count():
+    """On an H100 / H200 (132 SMs), a 4096 x 4096 layer at 1..16 rows runs at least one
+    program per SM (the 64-wide tile ran 64); the row count is never specialized on; float32
+    operands multiply in IEEE float32, not TF32."""
+    for rows in (1, 7, 16):
+        constants = quant_gemm.gemm_constants(torch.bfloat16, 4, 128, rows, interpreted=False)
+        assert (constants["BLOCK_M"], constants["BLOCK_N"], constants["BLOCK_K"]) == (16, 32, 128)
+        splits, k_per_split = quant_gemm.split_k(rows, 4096, 4096, constants, 132)
+        assert (4096 // 32) * splits >= 132 and k_per_split % 128 == 0 and splits * k_per_split == 4096
+    assert quant_gemm.gemm_constants(torch.float16, 8, 64, 1, interpreted=False)["BLOCK_K"] == 64
+    assert quant_gemm.split_k(17, 4096, 4096, quant_gemm.gemm_constants(torch.float16, 4, 128, 17, interpreted=False),
+                              132) == (1, 4096)  # fmt: skip
+    from rayserve_paged.ops.triton_aot import not_specialized_arguments
+
+    assert "num_rows" in not_specialized_arguments(quant_gemm.group_quant_gemm_kernel)
+    for interpreted in (False, True):
+        assert quant_gemm.gemm_constants(torch.float32, 4, 32, 1, interpreted=interpreted)["DOT_PRECISION"] == "ieee"

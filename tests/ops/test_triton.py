@@ -727,9 +727,11 @@ def test_gpu_check_measurement_code_runs_on_this_device():
     decode = gpu_kernels.decode_point(torch, torch.float32, 2, 40, repeats=1, device=DEVICE, timer=once)
     assert decode["variant"] == "single" and decode["bytes"] == gpu_kernels.decode_bytes(2, 40, 4)
     assert decode["max_abs_diff_vs_dense"] < 1e-4
+    assert decode["fits_l2"] and decode["working_set_bytes"] == decode["bytes"]  # a tiny point: flagged
     for context in (0, 16):
         prefill = gpu_kernels.prefill_point(torch, torch.float32, 2, context, 8, repeats=1, device=DEVICE, timer=once)
         assert "dense_error" not in prefill and prefill["max_abs_diff_vs_dense"] < 1e-4
+        assert prefill["fits_l2"] and prefill["working_set_bytes"] == 2 * 2 * (context + 8) * 8 * 128 * 4 + 2 * 16 * 32 * 128 * 4
     report = {
         "environment": {"torch": "x", "triton": "y", "device": "GPU"}, "quick": False, "skipped": {}, "errors": {},
         "tests": {"summary": "1 passed", "interpreter": False},

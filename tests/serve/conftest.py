@@ -111,14 +111,9 @@ def wait_for_free_cpus(cpus: float, timeout_s: float = 60) -> float:
     return free
 
 
-@pytest.fixture(autouse=True)
-def _cluster_back_to_baseline(request):
-    """After each test on the session cluster: its applications, replicas, actors and
-    placement groups are gone, so every CPU is free again. A leak fails the test that made
-    it, not a later one that cannot place its replicas."""
-    yield
-    if "ray_cluster" not in request.fixturenames:
-        return
+def assert_back_to_baseline(what: str) -> None:
+    """Every CPU of the session cluster free again and no placement group left, waiting for
+    Serve to finish removing what was deleted; else fail naming what was left."""
     import ray
 
     total = ray.cluster_resources().get("CPU", 0.0)
@@ -130,7 +125,28 @@ def _cluster_back_to_baseline(request):
         groups = live_placement_groups()
     if free < total - 1e-6 or groups:
         shapes = [(g["name"], g["state"], list(g["bundles"].values())) for g in groups]
-        pytest.fail(f"the test left {total - free:g} of {total:g} CPUs reserved; placement groups: {shapes}")
+        pytest.fail(f"{what} left {total - free:g} of {total:g} CPUs reserved; placement groups: {shapes}")
+
+
+@pytest.fixture(autouse=True)
+def _test_leaves_the_cluster_as_it_found_it(request):
+    """A test that deploys through `serve_session` (its apps are deleted after it) leaves no
+    replica, actor or placement group behind: a leak fails the test that made it, not a later
+    one that cannot place its replicas."""
+    yield
+    if "serve_session" in request.fixturenames:
+        assert_back_to_baseline(f"the test {request.node.name}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_leaves_the_cluster_as_it_found_it(request):
+    """The same for a whole test file, after its module fixtures (a `serve run` shared by its
+    tests) are torn down."""
+    yield
+    import ray
+
+    if ray.is_initialized():
+        assert_back_to_baseline(f"the tests of {request.node.name}")
 
 
 @pytest.fixture(scope="session")

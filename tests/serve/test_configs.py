@@ -10,7 +10,17 @@ from pydantic import ValidationError
 
 from rayserve_paged.app import AppArgs, build_app, llm_server_options, placement_group_bundles
 
-CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+ALL_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+FLAT, SERVE_LLM = "rayserve_paged.app:build_app", "rayserve_paged.app:build_openai_app"
+
+
+def _import_path(path: Path) -> str:
+    (app,) = yaml.safe_load(path.read_text())["applications"]
+    return app["import_path"]
+
+
+CONFIGS = [p for p in ALL_CONFIGS if _import_path(p) == FLAT]  # the flat args (one model)
+SERVE_LLM_CONFIGS = [p for p in ALL_CONFIGS if _import_path(p) == SERVE_LLM]  # Ray Serve LLM's llm_configs
 
 
 def _app_args(path: Path) -> dict:
@@ -21,6 +31,8 @@ def _app_args(path: Path) -> dict:
 
 
 def test_all_configs_are_here():
+    assert {_import_path(p) for p in ALL_CONFIGS} == {FLAT, SERVE_LLM}
+    assert {p.name for p in SERVE_LLM_CONFIGS} >= {"serve-llm-two-models.yaml"}
     assert {p.name for p in CONFIGS} >= {
         "smollm2.yaml", "tiny.yaml", "opt13b.yaml", "opt13b-tp2.yaml", "llama3-8b.yaml", "llama3.1-8b-instruct.yaml",
         "qwen2.5-7b-instruct.yaml", "qwen3-8b.yaml", "gemma-2-9b-it.yaml",
@@ -36,6 +48,16 @@ def test_gpu_model_configs_scale_on_kv_pressure_with_a_bounded_context(name):
     assert args.device == "cuda" and args.dtype == "bfloat16"
     assert args.max_model_len == (8192 if name.startswith("gemma") else 32768)
     assert args.enable_chunked_prefill and args.max_num_batched_tokens == 8192
+
+
+@pytest.mark.parametrize(
+    ("name", "tool_call_parser", "reasoning_parser"),
+    [("qwen2.5-7b-instruct.yaml", "hermes", None), ("qwen3-8b.yaml", "hermes", "qwen3"),
+     ("llama3.1-8b-instruct.yaml", "llama3_json", None)],
+)  # fmt: skip
+def test_chat_model_configs_set_their_parsers(name, tool_call_parser, reasoning_parser):
+    args = AppArgs(**_app_args(next(p for p in CONFIGS if p.name == name)))
+    assert (args.tool_call_parser, args.reasoning_parser) == (tool_call_parser, reasoning_parser)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -117,15 +139,48 @@ def test_scheduler_actor_takes_the_bundle_the_layout_reserves_for_it(tp):
     assert sum(b["CPU"] for b in bundles) == replica_cpus + args.scheduler_cpus + tp * args.worker_cpus
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_every_config_bounds_the_proxy_queue_and_the_request_time(path):
-    """Past max_ongoing_requests Serve's proxy queues a bounded number (then answers 503),
-    and no request holds the proxy longer than request_timeout_s (then 408)."""
+def _models(path: Path) -> list[AppArgs]:
+    """Each model's AppArgs, in either form."""
+    from rayserve_paged.app import model_args_of
+    from rayserve_paged.serve_llm import translate
+
+    if _import_path(path) == FLAT:
+        return [AppArgs(**_app_args(path))]
+    (app,) = yaml.safe_load(path.read_text())["applications"]
+    return [model_args_of(m) for m in translate(app["args"], frozenset(AppArgs.model_fields)).models]
+
+
+def test_serve_llm_two_models_fits_two_cpus_with_every_replica_and_the_ingress():
+    """smollm2 (one replica, two threads) and the tiny OPT at its most replicas, plus the
+    ingress, within the 2-core machine's CPUs."""
+    from rayserve_paged.app import build_openai_app
+
+    path = next(p for p in SERVE_LLM_CONFIGS if p.name == "serve-llm-two-models.yaml")
+    (app,) = yaml.safe_load(path.read_text())["applications"]
+    assert build_openai_app(app["args"]) is not None
+    smollm2, tiny = _models(path)
+    assert (smollm2.model, smollm2.served_model_name, smollm2.device, smollm2.num_cpu_threads) == (
+        "smollm2", "smollm2-135m-instruct", "cpu", 2)  # fmt: skip
+    assert (tiny.model, tiny.served_model_name, tiny.device) == ("tiny-opt", "tiny-opt", "cpu")
+    assert smollm2.num_replicas == 1 and smollm2.autoscaling_config is None
+    reserved = sum(b["CPU"] for b in placement_group_bundles(smollm2))
+    reserved += tiny.autoscaling_config["max_replicas"] * sum(b["CPU"] for b in placement_group_bundles(tiny))
+    reserved += app["args"]["ingress_deployment_config"]["ray_actor_options"]["num_cpus"]
+    assert reserved <= 2.0
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.name)
+def test_every_config_lets_the_app_decide_what_waits_and_bounds_the_request_time(path):
+    """Serve never answers first: its proxy's queue is unbounded (max_queued_requests -1, so
+    no text 503 without Retry-After) and a replica takes every request the app's admission
+    may admit (max_ongoing_requests >= max_pending_requests), which queues and sheds by time;
+    a request shed by time is answered before the proxy's request_timeout_s (then 408)."""
     from ray.serve.schema import HTTPOptionsSchema
 
     config = yaml.safe_load(path.read_text())
     http = HTTPOptionsSchema.model_validate(config["http_options"])
     assert http.request_timeout_s is not None and 60 <= http.request_timeout_s <= 3600
-    args = AppArgs(**_app_args(path))
-    assert 1 <= args.max_queued_requests <= args.max_ongoing_requests
-    assert llm_server_options(args)["max_queued_requests"] == args.max_queued_requests
+    for args in _models(path):
+        assert args.max_queued_requests == -1 and args.max_pending_requests <= args.max_ongoing_requests
+        assert llm_server_options(args)["max_queued_requests"] == -1
+        assert args.max_queue_wait_s < http.request_timeout_s

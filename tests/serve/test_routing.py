@@ -10,7 +10,8 @@ so every expected cache hit is exact):
   request whose prefix it holds; within the threshold it keeps it (and its session's);
 - a replica taken away mid-run: its sessions move to the other replica and finish there;
 - LoRA adapters (one device slot per replica): each adapter's requests go to the replica
-  holding it.
+  holding it; past the threshold a hot adapter's request goes to the other replica, which
+  loads it.
 """
 
 from __future__ import annotations
@@ -262,6 +263,7 @@ def test_adapter_requests_land_on_the_replica_holding_their_adapter(routed, serv
         ((reason, replica),) = (_decisions(serve_port) - before).keys()
         decisions.append((adapter, reason, replica))
     first = {adapter: replica for adapter, _, replica in decisions[:2]}
+    routed["adapter_replicas"] = first
     assert first["a0"] != first["a1"]  # a1 went where fewer blocks are cached, not onto a0's slot
     assert [(a, r) for a, r, _ in decisions[:2]] == [("a0", LOAD), ("a1", LOAD)]
     assert decisions[2:] == [(a, ADAPTER, first[a]) for a in ("a0", "a1") * 3]
@@ -276,3 +278,47 @@ def test_adapter_requests_land_on_the_replica_holding_their_adapter(routed, serv
     assert {k: v for k, v in requests.items() if v} == {("a0", first["a0"]): 5, ("a1", first["a1"]): 4}
     loads = {s.labels["replica"]: s.value for s in _family(families, "lora_slot_loads")}
     assert loads == {first["a0"]: 1, first["a1"]: 1}
+
+
+def test_a_hot_adapter_spreads_to_a_second_replica_past_the_threshold(routed, serve_port):
+    """The adapter app of the test before: a0's replica holds three long a0 streams (past
+    routing_imbalance_threshold 2 against the idle replica): the next a0 request goes to the
+    other replica, which loads a0 into its slot; every request succeeds."""
+    assert "adapter_replicas" in routed, "needs the adapter app of the test before"
+    holder = routed["adapter_replicas"]["a0"]
+    other = routed["adapter_replicas"]["a1"]
+
+    async def hold(ready: asyncio.Queue):
+        body = {"model": "a0", "prompt": _tokens(777, 8), "max_tokens": 1990, "n": 4, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        async with httpx.AsyncClient(timeout=120) as client:
+            async with client.stream("POST", f"http://127.0.0.1:{serve_port}/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                async for _ in response.aiter_lines():
+                    ready.put_nowait(None)
+
+    def routed_a0() -> tuple[str, str]:
+        before = _decisions(serve_port)
+        _complete(serve_port, -1, _tokens(778, BLOCK), model="a0")  # asserts 200
+        ((decision),) = (_decisions(serve_port) - before).keys()
+        return decision
+
+    async def run():
+        ready: asyncio.Queue = asyncio.Queue()
+        streams = []
+        for _ in range(3):  # one at a time: each is routed (to a0's replica) before the next
+            streams.append(asyncio.ensure_future(hold(ready)))
+            await asyncio.wait_for(ready.get(), 120)
+        decision = await asyncio.to_thread(routed_a0)
+        for task in streams:
+            task.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        return decision
+
+    loads_before = {s.labels["replica"]: s.value for s in _family(_scrape(serve_port), "lora_slot_loads")}
+    assert asyncio.run(run()) == (IMBALANCE, other)
+    families = _scrape(serve_port)
+    loads = {s.labels["replica"]: s.value for s in _family(families, "lora_slot_loads")}
+    assert loads[other] == loads_before[other] + 1 and loads[holder] == loads_before[holder]  # it loaded a0
+    requests = {(s.labels["lora_name"], s.labels["replica"]): s.value for s in _family(families, "lora_requests")}
+    assert requests[("a0", other)] == 1

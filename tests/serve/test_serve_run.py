@@ -139,3 +139,21 @@ def test_metrics_are_scraped_from_the_running_app(tiny_server, client):
     assert sum(s.value for s in finished) >= 1 and all(s.labels.get("replica") for s in finished)
     usage = families["rayserve_paged_kv_cache_usage"].samples
     assert {s.labels["pool"] for s in usage} == {"device", "cpu"}  # a CPU run has no "gpu" pool
+
+
+def test_a_burst_of_1000_simultaneous_requests_is_queued_and_answered_in_full(tiny_server, client):
+    """configs/tiny.yaml as shipped: Serve never answers first (no text 503) and the replica
+    queues the burst (the engine runs 64 at a time) instead of shedding it."""
+    import asyncio
+
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=tiny_server, limits=limits, timeout=300, trust_env=False) as http:
+            body = {"model": "tiny-opt", "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+            return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(1000)))
+
+    responses = asyncio.run(burst())
+    failed = [(r.status_code, r.headers.get("retry-after"), r.text[:200]) for r in responses if r.status_code != 200]
+    assert not failed, f"{len(failed)} of 1000 not answered: {failed[:3]}"
+    assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in responses)
+    assert client.completions.create(model="tiny-opt", prompt="after", max_tokens=2).choices  # service goes on

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -30,7 +29,7 @@ def _rayserve_paged_bin() -> str:
     return str(Path(sys.executable).with_name("rayserve-paged"))
 
 
-def _stream(base: str, events: list, done: threading.Event) -> None:
+def _stream(base: str, events: list, done: threading.Event, on_third_event=None) -> None:
     body = {"model": "tiny-opt", "prompt": "Hello", "max_tokens": NUM_TOKENS, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     try:
@@ -38,6 +37,8 @@ def _stream(base: str, events: list, done: threading.Event) -> None:
             for line in response.iter_lines():
                 if line:
                     events.append(line)
+                    if len(events) == 3 and on_third_event is not None:
+                        on_third_event()  # from the reader itself: the stream has not ended yet
     except httpx.HTTPError as exc:
         events.append(f"ERROR {exc!r}")
     finally:
@@ -58,14 +59,15 @@ def test_sigterm_drains_the_streams_in_flight_and_exits_0(ray_cluster, serve_por
             base = f"http://127.0.0.1:{serve_port}"
             _wait_healthy(base, proc)
             events: list[str] = []
-            done = threading.Event()
-            threading.Thread(target=_stream, args=(base, events, done), daemon=True).start()
-            deadline = time.monotonic() + 60
-            while len(events) < 3 and time.monotonic() < deadline:
-                time.sleep(0.005)
-            assert not done.is_set(), "the stream ended before the signal: it must be longer"
-            proc.send_signal(signal.SIGTERM)
-            assert done.wait(120)
+            done, signalled = threading.Event(), threading.Event()
+
+            def stop_the_server():  # while the stream is still being read: its end is yet to come
+                proc.send_signal(signal.SIGTERM)
+                signalled.set()
+
+            threading.Thread(target=_stream, args=(base, events, done, stop_the_server), daemon=True).start()
+            assert done.wait(180)
+            assert signalled.is_set(), f"the stream ended in {len(events)} events, before the signal: it must be longer"
             assert proc.wait(timeout=120) == 0
         finally:
             if proc.poll() is None:

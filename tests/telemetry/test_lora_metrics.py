@@ -49,3 +49,31 @@ def test_lora_metrics_count_the_run(tiny_opt, swap_run, tmp_path):
     assert not any(n in Readings.collect(swap_run.reader).metrics for n in names.LORA_INSTRUMENTS)
     doc = DOCS.read_text()
     assert all(f"`{n}`" in doc for n in names.LORA_INSTRUMENTS)
+
+
+def test_an_unloaded_adapters_series_are_removed(tiny_opt, tmp_path):
+    path = write_adapter(tiny_opt, tmp_path / "a", "opt", "attn", 4, 8, seed=1)
+    engine = LLMEngine(EngineConfig(
+        model=tiny_opt, max_model_len=128, kv_cache_memory_gb=0.02, swap_space_gb=0.01, max_lora_rank=8,
+        enable_lora=True, lora_modules_root=str(tmp_path), max_cpu_loras=2,
+    ))  # fmt: skip
+    reader = InMemoryMetricReader()
+    telemetry = ReplicaTelemetry(engine, TelemetryConfig(replica="r"), readers=[reader])
+    try:
+        for cycle in range(30):  # load / use / unload: only the registered adapter has a series
+            name = f"cycle-{cycle}"
+            engine.load_lora(name, str(path))
+            engine.add_request(name, None, SamplingParams(max_tokens=1), prompt_token_ids=[1, 5], lora_request=name)
+            while engine.has_unfinished_requests():
+                engine.step()
+            engine.remove_lora(name)
+            if cycle % 10 == 9:
+                points = Readings.collect(reader).metrics.get(names.LORA_REQUESTS, [])
+                series = [p.attributes.get(names.LORA_NAME) for p in points]
+                assert series == [], series
+        engine.load_lora("kept", str(path))
+        readings = Readings.collect(reader)
+        assert [p.attributes[names.LORA_NAME] for p in readings.metrics[names.LORA_REQUESTS]] == ["kept"]
+        assert readings.value(names.LORA_ADAPTERS, state="registered") == 1
+    finally:
+        telemetry.shutdown()

@@ -224,7 +224,10 @@ def test_worker_start_up_on_the_gpu_branches(fake_cuda):
     worker.execute(StepMessage(seq_ids=[0], start_positions=[3], num_query_tokens=[1],
                                token_ids=[first.samples[0].token_ids[0]]))
     assert worker.runner.last_path == "static-eager" and static.num_copies == 1
-    assert fake_cuda.called("current_stream") == [torch.device("cuda", 0)]
+    # the eager steps (the profile step, the prefill): their inputs in one pinned buffer, one
+    # copy each, ordered by an event on the rank's stream too
+    assert worker.runner.staging.is_copied and worker.runner.staging.num_copies == 2
+    assert fake_cuda.called("current_stream") == [torch.device("cuda", 0)] * 3
     # every tensor that asked for a CUDA device named its index
     assert fake_cuda.placement.devices and set(fake_cuda.placement.devices) == {torch.device("cuda", 0)}
     for name, device in fake_cuda.calls:

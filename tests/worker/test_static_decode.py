@@ -217,6 +217,51 @@ def test_static_decode_refuses_what_does_not_fit(tiny_paths):
     assert static.capture([]) == [] and static.graphs == {}
 
 
+@pytest.mark.parametrize("max_num_seqs", [1, 2])
+def test_one_and_two_rows_start_and_decode_on_the_static_path(tiny_paths, max_num_seqs):
+    """The buffer's int64 columns at 1 and 2 rows (RoPE lengths once sat at an odd word and
+    could not be viewed as int64: every start-up without enforce_eager crashed), each section
+    16-byte aligned, and the decodes equal to the eager path's."""
+    eager, static = Harness(tiny_paths["llama"], None), Harness(tiny_paths["llama"], max_num_seqs=max_num_seqs)
+    sections = static.static._columns(static.static._words) + (static.static.block_tables,)
+    assert [t.data_ptr() % 16 for t in sections] == [0] * 6
+    assert [t.dtype for t in sections] == [torch.int64] * 3 + [torch.int32, torch.int64, torch.int32]
+    expected = eager.greedy(max_num_seqs, 3, "narrow")
+    assert static.greedy(max_num_seqs, 3, "narrow") == expected
+    assert static.static.runs == {"graph": 0, "eager": 3}
+
+
+def test_buffer_sections_are_aligned_at_every_width():
+    from rayserve_paged.worker.static_decode import column_offsets
+
+    for rows in range(1, 70):
+        offsets = column_offsets(rows)
+        assert all(at % 4 == 0 for at in offsets)  # 16 bytes
+        sizes = [2 * rows] * 4 + [rows]
+        assert all(offsets[i] + sizes[i] <= offsets[i + 1] for i in range(5))  # no overlap
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_eager_step_inputs_are_one_aligned_buffer_and_one_copy(copy):
+    """ModelRunner's staging: every column a 16-byte aligned view of one buffer, values and
+    dtypes as given; with the copy path (CUDA's, forced here) one copy per step from a host
+    buffer reused across steps; without it (CPU) no copy at all."""
+    from rayserve_paged.worker.model_runner import StepStaging
+
+    staging = StepStaging("cpu", copy=copy)
+    hosts = []
+    for step in range(2):
+        longs, ints = staging.stage([[1, 2, 3], [], [2**40 + step]], [[4], [5, 6, 7, 8, 9], []])
+        assert [t.tolist() for t in longs] == [[1, 2, 3], [], [2**40 + step]]
+        assert [t.tolist() for t in ints] == [[4], [5, 6, 7, 8, 9], []]
+        assert {t.dtype for t in longs} == {torch.int64} and {t.dtype for t in ints} == {torch.int32}
+        assert len({t.untyped_storage().data_ptr() for t in longs + ints}) == 1  # one buffer
+        assert all(t.data_ptr() % 16 == 0 for t in longs + ints)
+        hosts.append(None if staging._host is None else staging._host.data_ptr())
+    assert staging.num_copies == (2 if copy else 0)
+    assert hosts == ([hosts[0]] * 2 if copy else [None, None])  # the host buffer reused
+
+
 def test_kv_budget_reserves_the_cuda_graph_memory():
     gib = 1 << 30
     base = kv_cache_budget_bytes(80 * gib, 68 * gib, 2 * gib, 6 * gib, 0.9, workspace=gib)
@@ -224,14 +269,14 @@ def test_kv_budget_reserves_the_cuda_graph_memory():
                                  cuda_graph_bytes=gib // 2) == base - gib // 2
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_worker_builds_the_static_path_unless_enforce_eager(enforce_eager):
+@pytest.mark.parametrize("enforce_eager, max_num_seqs", [(False, 20), (True, 20), (False, 1)])
+def test_worker_builds_the_static_path_unless_enforce_eager(enforce_eager, max_num_seqs):
     from rayserve_paged.config import EngineConfig
     from rayserve_paged.models.tiny import resolve_model
     from rayserve_paged.worker.worker import Worker
 
-    config = EngineConfig(model="tiny-opt", device="cpu", max_num_seqs=20, max_model_len=96, num_cpu_threads=1,
-                          enforce_eager=enforce_eager)
+    config = EngineConfig(model="tiny-opt", device="cpu", max_num_seqs=max_num_seqs, max_model_len=96,
+                          num_cpu_threads=1, enforce_eager=enforce_eager)
     worker = Worker(config, str(resolve_model("tiny-opt")))
     worker.load_model()
     worker.init_cache(8, 0)
@@ -239,7 +284,7 @@ def test_worker_builds_the_static_path_unless_enforce_eager(enforce_eager):
     if enforce_eager:
         assert static is None
     else:
-        assert static.buckets == (1, 2, 4, 8, 16, 24) and static.max_blocks == 96 // config.block_size
+        assert static.buckets == decode_buckets(max_num_seqs) and static.max_blocks == 96 // config.block_size
     assert worker.cuda_graphs == []  # CPU: nothing captured either way
 
 

@@ -5,6 +5,8 @@ over one generation pipeline.
                      response body or its SSE events; model info and /v1/models
     completions.py   /v1/completions
     chat.py          /v1/chat/completions (chat templates, tool calls)
+    responses.py     /v1/responses over the chat route (input items, typed events), and
+                     its stored responses (response_store.py)
     tokenization.py  /tokenize, /detokenize
     logprobs.py      each token's text and bytes for logprobs
 """

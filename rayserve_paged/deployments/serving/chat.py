@@ -1,12 +1,13 @@
 """/v1/chat/completions over the generation pipeline: the chat template, tool calls
-(forced by tool_choice, or read by the deployment's parser), chat logprobs and the
-streamed chunks."""
+(forced by tool_choice, or read by the deployment's parser), a thinking model's reasoning
+(the deployment's reasoning parser), chat logprobs and the streamed chunks."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 import uuid
+from dataclasses import dataclass
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -32,16 +33,25 @@ from rayserve_paged.deployments.serving.logprobs import chat_logprobs
 from rayserve_paged.deployments.serving.pipeline import ChoiceProgress, GenerationPipeline, Plan, Prompt, reasons_json
 from rayserve_paged.deployments.sse import EventFrame, EventStreamResponse, json_response, json_value
 from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
+from rayserve_paged.engine.reasoning import ReasoningStream, check_reasoning_parser, end_token_id, is_thinking
 from rayserve_paged.engine.tool_calls import (
-    TOOL_CALL_PARSERS,
-    ToolCall,
-    ToolCallStream,
+    CallStart,
+    Piece,
     ToolChoiceError,
+    ToolSet,
+    collect,
     forced_calls,
     forced_schema,
-    named_function,
-    parse_tool_calls,
+    forced_stream,
 )
+from rayserve_paged.engine.tool_parsers import ToolCallStream, check_parser
+
+# chat_template_kwargs may not set what the server passes the template itself
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
 
 
 # --------------------------------------------------------------------------- request and response models
@@ -127,10 +137,23 @@ class ChatCompletionRequest(GenerationRequest):
         "'required' (the output is one or more calls) or {'type': 'function', 'function': {'name': ...}}.",
     )
     parallel_tool_calls: bool = Field(True, description="With tool_choice 'required': allow more than one call.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="More variables for the chat template, e.g. {'enable_thinking': false} (Qwen3); not the "
+        "ones the server sets itself (messages, tools, add_generation_prompt, ...).",
+    )
 
     @field_validator("tools", "tool_choice")
     @classmethod
     def _check_tools(cls, value):
+        return check_unicode_within(value)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, value):
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value or {}))
+        if reserved:
+            raise ValueError(f"{reserved[0]!r} is set by the server, not by chat_template_kwargs")
         return check_unicode_within(value)
 
     @property
@@ -157,15 +180,19 @@ class ChatCompletionRequest(GenerationRequest):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = Field(
+        None, description="A reasoning model's thinking (with the deployment's reasoning_parser)."
+    )
     tool_calls: list[dict[str, Any]] | None = Field(
         None, description="The calls the model made: [{id, type: 'function', function: {name, arguments}}]."
     )
 
     @model_serializer(mode="wrap")
-    def _no_absent_tool_calls(self, handler):
+    def _no_absent_extras(self, handler):
         body = handler(self)
-        if body.get("tool_calls") is None:
-            body.pop("tool_calls", None)
+        for key in ("reasoning_content", "tool_calls"):
+            if body.get(key) is None:
+                body.pop(key, None)
         return body
 
 
@@ -188,6 +215,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's chunks: [{index, id, type, function}]
 
     @model_serializer(mode="wrap")
@@ -214,12 +242,87 @@ class ChatCompletionChunk(ResponseHead):
 # --------------------------------------------------------------------------- the route
 
 
+@dataclass(slots=True)
+class ReasoningText:
+    text: str
+
+
+class ChoiceReader:
+    """One choice's output as the answer carries it: the reasoning (when the model thinks
+    first), then the content and the tool calls (read by the request's tool stream). A
+    stream feeds it each delta; a plain answer feeds it the whole text, so both agree."""
+
+    def __init__(self, is_thinking: bool, tools) -> None:
+        """`tools`: the request's tool stream (ToolCallStream, NamedCallStream or
+        RequiredCallStream: feed / finish), or None."""
+        self.reasoning = ReasoningStream() if is_thinking else None
+        self.tools = tools
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[ReasoningText | Piece]:
+        pieces: list[ReasoningText | Piece] = []
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text)
+            if thought:
+                pieces.append(ReasoningText(thought))
+        return pieces + self._content(self.tools.feed(text) if self.tools is not None else [text] if text else [])
+
+    def finish(self) -> list[ReasoningText | Piece]:
+        pieces: list[ReasoningText | Piece] = []
+        if self.reasoning is not None:
+            thought, _ = self.reasoning.finish()
+            if thought:
+                pieces.append(ReasoningText(thought))
+        return pieces + self._content(self.tools.finish() if self.tools is not None else [])
+
+    def _content(self, pieces: list[Piece]) -> list[Piece]:
+        self.num_calls += sum(isinstance(p, CallStart) for p in pieces)
+        return pieces
+
+
+def split_reasoning(pieces: list[ReasoningText | Piece]) -> tuple[str | None, list[Piece]]:
+    thought = "".join(p.text for p in pieces if isinstance(p, ReasoningText))
+    return thought or None, [p for p in pieces if not isinstance(p, ReasoningText)]
+
+
+def deltas_of(pieces: list[ReasoningText | Piece]) -> list[DeltaMessage]:
+    """A stream's deltas for these pieces, in order: text pieces of one kind together; a
+    call's first delta carries its id, type and name (arguments ""), its arguments follow."""
+    deltas: list[DeltaMessage] = []
+    for piece in pieces:
+        last = deltas[-1] if deltas else None
+        if isinstance(piece, ReasoningText):
+            if last is not None and last.reasoning_content is not None:
+                last.reasoning_content += piece.text
+            else:
+                deltas.append(DeltaMessage(reasoning_content=piece.text))
+        elif isinstance(piece, str):
+            if last is not None and last.content is not None:
+                last.content += piece
+            else:
+                deltas.append(DeltaMessage(content=piece))
+        elif isinstance(piece, CallStart):
+            function = {"name": piece.call.name, "arguments": ""}
+            deltas.append(DeltaMessage(tool_calls=[{"index": piece.index, "id": piece.call.id, "type": "function",
+                                                    "function": function}]))  # fmt: skip
+        elif last is not None and last.tool_calls and "id" not in last.tool_calls[0] \
+                and last.tool_calls[0]["index"] == piece.index:  # fmt: skip
+            last.tool_calls[0]["function"]["arguments"] += piece.text
+        else:
+            deltas.append(DeltaMessage(tool_calls=[{"index": piece.index, "function": {"arguments": piece.text}}]))
+    return deltas
+
+
 class ChatServing:
-    def __init__(self, pipeline: GenerationPipeline, tool_call_parser: str | None = None) -> None:
-        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool_call_parser: expected one of {', '.join(TOOL_CALL_PARSERS)} (got {tool_call_parser!r})")
+    def __init__(
+        self, pipeline: GenerationPipeline, tool_call_parser: str | None = None, reasoning_parser: str | None = None
+    ) -> None:
         self.pipeline = pipeline
-        self.tool_call_parser = tool_call_parser  # reads tool calls out of tool_choice "auto" outputs
+        # reads tool calls out of tool_choice "auto" outputs
+        self.tool_call_parser = None if tool_call_parser is None else check_parser(tool_call_parser)
+        # moves a thinking model's reasoning into reasoning_content
+        self.reasoning_parser = None if reasoning_parser is None else check_reasoning_parser(reasoning_parser)
+        self.think_end_id = None if reasoning_parser is None else end_token_id(pipeline.tokenizer, reasoning_parser)
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, admission: Admission | None = None
@@ -228,34 +331,41 @@ class ChatServing:
         pipeline = self.pipeline
         if request.stream:
             first, outputs = await pipeline.open_stream(request, plan.prompts, plan.params, plan.request_ids)
-            events = self._events(request, plan.prompts[0], first, outputs, plan.response_id, plan.tools)
+            events = self._events(request, plan.prompts[0], first, outputs, plan.response_id, plan.tools, plan.thinking)
             return EventStreamResponse(events, outputs)
         results = await pipeline.generate_body(request, plan.prompts, plan.params, plan.request_ids)
         return json_response(self.response(plan, results))
 
     async def prepare(self, request: ChatCompletionRequest, admission: Admission | None = None) -> Plan:
         """Everything before the engine: the model, the sampling parameters (with forced tool
-        calls), the conversation through the chat template, and its fit in the context."""
+        calls), the conversation through the chat template, its fit in the context, and
+        where a thinking model's constraint starts."""
         pipeline = self.pipeline
         info, params = await pipeline.begin(request)
+        tools = self._tool_mode(request)
         params = _with_forced_tool_calls(request, params)
         pipeline.reserve(admission, request, 1, params)
-        tools = self._tool_mode(request)
         prompt = await pipeline.in_pool(lambda: self.render(request))
         max_tokens_field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         pipeline.check_fits(prompt.token_ids, params.max_tokens, info, "messages", max_tokens_field)
-        return pipeline.plan(request, [prompt], params, f"chatcmpl-{uuid.uuid4().hex}", tools)
+        thinking = is_thinking(self.reasoning_parser, prompt.text, request.chat_template_kwargs)
+        if thinking and params.structured_outputs is not None:  # the constraint starts where the thinking ends
+            constraint = dataclasses.replace(params.structured_outputs, after_token_id=self.think_end_id)
+            params = dataclasses.replace(params, structured_outputs=constraint)
+        return pipeline.plan(request, [prompt], params, f"chatcmpl-{uuid.uuid4().hex}", tools, thinking)
 
     def response(self, plan: Plan, results: list[RequestOutput]) -> ChatCompletionResponse:
         """The non-streamed body of a prepared request, from its finished result."""
         request, (result,) = plan.request, results
         choices = []
         for out in result.outputs:
-            content, calls = self._tool_calls(request, plan.tools, out.text, out.finish_reason)
+            thought, content, calls = self._read(request, plan.tools, plan.thinking, out.text, out.finish_reason)
+            message = AssistantMessage(content=content, reasoning_content=thought,
+                                       tool_calls=[c.as_openai() for c in calls] or None)  # fmt: skip
             choices.append(
                 ChatChoice(
                     index=out.index,
-                    message=AssistantMessage(content=content, tool_calls=[c.as_openai() for c in calls] or None),
+                    message=message,
                     logprobs=self._logprobs(request, out.token_ids, out.logprobs),
                     finish_reason="tool_calls" if calls else out.finish_reason,
                     stop_reason=out.stop_reason,
@@ -276,7 +386,7 @@ class ChatServing:
                 param="messages",
             )
         messages = [m.for_template() for m in request.messages]
-        options = {}
+        options = dict(request.chat_template_kwargs or {})
         if request.tools and request.tool_choice != "none":
             options["tools"] = request.tools
         try:
@@ -288,26 +398,49 @@ class ChatServing:
         # the template renders the BOS itself: no special tokens added on top
         return Prompt(text, self.pipeline.encode(text, "messages", add_special_tokens=False))
 
-    def _tool_mode(self, request: ChatCompletionRequest) -> str | None:
+    def _tool_mode(self, request: ChatCompletionRequest) -> ToolSet | str | None:
         """How this request's tool calls are read: "forced" (required / named: the output
-        is constrained to calls), "auto" (the deployment's parser reads them), or None."""
+        is constrained to calls), the declared tools the deployment's parser checks calls
+        against ("auto"), or None. "auto" (given, or implied by tools) without a parser is a
+        400, as vLLM answers it."""
         if not request.tools or request.tool_choice == "none":
             return None
         if request.tool_choice not in (None, "auto"):
             return "forced"
-        return "auto" if self.tool_call_parser is not None else None
+        if self.tool_call_parser is None:
+            raise bad_request(  # vLLM's words, which clients look for, then ours
+                'tool_choice: "auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                "set (this deployment has no tool_call_parser; use tool_choice 'required', a named function or "
+                "'none')",
+                param="tool_choice",
+            )
+        try:
+            return ToolSet(request.tools)
+        except ToolChoiceError as exc:
+            raise bad_request(str(exc)) from None
 
-    def _tool_calls(
-        self, request: ChatCompletionRequest, mode: str | None, text: str, finish_reason: str | None
-    ) -> tuple[str | None, list[ToolCall]]:
-        """(content, tool calls) of a finished choice. A forced call cut short (length,
-        abort) is not a call: its text stays content."""
-        if mode == "forced" and finish_reason == "stop":
-            calls = forced_calls(text, request.tool_choice)
-            return (None, calls) if calls else (text, [])
-        if mode == "auto":
-            return parse_tool_calls(self.tool_call_parser, text)
-        return text, []
+    def _reader(self, request: ChatCompletionRequest, mode: ToolSet | str | None, thinking: bool) -> ChoiceReader:
+        if mode == "forced":
+            tools = forced_stream(request.tool_choice)
+        else:
+            tools = None if mode is None else ToolCallStream(self.tool_call_parser, mode)
+        return ChoiceReader(thinking, tools)
+
+    def _read(
+        self, request: ChatCompletionRequest, mode: ToolSet | str | None, thinking: bool, text: str,
+        finish_reason: str | None,
+    ) -> tuple[str | None, str | None, list]:  # fmt: skip
+        """(reasoning, content, tool calls) of a finished choice. A forced call cut short
+        (length, abort) is not a call: its text stays content."""
+        reader = self._reader(request, None if mode == "forced" else mode, thinking)
+        thought, pieces = split_reasoning([*reader.feed(text), *reader.finish()])
+        content, calls = collect(pieces)
+        if mode == "forced":
+            calls = forced_calls(content or "", request.tool_choice) if finish_reason == "stop" else []
+            content = None if calls else content
+        elif mode is None and not thinking:
+            content = text  # as generated ("" when empty)
+        return thought, content, calls
 
     def _logprobs(
         self, request: ChatCompletionRequest, token_ids: list[int], logprobs: list[dict[int, float]] | None
@@ -323,20 +456,25 @@ class ChatServing:
         first: tuple[int, RequestOutput],
         outputs: AsyncIterator[tuple[int, RequestOutput]],
         response_id: str,
-        tools: str | None = None,
+        tools: ToolSet | str | None = None,
+        thinking: bool = False,
     ) -> AsyncIterator[str]:
         frame = EventFrame(response_id, "chat.completion.chunk", int(time.time()), self.pipeline.model_name(request))
+        is_read = tools is not None or thinking
 
-        def to_choice(_: int, out: CompletionOutput, state: ChoiceProgress) -> str:
-            if tools is not None:
-                return self._tool_delta(request, tools, out, state).model_dump_json()
+        def to_choice(_: int, out: CompletionOutput, state: ChoiceProgress) -> str | list[str]:
+            if is_read:
+                if state.reader is None:
+                    state.reader = self._reader(request, tools, thinking)
+                return self._read_delta(request, tools == "forced", out, state)
             if request.logprobs and out.token_ids:
                 return self._delta(request, out, state).model_dump_json()
             state.num_tokens += len(out.token_ids)
             return chat_choice_json(out.index, out.text, out.finish_reason, out.stop_reason)
 
-        # the role comes first, in a chunk of its own per choice
-        role = DeltaMessage(role="assistant", content="")
+        # the role comes first, in a chunk of its own per choice; with tool calls or reasoning
+        # the content may stay null (an answer of calls alone), so the role chunk leaves it out
+        role = DeltaMessage(role="assistant") if is_read else DeltaMessage(role="assistant", content="")
         roles = [frame.event([ChatChunkChoice(index=i, delta=role).model_dump_json()]) for i in range(request.n)]
         return self.pipeline.stream_events(request, [prompt], first, outputs, to_choice, frame.event, roles)
 
@@ -351,42 +489,31 @@ class ChatServing:
             stop_reason=out.stop_reason,
         )
 
-    def _tool_delta(
-        self, request: ChatCompletionRequest, mode: str, out: CompletionOutput, state: ChoiceProgress
-    ) -> ChatChunkChoice:
-        """A stream's delta when tool calls may come: a named function's arguments stream as
-        they grow (delta.tool_calls[0].function.arguments); 'required' holds the text back
-        and sends the calls with the choice's end; 'auto' sends content until a call may
-        begin (the parser's ToolCallStream), then the calls (or the held text) at the end."""
-        choice = self._delta(request, out, state)
-        if mode == "forced" and named_function(request.tool_choice) is not None:
-            if out.text:
-                call: dict = {"index": 0, "function": {"arguments": out.text}}
-                if not state.call_id:
-                    state.call_id = ToolCall("", "").id
-                    call.update(id=state.call_id, type="function")
-                    call["function"] = {"name": named_function(request.tool_choice), "arguments": out.text}
-                choice.delta = DeltaMessage(tool_calls=[call])
-            if choice.finish_reason == "stop":
-                choice.finish_reason = "tool_calls"
-            return choice
-        if mode == "auto":
-            if state.tool_stream is None:
-                state.tool_stream = ToolCallStream(self.tool_call_parser)
-            content, calls = state.tool_stream.feed(out.text), []
-            if out.finish_reason is not None:
-                rest, calls = state.tool_stream.finish()
-                content += rest
-        else:
-            state.held.append(out.text)
-            content, calls = "", []
-            if out.finish_reason is not None:
-                content, calls = self._tool_calls(request, mode, "".join(state.held), out.finish_reason)
-        choice.delta = DeltaMessage(content=content or None,
-                                    tool_calls=[c.as_openai(i) for i, c in enumerate(calls)] or None)  # fmt: skip
-        if calls:
-            choice.finish_reason = "tool_calls"
-        return choice
+    def _read_delta(
+        self, request: ChatCompletionRequest, is_forced: bool, out: CompletionOutput, state: ChoiceProgress
+    ) -> list[str]:
+        """A stream's chunks for one choice when its output is read (reasoning, tool calls),
+        as OpenAI streams them: reasoning and content as they come; each call's id, type and
+        name in a chunk of its own, then its arguments (a forced call's as they grow, a
+        parsed call's once it is whole); the finish_reason in a last chunk of its own."""
+        reader = state.reader
+        pieces = reader.feed(out.text)
+        if out.finish_reason is not None:
+            pieces += reader.finish()
+        logprobs = self._logprobs(request, out.token_ids, out.logprobs) if out.token_ids else None
+        state.num_tokens += len(out.token_ids)
+        choices = [ChatChunkChoice(index=out.index, delta=d) for d in deltas_of(pieces)]
+        if logprobs is not None:
+            if not choices:
+                choices.append(ChatChunkChoice(index=out.index, delta=DeltaMessage()))
+            choices[0].logprobs = logprobs
+        if out.finish_reason is not None:
+            finish = out.finish_reason
+            if reader.num_calls and (finish == "stop" or not is_forced):
+                finish = "tool_calls"
+            choices.append(ChatChunkChoice(index=out.index, delta=DeltaMessage(), finish_reason=finish,
+                                           stop_reason=out.stop_reason))  # fmt: skip
+        return [c.model_dump_json() for c in choices]
 
 
 def chat_choice_json(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> str:

@@ -12,7 +12,9 @@ shielded task, so a cancelled HTTP task still gets its aborts through.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
+import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -41,12 +43,20 @@ from rayserve_paged.deployments.sse import SSE_DONE, json_value, sse_event
 from rayserve_paged.deployments.tokenizer_pool import TokenizerPool
 from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
 from rayserve_paged.engine.protocol import EngineClient
-from rayserve_paged.engine.tool_calls import ToolCallStream
 
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 10.0
-MAX_TOKENIZER_QUEUE = 64  # tokenizer jobs queued or running; more are answered 503
+# the bytes of request bodies whose tokenizer jobs are queued or running; more are answered
+# 503 (a 1 MiB text takes the two threads of a small CPU ~0.5 s: 8 MiB is ~4 s of work)
+MAX_TOKENIZER_QUEUE_BYTES = 8 << 20
+# the weight of the current HTTP request's tokenizer jobs: its body's size (the ingress's
+# body middleware sets it; tokenizer work is bounded by the text the body carries)
+REQUEST_BYTES: contextvars.ContextVar[int] = contextvars.ContextVar("request_bytes", default=0)
+# normalizers that never make a text shorter by more than this factor in characters
+# (composition: at most a base and three marks become one character); others may drop
+# text (strip, control-character removal), so no length bound is derived under them
+_BOUNDED_NORMALIZERS = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Prepend": 1, "Lowercase": 1}
 MAX_LOGGED_FIELDS = 8  # unknown field names one log line names
 MAX_LOGGED_FIELD_CHARS = 64  # of each name, once escaped
 
@@ -64,9 +74,7 @@ class ChoiceProgress:
     num_tokens: int = 0
     text_offset: int = 0
     is_started: bool = False
-    held: list[str] = dataclasses.field(default_factory=list)  # tool_choice "required": the calls' text so far
-    tool_stream: ToolCallStream | None = None  # tool_choice "auto": what the parser holds back
-    call_id: str = ""  # a named tool choice's call, streamed as its arguments grow
+    reader: object | None = None  # chat: what reads the choice's reasoning and tool calls as they stream
 
 
 @dataclass(slots=True)
@@ -83,10 +91,12 @@ class Plan:
     request_ids: list[str]  # one engine request per prompt
     lora_name: str | None  # the registered LoRA adapter it runs on (None: the base model)
     tools: str | None = None  # chat: how tool calls are read ("forced", "auto", or None)
+    thinking: bool = False  # chat: the output starts in a thinking model's reasoning
 
 
-# (prompt index, output, its progress) -> one streamed choice's JSON
-ToChoice = Callable[[int, CompletionOutput, ChoiceProgress], str]
+# (prompt index, output, its progress) -> one streamed choice's JSON, or several (each then
+# goes in an event of its own, in order)
+ToChoice = Callable[[int, CompletionOutput, ChoiceProgress], str | list[str]]
 
 
 class GenerationPipeline:
@@ -98,20 +108,21 @@ class GenerationPipeline:
         client: EngineClient,
         tokenizer,
         served_model_name: str,
-        max_tokenizer_queue: int = MAX_TOKENIZER_QUEUE,
+        max_tokenizer_queue_bytes: int = MAX_TOKENIZER_QUEUE_BYTES,
         enable_prompt_tokens_details: bool = False,
         tokenizer_pool: TokenizerPool | None = None,
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
-        self.max_tokenizer_queue = max_tokenizer_queue
+        self.max_tokenizer_queue_bytes = max_tokenizer_queue_bytes
         # usage.prompt_tokens_details.cached_tokens tells whether someone sent a prefix
         # before: reported only when the operator turns it on (docs/DEPLOY.md, section 10)
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.token_texts = TokenTexts(tokenizer)
         self.tokenizer_pool = tokenizer_pool or TokenizerPool()
         self._info: dict | None = None
+        self._max_chars_per_token: int | None | bool = False  # False: not computed yet
         self._background: set[asyncio.Task] = set()  # detached aborts, referenced until done
 
     @property
@@ -119,24 +130,49 @@ class GenerationPipeline:
         return self.tokenizer_pool.num_jobs
 
     async def in_pool(self, fn):
-        """Tokenizer work (encoding, chat templates) off the event loop, in a bounded queue:
-        a job past `max_tokenizer_queue` is a 503 + Retry-After, never a wait."""
-        if self.num_tokenizer_jobs >= self.max_tokenizer_queue:
+        """Tokenizer work (encoding, chat templates) off the event loop, in a queue bounded
+        by bytes: each job weighs its request's body, and one that would take the queued
+        bytes past `max_tokenizer_queue_bytes` is a 503 + Retry-After, never a wait (a job
+        finding the queue empty always runs)."""
+        pool = self.tokenizer_pool
+        num_bytes = REQUEST_BYTES.get()
+        if pool.num_jobs and pool.num_bytes + num_bytes > self.max_tokenizer_queue_bytes:
             raise overloaded(
-                f"the server is overloaded: {self.num_tokenizer_jobs} tokenizer jobs are queued on this replica "
-                f"(the limit is {self.max_tokenizer_queue}); retry later"
+                f"the server is overloaded: {pool.num_jobs} tokenizer jobs of {pool.num_bytes} bytes are queued on "
+                f"this replica and this one has {num_bytes} (the limit is {self.max_tokenizer_queue_bytes} bytes, "
+                "max_tokenizer_queue_bytes); retry later"
             )
-        return await self.tokenizer_pool.run(fn)
+        return await pool.run(fn, num_bytes)
 
     def encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; a text the tokenizer refuses (a ValueError, such as a
         UnicodeError, or a TypeError) is the client's 400 naming `field`: validation lets no
-        such text through, this is the last guard. Anything else is the server's 500."""
+        such text through, this is the last guard. Anything else is the server's 500.
+
+        A text surely longer than the model's context is a 400 before it is tokenized: its
+        tokens are at least its characters over the vocabulary's longest token (in
+        characters, times what the normalizer may merge), so a flood of large bodies costs
+        the tokenizer nothing."""
+        self._check_length(text, field)
         try:
             return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
         except (ValueError, TypeError) as exc:
             logger.warning("tokenization of %s failed: %s", field, type(exc).__name__)
             raise bad_request(f"{field}: the text cannot be tokenized ({type(exc).__name__})", param=field) from None
+
+    def _check_length(self, text: str, field: str) -> None:
+        if self._info is None:
+            return
+        if self._max_chars_per_token is False:
+            self._max_chars_per_token = max_chars_per_token(self.tokenizer)
+        chars_per_token = self._max_chars_per_token
+        max_model_len = self._info["max_model_len"]
+        if chars_per_token is not None and len(text) > max_model_len * chars_per_token:
+            raise bad_request(
+                f"{field}: the text has {len(text)} characters, more than this model's maximum context length of "
+                f"{max_model_len} tokens can hold (at most {chars_per_token} characters per token)",
+                param=field,
+            )
 
     async def begin(self, request: GenerationRequest) -> tuple[dict, SamplingParams]:
         """What every generation request checks first: the model it names, then its
@@ -150,18 +186,33 @@ class GenerationPipeline:
         self, admission: Admission | None, request: GenerationRequest, num_prompts: int,
         params: SamplingParams,
     ) -> None:  # fmt: skip
-        """The request's sequences (prompts x best_of) against the replica's limit; an
-        overload names the field that set their number."""
+        """The request's sequences (prompts x best_of) against the replica's limit (an
+        overload names the field that set their number), and its priority within what its
+        API key allows."""
         if admission is not None:
             field = "prompt" if num_prompts > 1 else _width_field(request)
             admission.reserve_sequences(num_prompts, params.best_of, field)
+            params.priority = admission.priority_of(request.priority)
+            request._admission = admission
+
+    def reserve_work(self, request: GenerationRequest, prompts: list[Prompt], params: SamplingParams) -> None:
+        """The tokenized request's work against the replica's queue (deployments/admission.py):
+        its prompt tokens, plus the most tokens each sequence may generate."""
+        admission = request._admission
+        if admission is None:
+            return
+        max_model_len = self._info["max_model_len"] if self._info is not None else 0
+        num_prompt = _num_prompt_tokens(prompts)
+        num_new = sum(params.max_tokens or max(0, max_model_len - len(p.token_ids)) for p in prompts)
+        admission.reserve_work(num_prompt, num_prompt + num_new * params.best_of, params.priority)
 
     def plan(
         self, request: GenerationRequest, prompts: list[Prompt], params: SamplingParams, response_id: str,
-        tools: str | None = None,
+        tools: str | None = None, thinking: bool = False,
     ) -> Plan:  # fmt: skip
         request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
-        return Plan(request, prompts, params, response_id, request_ids, self.lora_of(request).get("lora_name"), tools)
+        lora_name = self.lora_of(request).get("lora_name")
+        return Plan(request, prompts, params, response_id, request_ids, lora_name, tools, thinking)
 
     @staticmethod
     def check_fits(token_ids: list[int], max_tokens: int | None, info: dict, prompt_field: str, max_field: str) -> None:
@@ -262,6 +313,7 @@ class GenerationPipeline:
     ) -> list[RequestOutput]:  # fmt: skip
         """The finished results of a non-streamed request; an engine error is the client's
         error naming the field it wrote."""
+        self.reserve_work(request, prompts, params)
         try:
             return await self._generate_outputs(prompts, params, request_ids, self.lora_of(request))
         except Exception as exc:
@@ -274,6 +326,7 @@ class GenerationPipeline:
         """The first output and the rest of a streamed request: the first is awaited before
         any byte is sent, so a request the engine rejects is an HTTP error, not an error
         event inside a 200 stream."""
+        self.reserve_work(request, prompts, params)
         outputs = self._stream_outputs(prompts, params, request_ids, self.lora_of(request))
         try:
             return await anext(outputs), outputs
@@ -312,8 +365,12 @@ class GenerationPipeline:
             num_unfinished -= result.finished
             cached[index] = max(cached.get(index, 0), result.num_cached_tokens)
             states = (progress.setdefault(index * request.n + out.index, ChoiceProgress()) for out in result.outputs)
-            choices = [to_choice(index, out, state) for out, state in zip(result.outputs, states)]
-            return chunk(choices, None) if choices else ""
+            rows = [to_choice(index, out, state) for out, state in zip(result.outputs, states)]
+            if all(isinstance(row, str) for row in rows):
+                return chunk(rows, None) if rows else ""
+            rows = [[row] if isinstance(row, str) else row for row in rows]
+            depth = max(len(row) for row in rows)
+            return "".join(chunk([row[k] for row in rows if k < len(row)], None) for k in range(depth))
 
         def end() -> str:
             if not include_usage:
@@ -466,6 +523,36 @@ def _loggable(name: str) -> str:
     if len(escaped) > MAX_LOGGED_FIELD_CHARS:
         return escaped[: MAX_LOGGED_FIELD_CHARS - 3] + "..."
     return escaped
+
+
+def max_chars_per_token(tokenizer) -> int | None:
+    """Most characters of text one token can stand for: the vocabulary's longest token
+    (byte-level tokens spell a byte per character, SentencePiece pieces a character per
+    character), times what the normalizer may merge; None when the normalizer may drop text
+    or the tokenizer cannot say."""
+    try:
+        longest = max(len(token) for token in tokenizer.get_vocab())
+        normalizer = json.loads(tokenizer.backend_tokenizer.to_str()).get("normalizer")
+    except Exception:
+        return None
+    factor = 1
+    for part in _normalizer_parts(normalizer):
+        merge = _BOUNDED_NORMALIZERS.get(part.get("type"))
+        if part.get("type") == "Replace":  # "▁" for " ": never shorter (a regex may match anything)
+            pattern = part.get("pattern", {}).get("String")
+            merge = 1 if pattern is not None and len(part.get("content", "")) >= len(pattern) else None
+        if merge is None:
+            return None
+        factor *= merge
+    return longest * factor
+
+
+def _normalizer_parts(normalizer: dict | None) -> list[dict]:
+    if normalizer is None:
+        return []
+    if normalizer.get("type") == "Sequence":
+        return [part for n in normalizer.get("normalizers", []) for part in _normalizer_parts(n)]
+    return [normalizer]
 
 
 def _width_field(request: GenerationRequest) -> str:

@@ -70,6 +70,13 @@ class TokenizationServing:
         else:
             text, add_special = request.prompt, request.add_special_tokens
             token_ids = await pipeline.in_pool(lambda: pipeline.encode(text, "prompt", add_special))
+        field = "messages" if request.messages is not None else "prompt"
+        if len(token_ids) > info["max_model_len"]:  # capped like a prompt (vLLM's /tokenize too)
+            raise bad_request(
+                f"{field}: {len(token_ids)} tokens, more than this model's maximum context length of "
+                f"{info['max_model_len']} tokens",
+                param=field,
+            )
         return TokenizeResponse(count=len(token_ids), max_model_len=info["max_model_len"], tokens=token_ids)
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
