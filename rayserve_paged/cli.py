@@ -1,4 +1,4 @@
-"""The `rayserve-paged` command: serve, make-tiny-model, generate, demo, bench."""
+"""The `rayserve-paged` command: serve, batch, make-tiny-model, generate, demo, bench."""
 
 from __future__ import annotations
 
@@ -9,9 +9,14 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rayserve_paged.batch import BatchConfig
 
 # name -> module in the top-level `benchmarks` package; each has main(argv) -> int
 BENCHMARKS = {
+    "batch": "benchmarks.batch",
     "fleet-routing": "benchmarks.fleet_routing",
     "memory": "benchmarks.memory",
     "mixed": "benchmarks.mixed_load",
@@ -186,6 +191,65 @@ def _demo(args) -> int:
     return 0
 
 
+def batch_config(args) -> BatchConfig:
+    """The job's BatchConfig: --config's engine options, then the flags. A Serve config
+    (configs/*.yaml) gives its application's args, checked as `serve run` checks them
+    (AppArgs): the engine, served_model_name, tool_call_parser, worker_cpus; any other
+    YAML mapping is BatchConfig's own fields."""
+    import yaml
+
+    from rayserve_paged.app import AppArgs
+    from rayserve_paged.batch import BatchConfig
+    from rayserve_paged.config import EngineConfig
+
+    fields: dict = {}
+    if args.config is not None:
+        with open(args.config) as f:
+            loaded = yaml.safe_load(f) or {}
+        if "applications" in loaded:
+            apps = [a for a in loaded["applications"] if a.get("import_path") == "rayserve_paged.app:build_app"]
+            if not apps:
+                raise SystemExit(f"{args.config}: no application with import_path rayserve_paged.app:build_app")
+            app = AppArgs.model_validate(apps[0].get("args") or {})
+            engine = {name: getattr(app, name) for name in EngineConfig.model_fields}
+            fields = {"engine": engine, "served_model_name": app.served_model_name,
+                      "tool_call_parser": app.tool_call_parser, "worker_cpus": app.worker_cpus}  # fmt: skip
+        else:
+            fields = dict(loaded)
+    engine = dict(fields.get("engine") or BatchConfig().engine.model_dump())
+    for option in args.engine:
+        name, sep, value = option.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine: expected KEY=VALUE (got {option!r})")
+        engine[name] = yaml.safe_load(value)
+    fields["engine"] = engine
+    low, _, high = args.concurrency.partition(",")
+    flags = {"concurrency": (int(low), int(high)) if high else int(low), "batch_size": args.batch_size,
+             "max_concurrent_batches": args.max_concurrent_batches, "max_retries": args.max_retries,
+             "worker_cpus": args.worker_cpus}  # fmt: skip
+    fields.update({name: value for name, value in flags.items() if value is not None})
+    return BatchConfig.model_validate(fields)
+
+
+def _batch(args) -> int:
+    from rayserve_paged.batch.job import run_batch_file
+    from rayserve_paged.deployments.serving.batch_routes import OpenAIBatchRoutes
+
+    config = batch_config(args)
+    summary = run_batch_file(
+        args.input, args.output, config, OpenAIBatchRoutes, address=args.address, progress=not args.no_progress
+    )
+    rate = summary.num_written / summary.elapsed_s if summary.elapsed_s else 0.0
+    tokens = summary.num_output_tokens / summary.elapsed_s if summary.elapsed_s else 0.0
+    print(f"{args.output}: {summary.num_lines} lines; {summary.num_written} answered now ({summary.num_errors} "
+          f"with an error status), {summary.num_skipped} written before; {summary.elapsed_s:.1f} s, "
+          f"{rate:.2f} lines/s, {tokens:.1f} output tokens/s")  # fmt: skip
+    for name, stats in sorted(summary.replicas.items()):
+        print(f"  engine actor {name}: {stats.num_steps} steps, {stats.busy_s:.1f} s stepping, "
+              f"{stats.idle_s:.1f} s idle")  # fmt: skip
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rayserve-paged", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -195,6 +259,25 @@ def _parser() -> argparse.ArgumentParser:
         help="`serve run CONFIG [options]` that drains on SIGTERM or Ctrl-C (streams finish, exit 0)",
         add_help=False,
     )
+
+    batch = sub.add_parser(
+        "batch", help="answer an OpenAI batch file on Ray Data: rayserve-paged batch INPUT.jsonl OUTPUT.jsonl"
+    )
+    batch.add_argument("input", help="OpenAI batch lines for /v1/chat/completions and /v1/completions")
+    batch.add_argument("output", help="one result line per input line; OUTPUT.parts/ holds the job's progress")
+    batch.add_argument("--config", help="a Serve config (configs/*.yaml) or BatchConfig fields; "
+                       "default: the embedded SmolLM2-135M-Instruct on the CPU")  # fmt: skip
+    batch.add_argument("--address", default="local",
+                       help="'local' (default): a Ray instance of the job's own; 'auto': this node's cluster")  # fmt: skip
+    batch.add_argument("--concurrency", default="1", help="engine actors: N, or MIN,MAX to autoscale")
+    batch.add_argument("--batch-size", type=int, default=None, help="rows per batch (default 16)")
+    batch.add_argument("--max-concurrent-batches", type=int, default=None, help="batches per engine actor at once (4)")
+    batch.add_argument("--max-retries", type=int, default=None, help="retries of a batch whose actor died (2)")
+    batch.add_argument("--worker-cpus", type=float, default=None, help="CPUs reserved per engine actor")
+    batch.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                       help="an engine option over the config's (e.g. num_cpu_threads=1); repeatable")  # fmt: skip
+    batch.add_argument("--no-progress", action="store_true", help="no progress bars")
+    batch.set_defaults(run=_batch)
 
     tiny = sub.add_parser("make-tiny-model", help="write a deterministic tiny checkpoint in HF format")
     tiny.add_argument("--arch", choices=["opt", "llama"], required=True)

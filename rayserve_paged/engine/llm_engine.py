@@ -62,6 +62,29 @@ class _BeamState:
     texts: dict[int, tuple[DecodeState, str]] = field(default_factory=dict)
 
 
+def resolve_max_model_len(config: EngineConfig, model_max: int) -> int:
+    """The longest sequence: the config's, at most the model's own."""
+    wanted = config.max_model_len
+    if wanted is None:
+        return model_max
+    if wanted > model_max:
+        raise ValueError(f"max_model_len {wanted} is longer than the model's max_position_embeddings {model_max}")
+    return wanted
+
+
+def model_limits(config: EngineConfig) -> dict:
+    """What request checks need of an engine, read from the model's config alone (no
+    weights, no KV cache): {"model", "max_model_len", "vocab_size", "max_logprobs"}, as
+    an engine's `model_info` gives them."""
+    model_config = get_model_config(str(resolve_model(config.model)))
+    return {
+        "model": config.model,
+        "max_model_len": resolve_max_model_len(config, model_config.max_model_len),
+        "vocab_size": model_config.vocab_size,
+        "max_logprobs": config.max_logprobs,
+    }
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -153,15 +176,7 @@ class LLMEngine:
         return self.config.enable_prefix_caching
 
     def _resolve_max_model_len(self) -> int:
-        model_max = self.model_config.max_model_len
-        wanted = self.config.max_model_len
-        if wanted is None:
-            return model_max
-        if wanted > model_max:
-            raise ValueError(
-                f"max_model_len {wanted} is longer than the model's max_position_embeddings {model_max}"
-            )
-        return wanted
+        return resolve_max_model_len(self.config, self.model_config.max_model_len)
 
     @property
     def tokenizer(self):

@@ -48,6 +48,8 @@ def _one_torch_thread() -> None:
 class StepTiming:
     steps: int = 0
     step_s: float = 0.0  # wall time of engine.step() in total
+    idle_s: float = 0.0  # wall time the loop waited with nothing to step, after its first step
+    span_s: float = 0.0  # wall time from the first step's start to the last step's end
 
 
 class SchedulerActor:
@@ -305,6 +307,7 @@ class SchedulerActor:
             return
         built.set_result(None)
         was_busy = False
+        first_step = 0.0
         try:
             while self._alive:
                 self._apply_ops()
@@ -314,14 +317,21 @@ class SchedulerActor:
                     if was_busy:  # the steps' freed memory goes back to the system while idle
                         release_freed_memory()
                         was_busy = False
+                    waited = time.perf_counter()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
+                    if self.timing.steps:
+                        self.timing.idle_s += time.perf_counter() - waited
                     continue
                 was_busy = True
                 start = time.perf_counter()
                 outputs = self.engine.step()
+                end = time.perf_counter()
+                if not self.timing.steps:
+                    first_step = start
                 self.timing.steps += 1
-                self.timing.step_s += time.perf_counter() - start
+                self.timing.step_s += end - start
+                self.timing.span_s = end - first_step
                 self.telemetry.record_outputs(outputs)
                 if outputs:
                     self._publish(outputs)

@@ -9,13 +9,18 @@ What is checked against what:
 - deploy/cluster-launcher-gpu.yaml: validated by the launcher's own JSON schema (ray-schema.json,
   shipped in the ray package) plus the launcher's semantic rules; the GPU node types fit
   configs/opt13b.yaml and configs/opt13b-tp2.yaml.
-- deploy/Dockerfile: a CUDA base, `pip install .[gpu]`, the same Ray version as the manifests.
+- deploy/rayjob-batch-qwen2.5-7b-instruct.yaml: the RayJob fields, its entrypoint parsed by the
+  `rayserve-paged batch` command's own parser, its ConfigMap's engine equal to
+  configs/qwen2.5-7b-instruct.yaml's, the data and config volumes where the command reads them,
+  and GPU workers that hold the engine actor pool's largest size.
+- deploy/Dockerfile: a CUDA base, `pip install .[gpu,batch]`, the same Ray version as the manifests.
 - deploy/networkpolicy.yaml: selects every Ray pod of every RayService; from outside the Ray
   pods only the Serve port is open (the KubeRay operator: the dashboard and its agent only).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -409,7 +414,7 @@ def test_dockerfile_installs_the_package_on_cuda_with_the_same_ray():
     base = re.search(r"^ARG CUDA_IMAGE=(\S+)", text, re.M)
     assert base and base.group(1).startswith("nvidia/cuda:"), "a CUDA base image"
     assert re.search(r"^FROM \$\{CUDA_IMAGE\}", text, re.M)
-    assert 'pip install ".[gpu]"' in text
+    assert 'pip install ".[gpu,batch]"' in text  # serving and batch jobs
     ray_version = re.search(r"^ARG RAY_VERSION=(\S+)", text, re.M)
     assert ray_version and ray_version.group(1) == _ray_version()
     for path in ("pyproject.toml", "rayserve_paged"):
@@ -534,3 +539,101 @@ def test_network_policy_admits_only_the_serve_port_from_outside_the_ray_pods():
     assert open_to_all == serve_ports == {8000}
     # the dashboard, GCS and Ray client ports are open to no one outside the Ray pods
     assert not open_to_all & {6379, 8265, 10001, 52365}
+
+
+# ---------------------------------------------------------------- RayJob (batch inference)
+
+RAYJOB = DEPLOY / "rayjob-batch-qwen2.5-7b-instruct.yaml"
+
+
+def _rayjob_documents() -> dict[str, dict]:
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(RAYJOB.read_text())}
+
+
+def _rayjob_command():
+    import shlex
+
+    from rayserve_paged.cli import _parser
+
+    words = shlex.split(_rayjob_documents()["RayJob"]["spec"]["entrypoint"])
+    assert words[0] == "rayserve-paged"
+    return _parser().parse_args(words[1:])
+
+
+def _rayjob_config(command):
+    """The ConfigMap's BatchConfig, read as the command reads its --config file."""
+    from rayserve_paged.cli import batch_config
+
+    config_file = command.config.rsplit("/", 1)[1]
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"rayjob-{os.getpid()}.yaml"
+    path.write_text(_rayjob_documents()["ConfigMap"]["data"][config_file])
+    try:
+        return batch_config(argparse.Namespace(**{**vars(command), "config": str(path)}))
+    finally:
+        path.unlink()
+
+
+def test_rayjob_documents_and_spec_fields():
+    documents = _rayjob_documents()
+    assert set(documents) == {"ConfigMap", "RayJob"}
+    job = documents["RayJob"]
+    assert job["apiVersion"] == "ray.io/v1" and documents["ConfigMap"]["apiVersion"] == "v1"
+    name = job["metadata"]["name"]
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 40, name
+    spec = job["spec"]
+    known = {"entrypoint", "rayClusterSpec", "submissionMode", "shutdownAfterJobFinishes", "ttlSecondsAfterFinished",
+             "activeDeadlineSeconds", "backoffLimit", "runtimeEnvYAML", "jobId", "metadata", "suspend",
+             "entrypointNumCpus", "entrypointNumGpus", "entrypointResources", "submitterPodTemplate",
+             "clusterSelector", "deletionStrategy", "managedBy"}  # fmt: skip
+    assert set(spec) <= known, set(spec) - known
+    assert spec["submissionMode"] in ("K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode")
+    assert spec["shutdownAfterJobFinishes"] is True
+    for field in ("ttlSecondsAfterFinished", "activeDeadlineSeconds", "backoffLimit"):
+        assert type(spec[field]) is int and spec[field] >= 0, field
+    cluster = spec["rayClusterSpec"]
+    assert cluster["rayVersion"] == _ray_version() and cluster["enableInTreeAutoscaling"] is True
+
+
+def test_rayjob_runs_the_batch_command_on_the_configmaps_engine():
+    from rayserve_paged.config import EngineConfig
+
+    command = _rayjob_command()
+    assert command.command == "batch" and command.address == "auto"
+    head = _cluster_of_rayjob()["headGroupSpec"]
+    mounts = {m["mountPath"]: m["name"] for m in _container(head)["volumeMounts"]}
+    volumes = {v["name"]: v for v in head["template"]["spec"]["volumes"]}
+    config_dir, config_file = command.config.rsplit("/", 1)
+    config_map = _rayjob_documents()["ConfigMap"]
+    assert volumes[mounts[config_dir]]["configMap"]["name"] == config_map["metadata"]["name"]
+    data_dir = command.input.rsplit("/", 1)[0]
+    assert command.output.rsplit("/", 1)[0] == data_dir and "persistentVolumeClaim" in volumes[mounts[data_dir]]
+    assert config_file in config_map["data"]
+    config = _rayjob_config(command)  # its engine is the served one
+    served = _args(_config("qwen2.5-7b-instruct.yaml"))
+    assert config.engine == EngineConfig(**{k: v for k, v in served.items() if k in EngineConfig.model_fields})
+    assert config.batch_size * config.max_concurrent_batches >= config.engine.max_num_seqs, "engines kept full"
+
+
+def _cluster_of_rayjob() -> dict:
+    return _rayjob_documents()["RayJob"]["spec"]["rayClusterSpec"]
+
+
+def test_rayjob_gpu_workers_hold_the_engine_actor_pool():
+    from rayserve_paged.batch.processor import engine_placement
+
+    command = _rayjob_command()
+    cluster = _cluster_of_rayjob()
+    head = cluster["headGroupSpec"]
+    _check_ray_start_params(head["rayStartParams"])
+    assert _ray_resources(head)["GPU"] == 0, "the driver's head runs no engine"
+    config = _rayjob_config(command)
+    actor = engine_placement(config.engine, config.worker_cpus, config.cpu_stage_cpus)
+    need = {"CPU": actor["num_cpus"], "GPU": actor["num_gpus"]}
+    assert need["GPU"] == 1
+    capacity = 0
+    for group in cluster["workerGroupSpecs"]:
+        _check_ray_start_params(group["rayStartParams"])
+        assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        capacity += group["maxReplicas"] * _per_node(_ray_resources(group), need)
+        assert _container(group)["image"] == _container(head)["image"]
+    assert capacity >= config.pool_size[1], f"workers hold {capacity} engine actors, the pool may ask {config.pool_size}"

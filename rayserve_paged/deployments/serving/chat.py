@@ -30,7 +30,7 @@ from rayserve_paged.deployments.protocol import (
     documented,
 )
 from rayserve_paged.deployments.serving.logprobs import chat_logprobs
-from rayserve_paged.deployments.serving.pipeline import ChoiceProgress, GenerationPipeline, Prompt, reasons_json
+from rayserve_paged.deployments.serving.pipeline import ChoiceProgress, GenerationPipeline, Plan, Prompt, reasons_json
 from rayserve_paged.deployments.sse import EventFrame, EventStreamResponse, json_response, json_value
 from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
 from rayserve_paged.engine.reasoning import ReasoningStream, check_reasoning_parser, end_token_id, is_thinking
@@ -327,6 +327,19 @@ class ChatServing:
     async def create_chat_completion(
         self, request: ChatCompletionRequest, admission: Admission | None = None
     ) -> Response:
+        plan = await self.prepare(request, admission)
+        pipeline = self.pipeline
+        if request.stream:
+            first, outputs = await pipeline.open_stream(request, plan.prompts, plan.params, plan.request_ids)
+            events = self._events(request, plan.prompts[0], first, outputs, plan.response_id, plan.tools, plan.thinking)
+            return EventStreamResponse(events, outputs)
+        results = await pipeline.generate_body(request, plan.prompts, plan.params, plan.request_ids)
+        return json_response(self.response(plan, results))
+
+    async def prepare(self, request: ChatCompletionRequest, admission: Admission | None = None) -> Plan:
+        """Everything before the engine: the model, the sampling parameters (with forced tool
+        calls), the conversation through the chat template, its fit in the context, and
+        where a thinking model's constraint starts."""
         pipeline = self.pipeline
         info, params = await pipeline.begin(request)
         tools = self._tool_mode(request)
@@ -339,16 +352,14 @@ class ChatServing:
         if thinking and params.structured_outputs is not None:  # the constraint starts where the thinking ends
             constraint = dataclasses.replace(params.structured_outputs, after_token_id=self.think_end_id)
             params = dataclasses.replace(params, structured_outputs=constraint)
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        request_ids = [f"{response_id}-0"]
-        if request.stream:
-            first, outputs = await pipeline.open_stream(request, [prompt], params, request_ids)
-            events = self._events(request, prompt, first, outputs, response_id, tools, thinking)
-            return EventStreamResponse(events, outputs)
-        (result,) = await pipeline.generate_body(request, [prompt], params, request_ids)
+        return pipeline.plan(request, [prompt], params, f"chatcmpl-{uuid.uuid4().hex}", tools, thinking)
+
+    def response(self, plan: Plan, results: list[RequestOutput]) -> ChatCompletionResponse:
+        """The non-streamed body of a prepared request, from its finished result."""
+        request, (result,) = plan.request, results
         choices = []
         for out in result.outputs:
-            thought, content, calls = self._read(request, tools, thinking, out.text, out.finish_reason)
+            thought, content, calls = self._read(request, plan.tools, plan.thinking, out.text, out.finish_reason)
             message = AssistantMessage(content=content, reasoning_content=thought,
                                        tool_calls=[c.as_openai() for c in calls] or None)  # fmt: skip
             choices.append(
@@ -360,10 +371,11 @@ class ChatServing:
                     stop_reason=out.stop_reason,
                 )
             )
-        body = ChatCompletionResponse(
-            id=response_id, model=pipeline.model_name(request), choices=choices, usage=pipeline.usage([prompt], [result])
-        )
-        return json_response(body)
+        pipeline = self.pipeline
+        return ChatCompletionResponse(
+            id=plan.response_id, model=pipeline.model_name(request), choices=choices,
+            usage=pipeline.usage(plan.prompts, results),
+        )  # fmt: skip
 
     def render(self, request: ChatCompletionRequest, add_generation_prompt: bool = True) -> Prompt:
         """The conversation through the model's chat template, and its token ids."""

@@ -25,7 +25,7 @@ from rayserve_paged.deployments.protocol import (
     documented,
 )
 from rayserve_paged.deployments.serving.logprobs import completion_logprobs
-from rayserve_paged.deployments.serving.pipeline import ChoiceProgress, GenerationPipeline, Prompt, reasons_json
+from rayserve_paged.deployments.serving.pipeline import ChoiceProgress, GenerationPipeline, Plan, Prompt, reasons_json
 from rayserve_paged.deployments.sse import EventFrame, EventStreamResponse, json_response, json_value
 from rayserve_paged.engine.outputs import CompletionOutput, RequestOutput
 
@@ -90,6 +90,18 @@ class CompletionServing:
         self.pipeline = pipeline
 
     async def create_completion(self, request: CompletionRequest, admission: Admission | None = None) -> Response:
+        plan = await self.prepare(request, admission)
+        pipeline = self.pipeline
+        if request.stream:
+            first, outputs = await pipeline.open_stream(request, plan.prompts, plan.params, plan.request_ids)
+            events = self._events(request, plan.prompts, first, outputs, plan.response_id)
+            return EventStreamResponse(events, outputs)
+        results = await pipeline.generate_body(request, plan.prompts, plan.params, plan.request_ids)
+        return json_response(self.response(plan, results))
+
+    async def prepare(self, request: CompletionRequest, admission: Admission | None = None) -> Plan:
+        """Everything before the engine: the model, the sampling parameters, each prompt's
+        token ids and its fit in the context."""
         pipeline = self.pipeline
         info, params = await pipeline.begin(request)
         if request.echo and request.logprobs is not None:
@@ -99,22 +111,21 @@ class CompletionServing:
         prompts = await pipeline.in_pool(lambda: [self._prompt(p) for p in texts])
         for prompt in prompts:
             pipeline.check_fits(prompt.token_ids, params.max_tokens, info, "prompt", "max_tokens")
-        response_id = f"cmpl-{uuid.uuid4().hex}"
-        request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
-        if request.stream:
-            first, outputs = await pipeline.open_stream(request, prompts, params, request_ids)
-            events = self._events(request, prompts, first, outputs, response_id)
-            return EventStreamResponse(events, outputs)
-        results = await pipeline.generate_body(request, prompts, params, request_ids)
+        return pipeline.plan(request, prompts, params, f"cmpl-{uuid.uuid4().hex}")
+
+    def response(self, plan: Plan, results: list[RequestOutput]) -> CompletionResponse:
+        """The non-streamed body of a prepared request, from its prompts' finished results."""
+        request = plan.request
         choices = [
             self._choice(request, prompt, out, index * request.n + out.index)
-            for index, (prompt, result) in enumerate(zip(prompts, results))
+            for index, (prompt, result) in enumerate(zip(plan.prompts, results))
             for out in result.outputs
         ]
-        body = CompletionResponse(
-            id=response_id, model=pipeline.model_name(request), choices=choices, usage=pipeline.usage(prompts, results)
-        )
-        return json_response(body)
+        pipeline = self.pipeline
+        return CompletionResponse(
+            id=plan.response_id, model=pipeline.model_name(request), choices=choices,
+            usage=pipeline.usage(plan.prompts, results),
+        )  # fmt: skip
 
     def _prompt(self, prompt: str | list[int]) -> Prompt:
         if isinstance(prompt, str):

@@ -77,6 +77,23 @@ class ChoiceProgress:
     reader: object | None = None  # chat: what reads the choice's reasoning and tool calls as they stream
 
 
+@dataclass(slots=True)
+class Plan:
+    """A generation request made ready for the engine by a route's `prepare` (validated,
+    tokenized, fitted), with what its body needs afterwards. Plain data: a batch job
+    (deployments/serving/batch_routes.py) carries it from a CPU task past the engine to the
+    task that writes the body."""
+
+    request: GenerationRequest
+    prompts: list[Prompt]
+    params: SamplingParams
+    response_id: str
+    request_ids: list[str]  # one engine request per prompt
+    lora_name: str | None  # the registered LoRA adapter it runs on (None: the base model)
+    tools: str | None = None  # chat: how tool calls are read ("forced", "auto", or None)
+    thinking: bool = False  # chat: the output starts in a thinking model's reasoning
+
+
 # (prompt index, output, its progress) -> one streamed choice's JSON, or several (each then
 # goes in an event of its own, in order)
 ToChoice = Callable[[int, CompletionOutput, ChoiceProgress], str | list[str]]
@@ -188,6 +205,14 @@ class GenerationPipeline:
         num_prompt = _num_prompt_tokens(prompts)
         num_new = sum(params.max_tokens or max(0, max_model_len - len(p.token_ids)) for p in prompts)
         admission.reserve_work(num_prompt, num_prompt + num_new * params.best_of, params.priority)
+
+    def plan(
+        self, request: GenerationRequest, prompts: list[Prompt], params: SamplingParams, response_id: str,
+        tools: str | None = None, thinking: bool = False,
+    ) -> Plan:  # fmt: skip
+        request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
+        lora_name = self.lora_of(request).get("lora_name")
+        return Plan(request, prompts, params, response_id, request_ids, lora_name, tools, thinking)
 
     @staticmethod
     def check_fits(token_ids: list[int], max_tokens: int | None, info: dict, prompt_field: str, max_field: str) -> None:
