@@ -303,22 +303,37 @@ def test_a_hot_adapter_spreads_to_a_second_replica_past_the_threshold(routed, se
         ((decision),) = (_decisions(serve_port) - before).keys()
         return decision
 
-    async def run():
+    async def run() -> list[tuple[str, str]]:
         ready: asyncio.Queue = asyncio.Queue()
         streams = []
-        for _ in range(3):  # one at a time: each is routed (to a0's replica) before the next
+        decisions = []
+        for _ in range(3):  # one at a time: each is routed before the next
+            before = await asyncio.to_thread(_decisions, serve_port)
             streams.append(asyncio.ensure_future(hold(ready)))
             await asyncio.wait_for(ready.get(), 120)
-        decision = await asyncio.to_thread(routed_a0)
+            after = await asyncio.to_thread(_decisions, serve_port)
+            ((decision),) = (after - before).keys()
+            decisions.append(decision)
+        decisions.append(await asyncio.to_thread(routed_a0))
         for task in streams:
             task.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
-        return decision
+        return decisions
 
     loads_before = {s.labels["replica"]: s.value for s in _family(_scrape(serve_port), "lora_slot_loads")}
-    assert asyncio.run(run()) == (IMBALANCE, other)
+    decisions = asyncio.run(run())
+    # a0 stays on its replica until that one is loaded past the threshold (the queue lengths
+    # Serve's cache gives the router may be stale by a request or two, so which request moves
+    # is not fixed: the threshold's arithmetic is tests/deployments' to pin down);
+    # then exactly one request moves it to the other replica, and a0 is held there too
+    moved = [i for i, decision in enumerate(decisions) if decision[1] != holder]
+    assert moved, decisions
+    first = moved[0]
+    assert decisions[:first] == [(ADAPTER, holder)] * first, decisions
+    assert decisions[first] == (IMBALANCE, other), decisions
+    assert all(reason in (ADAPTER, PREFIX, IMBALANCE) for reason, _ in decisions[first + 1:]), decisions
     families = _scrape(serve_port)
     loads = {s.labels["replica"]: s.value for s in _family(families, "lora_slot_loads")}
     assert loads[other] == loads_before[other] + 1 and loads[holder] == loads_before[holder]  # it loaded a0
     requests = {(s.labels["lora_name"], s.labels["replica"]): s.value for s in _family(families, "lora_requests")}
-    assert requests[("a0", other)] == 1
+    assert requests[("a0", other)] == sum(1 for _, replica in decisions if replica == other)
