@@ -41,7 +41,7 @@ from rayserve_paged.deployments.errors import bad_request, forbidden, overloaded
 
 DEFAULT_MAX_PENDING_REQUESTS = 2048  # per replica: what one replica's event loop holds cheaply
 DEFAULT_MAX_PENDING_SEQUENCES = 4096  # per replica
-DEFAULT_MAX_QUEUE_WAIT_S = 300.0  # docs/benchmarks/load.md: a 1,000-request burst to `make run` drains within it
+DEFAULT_MAX_QUEUE_WAIT_S = 300.0  # docs/benchmarks/22-load.md: a 1,000-request burst to `make run` drains within it
 DEFAULT_MAX_QUEUED_PROMPT_TOKENS = 1 << 20  # per replica: ~1M token ids queued (a few MiB of lists)
 RATE_WINDOW_S = 1.0  # busy seconds per rate sample
 RATE_SMOOTHING = 0.5  # weight of the newest sample
