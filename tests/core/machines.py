@@ -4,6 +4,7 @@ forks, an abort rule, and the invariants checked after every rule."""
 
 from __future__ import annotations
 
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -30,3 +31,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     def consistent(self):
         if hasattr(self, "s"):
             check_scheduler(self.s)
+
+
+def machine_test_case(machine: type[RuleBasedStateMachine], max_examples: int, steps: int):
+    """The machine's TestCase, run `max_examples` times for up to `steps` rules each."""
+    machine.TestCase.settings = settings(
+        max_examples=max_examples,
+        stateful_step_count=steps,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+    return machine.TestCase

@@ -13,6 +13,7 @@ from rayserve_paged.core import SequenceStatus
 from rayserve_paged.core.sequence import SamplingParams, Sequence, SequenceGroup
 
 from .invariants import check_scheduler
+from .machines import machine_test_case
 from .test_properties import StepMachine
 from .views import groups
 from .worlds import finish, make_group, make_world, run_step
@@ -169,10 +170,4 @@ class PriorityStepMachine(StepMachine):
         self.s.add_group(SequenceGroup(f"p{index}", [seq], params, float(index), index))
 
 
-PriorityStepMachine.TestCase.settings = settings(
-    max_examples=40,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
-TestPriorityScheduler = PriorityStepMachine.TestCase
+TestPriorityScheduler = machine_test_case(PriorityStepMachine, max_examples=40, steps=50)

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import itertools
 
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
 from rayserve_paged.core import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 
 from .invariants import check_scheduler
-from .machines import SchedulerMachine
+from .machines import SchedulerMachine, machine_test_case
 from .views import groups
 from .worlds import make_world
 
@@ -139,10 +138,4 @@ class StepMachine(SchedulerMachine):
         assert usage.gpu_free + usage.gpu_cached == usage.gpu_total
 
 
-StepMachine.TestCase.settings = settings(
-    max_examples=150,
-    stateful_step_count=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
-TestScheduler = StepMachine.TestCase
+TestScheduler = machine_test_case(StepMachine, max_examples=150, steps=60)

@@ -62,16 +62,23 @@ def ray_cluster(tmp_path_factory):
 
 def _shut_down_handles() -> None:
     """The routers of this process's DeploymentHandles push metrics to Serve's controller on
-    a timer; stopped before Serve and Ray go, none of them logs a traceback at exit."""
+    a timer; stopped before Serve and Ray go, none of them logs a traceback at exit (Serve
+    keeps no public way to reach a router whose handle is gone: its metrics manager it is)."""
     import gc
 
     from ray.serve.handle import DeploymentHandle
+
+    from ray.serve._private.router import RouterMetricsManager
 
     for handle in [obj for obj in gc.get_objects() if issubclass(type(obj), DeploymentHandle)]:
         try:
             handle.shutdown()
         except Exception:  # a handle of a deleted application: nothing left to stop
             pass
+    # a router outlives a handle collected before now (Serve shares routers between handles);
+    # its metrics timer runs on until stopped
+    for manager in [obj for obj in gc.get_objects() if type(obj) is RouterMetricsManager]:
+        manager.metrics_pusher.stop_tasks()
 
 
 def _stop_group(head: subprocess.Popen) -> None:
