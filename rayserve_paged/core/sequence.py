@@ -241,6 +241,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    # k: every prompt token after the first gets its logprob and the k most likely
+    # alternatives, from the prefill's logits (vLLM's `prompt_logprobs`); such a request
+    # skips the prefix-cache lookup, so its whole prompt is prefilled (its blocks are still
+    # cached for others)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
@@ -295,6 +300,8 @@ class SamplingParams:
             raise bad("seed", "must be an integer")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", "must be an integer >= 0")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", "must be an integer >= 0")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):

@@ -132,6 +132,9 @@ class LLMEngine:
         self._num_sent: dict[int, int] = {}  # seq id -> output tokens already emitted
         self._metrics: dict[str, RequestMetrics] = {}
         self._num_cached: dict[str, int] = {}  # request id -> prefix-cache hit, until its first output
+        # request id -> per prompt position: that token's logprob and top-k (None for the
+        # first), for requests with prompt_logprobs, until their first output
+        self._prompt_logprobs: dict[str, list[dict[int, float] | None]] = {}
         # structured outputs: grammars compiled off the step loop, a matcher per sequence
         self.grammars = GrammarCompiler(
             None, self.model_config.vocab_size, tuple(self.eos_token_ids), load_tokenizer=lambda: self.tokenizer
@@ -404,6 +407,8 @@ class LLMEngine:
         self._metrics[request_id] = RequestMetrics(arrival_time=arrival)
         if sampling_params.use_beam_search:
             self._beams[request_id] = _BeamState()
+        if sampling_params.prompt_logprobs is not None:  # filled by the prefill, sent with the first output
+            self._prompt_logprobs[request_id] = [None] * len(prompt_token_ids)
 
     def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
@@ -425,6 +430,10 @@ class LLMEngine:
             raise SamplingParamsError(f"logit_bias: token id {bad_bias} is outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise SamplingParamsError(f"logprobs: at most {self.config.max_logprobs} (got {params.logprobs})")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
+            raise SamplingParamsError(
+                f"prompt_logprobs: at most {self.config.max_logprobs} (got {params.prompt_logprobs})"
+            )
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
             after = params.structured_outputs.after_token_id
@@ -562,6 +571,8 @@ class LLMEngine:
                 self._num_cached[request_id] = msg.start_positions[first_row]
             if len(group.seqs) == 1 and group.seqs[0].num_output_tokens == 0:  # prompt tokens
                 self.num_prompt_tokens += sum(counts[first_row : first_row + num_rows])
+            if sampled.prompt_logprobs and request_id in self._prompt_logprobs:
+                self._record_prompt_logprobs(request_id, msg.seq_ids[first_row : first_row + num_rows], sampled)
             if not do_sample:  # a prefill chunk: nothing sampled, nothing to report
                 continue
             group_samples = samples[next_sample : next_sample + num_rows]
@@ -583,6 +594,15 @@ class LLMEngine:
             if rid in self._metrics:
                 self._metrics[rid].num_preemptions += 1
         return results
+
+    def _record_prompt_logprobs(self, request_id: str, seq_ids: list[int], sampled: SamplerOutput) -> None:
+        """Place the step's prompt logprobs by position (a recomputed chunk writes the same)."""
+        scores = self._prompt_logprobs[request_id]
+        for seq_id in seq_ids:
+            entry = sampled.prompt_logprobs.get(seq_id)
+            if entry is not None:
+                first, tops = entry
+                scores[first : first + len(tops)] = tops
 
     def _fill_bitmasks(self, out: SchedulerOutput) -> None:
         """The token bitmasks of the step's constrained sampled rows, into its message; the
@@ -827,6 +847,7 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=num_cached,
             metrics=metrics if finished else None,
+            prompt_logprobs=self._prompt_logprobs.pop(group.request_id, None),
         )
 
     def _ignored_output(self, request_id: str) -> StepOutput:
@@ -834,6 +855,7 @@ class LLMEngine:
         self._forget_constraint(request_id)
         self._beams.pop(request_id, None)
         self._num_cached.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
         return StepOutput(
             request_id,
             [],
@@ -857,6 +879,7 @@ class LLMEngine:
         self._forget_constraint(group.request_id)
         self._beams.pop(group.request_id, None)
         self._num_cached.pop(group.request_id, None)
+        self._prompt_logprobs.pop(group.request_id, None)
         self._metrics.pop(group.request_id, None)
         for seq in group.seqs:
             self._num_sent.pop(seq.seq_id, None)

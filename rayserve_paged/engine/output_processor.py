@@ -58,6 +58,7 @@ class _Request:
     holdback: int
     choices: dict[int, _Choice] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # from the engine's first output
     metrics: RequestMetrics | None = None
     output_id: str = ""  # the request id its outputs carry (the caller's, when it differs)
 
@@ -121,6 +122,8 @@ class OutputProcessor:
             return _errored(request, out), None
         if out.num_cached_tokens:
             request.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            request.prompt_logprobs = out.prompt_logprobs
         stops = [stop for delta in out.outputs if (stop := self._apply(request, delta)) is not None]
         is_finished = out.finished or (
             len(request.choices) == request.num_choices and all(c.finish_reason for c in request.choices.values())
@@ -270,6 +273,7 @@ def _output(request: _Request, outputs: list[CompletionOutput], is_finished: boo
         finished=is_finished,
         metrics=request.metrics,
         num_cached_tokens=request.num_cached_tokens,
+        prompt_logprobs=request.prompt_logprobs,
     )
 
 

@@ -24,7 +24,7 @@ from rayserve_paged.worker.sampling_inputs import RowTemplate, row_template, sam
 
 
 class RequestState:
-    __slots__ = ("request_id", "params", "template", "num_prompt_tokens", "seq_ids", "lora_key")
+    __slots__ = ("request_id", "params", "template", "num_prompt_tokens", "seq_ids", "lora_key", "prompt_token_ids")
 
     def __init__(
         self, request_id: str, params: SamplingParams, template: RowTemplate, num_prompt_tokens: int, lora_key=None
@@ -35,6 +35,7 @@ class RequestState:
         self.template = template  # its rows' sampler columns, derived once
         self.num_prompt_tokens = num_prompt_tokens
         self.seq_ids: set[int] = set()
+        self.prompt_token_ids: list[int] | None = None  # kept only for prompt logprobs
 
 
 class SeqState:
@@ -95,6 +96,8 @@ class InputBatch:
             template = row_template(new.sampling_params, self.eos_token_ids)
             request = RequestState(new.request_id, new.sampling_params, template, new.num_prompt_tokens, new.lora_key)
             self.requests[new.request_id] = request
+            if new.sampling_params.prompt_logprobs is not None:
+                request.prompt_token_ids = new.prompt_token_ids
             history = None
             if new.sampling_params.needs_history:
                 history = list(new.prompt_token_ids or ())
