@@ -423,13 +423,13 @@ class BlockManager:
 
         A recomputed group's sequences share their prompt's full blocks again (the first
         computes what is not cached); each also takes its own cached blocks past the prompt.
-        A group that asks for prompt logprobs looks nothing up: every prompt token's logits
-        come from its own prefill.
+        A group that asks for prompt logprobs or pools looks nothing up: every prompt
+        token's logits or hidden state come from its own prefill.
         """
         seqs = group.get_seqs(SequenceStatus.WAITING)
         first = seqs[0]
         root_key = group_root_key(group)
-        match = self._match_prefix if group.sampling_params.prompt_logprobs is None else _no_match
+        match = _no_match if group.sampling_params.is_full_prefill else self._match_prefix
         hits = [match(first.token_ids, root_key)]
         num_shared = first.num_prompt_tokens // self.block_size if len(seqs) > 1 else 0
         total = self._num_blocks_for(len(first))

@@ -135,6 +135,7 @@ class LLMEngine:
         # request id -> per prompt position: that token's logprob and top-k (None for the
         # first), for requests with prompt_logprobs, until their first output
         self._prompt_logprobs: dict[str, list[dict[int, float] | None]] = {}
+        self._pooled: dict[str, list[float] | None] = {}  # request id -> its vector, for its one output
         # structured outputs: grammars compiled off the step loop, a matcher per sequence
         self.grammars = GrammarCompiler(
             None, self.model_config.vocab_size, tuple(self.eos_token_ids), load_tokenizer=lambda: self.tokenizer
@@ -577,7 +578,10 @@ class LLMEngine:
                 continue
             group_samples = samples[next_sample : next_sample + num_rows]
             next_sample += num_rows
-            if group.sampling_params.use_beam_search:
+            if group.sampling_params.pooling is not None:  # the prompt is done: its vector, no token
+                self._pooled[request_id] = sampled.pooled.get(group.seqs[0].seq_id)
+                self._finish(group.seqs[0], SequenceStatus.FINISHED_STOPPED, None)
+            elif group.sampling_params.use_beam_search:
                 self._process_beam(group, group_samples)
             else:
                 self._process_samples(group, group_samples, is_first_step)
@@ -848,6 +852,7 @@ class LLMEngine:
             num_cached_tokens=num_cached,
             metrics=metrics if finished else None,
             prompt_logprobs=self._prompt_logprobs.pop(group.request_id, None),
+            pooled=self._pooled.pop(group.request_id, None),
         )
 
     def _ignored_output(self, request_id: str) -> StepOutput:
@@ -880,6 +885,7 @@ class LLMEngine:
         self._beams.pop(group.request_id, None)
         self._num_cached.pop(group.request_id, None)
         self._prompt_logprobs.pop(group.request_id, None)
+        self._pooled.pop(group.request_id, None)
         self._metrics.pop(group.request_id, None)
         for seq in group.seqs:
             self._num_sent.pop(seq.seq_id, None)

@@ -59,6 +59,7 @@ class _Request:
     choices: dict[int, _Choice] = field(default_factory=dict)
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # from the engine's first output
+    pooled: list[float] | None = None  # a pooling request's vector
     metrics: RequestMetrics | None = None
     output_id: str = ""  # the request id its outputs carry (the caller's, when it differs)
 
@@ -124,6 +125,8 @@ class OutputProcessor:
             request.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None:
             request.prompt_logprobs = out.prompt_logprobs
+        if out.pooled is not None:
+            request.pooled = out.pooled
         stops = [stop for delta in out.outputs if (stop := self._apply(request, delta)) is not None]
         is_finished = out.finished or (
             len(request.choices) == request.num_choices and all(c.finish_reason for c in request.choices.values())
@@ -274,6 +277,7 @@ def _output(request: _Request, outputs: list[CompletionOutput], is_finished: boo
         metrics=request.metrics,
         num_cached_tokens=request.num_cached_tokens,
         prompt_logprobs=request.prompt_logprobs,
+        pooled=request.pooled,
     )
 
 

@@ -61,6 +61,7 @@ class StepOutput:
     # with the first output of a request with prompt_logprobs: per prompt token, its
     # logprob and the top-k alternatives' (None for the first token)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    pooled: list[float] | None = None  # a pooling request's vector (with its one, finished output)
 
 
 @dataclass(slots=True)
@@ -96,3 +97,4 @@ class RequestOutput:
     error: str | None = None  # set when the request could not be served (e.g. ignored)
     num_cached_tokens: int = field(default=0)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # SamplingParams.prompt_logprobs
+    pooled: list[float] | None = None  # a pooling request's vector (SamplingParams.pooling)

@@ -45,6 +45,8 @@ class SamplerOutput:
     # (position p of the first prompt token scored, per token p, p+1, ...: its logprob and
     # the top-k alternatives'), from the logits of the token before it
     prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    # pooling requests whose prompt ended this step: seq id -> the pooled vector
+    pooled: dict[int, list[float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -24,7 +24,8 @@ from rayserve_paged.worker.sampling_inputs import RowTemplate, row_template, sam
 
 
 class RequestState:
-    __slots__ = ("request_id", "params", "template", "num_prompt_tokens", "seq_ids", "lora_key", "prompt_token_ids")
+    __slots__ = ("request_id", "params", "template", "num_prompt_tokens", "seq_ids", "lora_key", "prompt_token_ids",
+                 "pooled")  # fmt: skip
 
     def __init__(
         self, request_id: str, params: SamplingParams, template: RowTemplate, num_prompt_tokens: int, lora_key=None
@@ -36,6 +37,7 @@ class RequestState:
         self.num_prompt_tokens = num_prompt_tokens
         self.seq_ids: set[int] = set()
         self.prompt_token_ids: list[int] | None = None  # kept only for prompt logprobs
+        self.pooled = None  # a pooling request's running sum (mean) or first hidden state (cls)
 
 
 class SeqState:

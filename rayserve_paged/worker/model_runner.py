@@ -158,7 +158,8 @@ class ModelRunner:
         # rows with adapters run eagerly (the static decode buckets hold no adapter slots)
         # and so do rows that score their prompt (prompt logprobs read every new token's hidden state)
         scored = _prompt_scored_rows(msg, rows)
-        is_static = (self.static_decode is not None and not scored
+        pooling = [i for i, seq in enumerate(rows) if seq.request.params.pooling is not None]
+        is_static = (self.static_decode is not None and not scored and not pooling
                      and (self.lora is None or all(s.request.lora_key is None for s in rows)))  # fmt: skip
         decode = decode_rows(msg, rows, self.block_size, self.rope_len_rule) if is_static else None
         if decode is not None and self.static_decode.fits(decode):
@@ -179,13 +180,14 @@ class ModelRunner:
         if self.rope_len_rule == ROPE_LEN_PER_SEQUENCE:
             _record_computed(msg, rows)
         scores = self._prompt_logprobs(msg, rows, scored, hidden) if scored else {}
+        pooled = _pool(msg, rows, pooling, hidden) if pooling else {}
         if logits_indices.numel() == 0:  # only prefill chunks this step
-            return SamplerOutput([], prompt_logprobs=scores) if self.sampler is not None else None
+            return SamplerOutput([], prompt_logprobs=scores, pooled=pooled) if self.sampler is not None else None
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))  # [num_sampled, vocab]
         if self.sampler is None:
             return None
         out = self.sampler(logits, self.batch.sampling_batch(msg, rows))
-        out.prompt_logprobs = scores
+        out.prompt_logprobs, out.pooled = scores, pooled
         return out
 
     def _prompt_logprobs(
@@ -206,6 +208,38 @@ class ModelRunner:
             top = prompt_logprobs(logits, prompt[start + 1 : end + 1], seq.request.params.prompt_logprobs)
             scores[seq.seq_id] = (start + 1, top)
         return scores
+
+
+def _pool(msg: StepMessage, rows: list[SeqState], pooling: list[int], hidden: torch.Tensor) -> dict[int, list[float]]:
+    """Pooling rows: fold this step's final hidden states [T, hidden] into each request's
+    pool (a chunk at position 0 starts it over: a recompute), and the pooled vector of
+    each whose prompt ends this step."""
+    packed = _packed_starts(msg.num_query_tokens)
+    pooled = {}
+    for i in pooling:
+        seq, start, count = rows[i], msg.start_positions[i], msg.num_query_tokens[i]
+        request = seq.request
+        params = request.params.pooling
+        states = hidden[packed[i] : packed[i] + count].float()  # [count, hidden]
+        if params.pooling == "mean":
+            total = states.sum(dim=0)
+            request.pooled = total if start == 0 else request.pooled + total
+        elif params.pooling == "cls" and start == 0:
+            request.pooled = states[0]
+        if start + count < request.num_prompt_tokens:
+            continue
+        if params.pooling == "last":
+            vector = states[-1]
+        elif params.pooling == "mean":
+            vector = request.pooled / request.num_prompt_tokens
+        else:
+            vector = request.pooled
+        vector = vector[: params.dimensions]  # [dimensions]: Matryoshka truncation, then the norm
+        if params.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=-1)
+        pooled[seq.seq_id] = vector.tolist()
+        request.pooled = None
+    return pooled
 
 
 def _prompt_scored_rows(msg: StepMessage, rows: list[SeqState]) -> list[int]:
