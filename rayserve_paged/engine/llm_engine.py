@@ -36,6 +36,7 @@ from rayserve_paged.core.sequence import (
     SequenceStatus,
 )
 from rayserve_paged.engine.detokenizer import DecodeState, Detokenizer
+from rayserve_paged.engine.pooling import checkpoint_pooling
 from rayserve_paged.engine.executor import Executor, InProcessExecutor
 from rayserve_paged.engine.output_processor import find_stop
 from rayserve_paged.engine.outputs import RequestMetrics, SequenceDelta, StepOutput
@@ -76,12 +77,27 @@ def model_limits(config: EngineConfig) -> dict:
     """What request checks need of an engine, read from the model's config alone (no
     weights, no KV cache): {"model", "max_model_len", "vocab_size", "max_logprobs"}, as
     an engine's `model_info` gives them."""
-    model_config = get_model_config(str(resolve_model(config.model)))
+    model_path = str(resolve_model(config.model))
+    model_config = get_model_config(model_path)
     return {
         "model": config.model,
         "max_model_len": resolve_max_model_len(config, model_config.max_model_len),
         "vocab_size": model_config.vocab_size,
         "max_logprobs": config.max_logprobs,
+        **task_info(config, model_path),
+    }
+
+
+def task_info(config: EngineConfig, model_path: str) -> dict:
+    """{"task", "pooling"}: the served task and, for embed, the checkpoint's pooling rule
+    (engine/pooling.py) as PoolingParams fields and the vector's size ("hidden_size")."""
+    if config.task != "embed":
+        return {"task": config.task, "pooling": None}
+    pooling = checkpoint_pooling(model_path)
+    return {
+        "task": "embed",
+        "pooling": {"pooling": pooling.pooling, "normalize": pooling.normalize},
+        "hidden_size": get_model_config(model_path).hidden_size,
     }
 
 
@@ -94,6 +110,7 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.model_path = str(resolve_model(config.model))
+        self.task_info = task_info(config, self.model_path)  # the served task, its pooling rule
         self.model_config = get_model_config(self.model_path)
         self.max_model_len = self._resolve_max_model_len()
         self._tokenizer = tokenizer  # else loaded on first use (the `tokenizer` property)
