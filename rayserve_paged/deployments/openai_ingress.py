@@ -80,6 +80,13 @@ from rayserve_paged.deployments.protocol import ModelCard, ModelList
 from rayserve_paged.deployments.serving.chat import ChatCompletionRequest, ChatCompletionResponse, ChatServing
 from rayserve_paged.deployments.serving.completions import CompletionRequest, CompletionResponse, CompletionServing
 from rayserve_paged.deployments.serving.embeddings import EmbeddingRequest, EmbeddingResponse, EmbeddingServing
+from rayserve_paged.deployments.serving.score import (
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+    ScoreServing,
+)
 from rayserve_paged.deployments.serving.lora import LoadLoRAAdapterRequest, LoRAServing, UnloadLoRAAdapterRequest
 from rayserve_paged.deployments.serving.pipeline import MAX_TOKENIZER_QUEUE_BYTES, REQUEST_BYTES, GenerationPipeline
 from rayserve_paged.deployments.serving.response_store import ResponseStore, ResponseStoreConfig
@@ -320,6 +327,7 @@ def create_openai_app(
     chat = ChatServing(serving, tool_call_parser, reasoning_parser)
     completion = CompletionServing(serving)
     embedding = EmbeddingServing(serving)
+    scoring = ScoreServing(embedding)
     tokenization = TokenizationServing(serving, chat)
     lora = LoRAServing(serving)
     store_config = ResponseStoreConfig.model_validate(responses_store or {})
@@ -367,6 +375,14 @@ def create_openai_app(
     @app.post("/v1/embeddings")
     async def embeddings(request: EmbeddingRequest, http: Request) -> EmbeddingResponse:
         return await embedding.create_embedding(request, http.scope.get(SCOPE_KEY))
+
+    @app.post("/v1/score")
+    async def score(request: ScoreRequest, http: Request) -> ScoreResponse:
+        return await scoring.score(request, http.scope.get(SCOPE_KEY))
+
+    @app.post("/v1/rerank")
+    async def rerank(request: RerankRequest, http: Request) -> RerankResponse:
+        return await scoring.rerank(request, http.scope.get(SCOPE_KEY))
 
     @app.post("/v1/responses", response_model=None)
     async def create_response(request: ResponsesRequest, http: Request) -> Response:

@@ -149,3 +149,30 @@ def test_checkpoint_pooling_rules(tmp_path):
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
     with pytest.raises(PoolingConfigError, match="max_tokens"):
         checkpoint_pooling(str(tmp_path))
+
+
+async def test_score_and_rerank_are_cosines_of_embeddings(embed_app, embed_engine, hf_embed):
+    query, docs = TEXTS[0], TEXTS[1:] + ["Hello there world"]
+    vector = {t: hf_embed(embed_engine.tokenizer(t).input_ids) for t in [query, *docs]}
+    expected = [torch.dot(vector[query], vector[d]).item() for d in docs]
+    async with asgi_client(embed_app) as http:
+        one_to_many = (await http.post("/v1/score", json={"text_1": query, "text_2": docs})).json()
+        pairwise = (await http.post("/v1/score", json={"text_1": [query] * 3, "text_2": docs})).json()
+        reranked = (await http.post("/v1/rerank", json={"query": query, "documents": docs, "top_n": 2})).json()
+        bad = [
+            await http.post("/v1/score", json=body)
+            for body in ({"text_1": [query, query], "text_2": docs}, {"text_1": query, "text_2": []},
+                         {"text_1": "", "text_2": "a"}, {"text_1": query})
+        ] + [
+            await http.post("/v1/rerank", json=body)
+            for body in ({"query": query, "documents": []}, {"query": query, "documents": docs, "top_n": 0},
+                         {"query": 3, "documents": docs}, {"query": query, "documents": "a"})
+        ]  # fmt: skip
+    for body in (one_to_many, pairwise):
+        assert [d["index"] for d in body["data"]] == [0, 1, 2]
+        assert [d["score"] for d in body["data"]] == pytest.approx(expected, abs=1e-5)
+    best = sorted(range(3), key=lambda i: expected[i], reverse=True)[:2]
+    assert [r["index"] for r in reranked["results"]] == best
+    assert [r["relevance_score"] for r in reranked["results"]] == pytest.approx([expected[i] for i in best], abs=1e-5)
+    assert reranked["results"][0]["document"]["text"] == docs[best[0]]
+    assert all(r.status_code == 400 for r in bad), [r.text for r in bad]

@@ -86,10 +86,11 @@ class EmbeddingServing:
 
     async def embed(
         self, request, inputs: list[str | list[int]], field: str, admission: Admission | None,
-        dimensions: int | None = None,
+        dimensions: int | None = None, normalize: bool | None = None,
     ) -> tuple[list[Prompt], list[list[float]]]:  # fmt: skip
         """Each input's tokens and pooled vector, in order (a 400 naming `field` for an
-        input that cannot be embedded; for a model not served for `embed`, one naming model)."""
+        input that cannot be embedded; for a model not served for `embed`, one naming model).
+        `normalize` None: the checkpoint's rule."""
         pipeline = self.pipeline
         log_unknown_fields(request)
         await pipeline.check_model(request.model)
@@ -97,7 +98,8 @@ class EmbeddingServing:
         check_task(info, "embed")
         if dimensions is not None and dimensions > info["hidden_size"]:
             raise bad_request(f"dimensions: at most this model's {info['hidden_size']} (got {dimensions})")
-        pooling = PoolingParams(**info["pooling"], dimensions=dimensions)
+        rule = info["pooling"] if normalize is None else {**info["pooling"], "normalize": normalize}
+        pooling = PoolingParams(**rule, dimensions=dimensions)
         priority = admission.priority_of(None) if admission is not None else 0
         params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling, priority=priority)
         prompts = await pipeline.in_pool(lambda: [self._prompt(p, field) for p in inputs])
