@@ -81,3 +81,27 @@ def test_pooling_params_are_checked():
             PoolingParams(**bad)
     with pytest.raises(SamplingParamsError, match="n"):
         SamplingParams(n=2, pooling=PoolingParams())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_bare_decoder_checkpoint_embeds(tmp_path, tied):
+    """An embedding checkpoint saved from the bare decoder (Qwen3Model: no `model.` prefix,
+    no LM head), as Qwen3-Embedding is, loads on its causal LM's skeleton."""
+    import shutil
+
+    from transformers import AutoModel
+
+    full = write_family_checkpoint("qwen3", tmp_path / "full", tie_word_embeddings=tied)
+    bare = tmp_path / "bare"
+    hf = AutoModel.from_pretrained(full, dtype=torch.float32).eval()
+    hf.save_pretrained(bare)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (full / name).exists():
+            shutil.copy(full / name, bare / name)
+    assert type(hf).__name__ == "Qwen3Model"
+    llm = LLM(model=str(bare), block_size=8, max_model_len=64, kv_cache_memory_gb=0.02)
+    prompt = [1, *range(50, 70)]
+    (vector,) = llm.embed(prompt_token_ids=[prompt], use_tqdm=False)
+    with torch.no_grad():
+        last = hf(torch.tensor([prompt])).last_hidden_state[0, -1]
+    assert _cosine(vector, torch.nn.functional.normalize(last, dim=-1)) >= 0.99999
