@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, for both (a shared machine: 1)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     if args.quick:
         args.passages, args.tokens, args.hidden, args.layers = 8, 40, 128, 1
     rng = random.Random(args.seed)
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(
             model=str(path), device="cpu", max_model_len=512, kv_cache_memory_gb=0.5,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256, enable_prefix_caching=False,
+            num_cpu_threads=args.threads,
         )  # fmt: skip
         llm.embed(prompt_token_ids=passages[:1], use_tqdm=False)  # warm-up
         results = {}

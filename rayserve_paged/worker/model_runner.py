@@ -157,8 +157,10 @@ class ModelRunner:
         _record_history(msg, rows)
         # rows with adapters run eagerly (the static decode buckets hold no adapter slots)
         # and so do rows that score their prompt (prompt logprobs read every new token's hidden state)
-        scored = _prompt_scored_rows(msg, rows)
-        pooling = [i for i, seq in enumerate(rows) if seq.request.params.pooling is not None]
+        scored = pooling = ()
+        if self.batch.num_full_prefill:
+            scored = _prompt_scored_rows(msg, rows)
+            pooling = [i for i, seq in enumerate(rows) if seq.request.params.pooling is not None]
         is_static = (self.static_decode is not None and not scored and not pooling
                      and (self.lora is None or all(s.request.lora_key is None for s in rows)))  # fmt: skip
         decode = decode_rows(msg, rows, self.block_size, self.rope_len_rule) if is_static else None
