@@ -7,8 +7,9 @@
   prefill     the engine generating 1 token per passage, without and with prompt_logprobs=1
 
 Figures: inputs/s and prompt tokens/s (wall time of the whole run, after an untimed pass
-over every passage that warms the engine and its KV pool). Passages are random token ids of --tokens +- 10% tokens; the prefix cache is off
-(the runs embed the same passages: a cache would serve the later ones).
+over every passage that warms the engine and its KV pool). Passages are random token ids
+of --tokens +- 10% tokens; the prefix cache is off (the runs embed the same passages: a
+cache would serve the later ones).
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {"seconds": round(seconds, 3), "inputs_per_s": round(args.passages / seconds, 1),
                              "tokens_per_s": round(num_tokens / seconds)}  # fmt: skip
 
-        timed("engine_embed", lambda: llm.embed(prompt_token_ids=passages, pooling_params=PoolingParams(), use_tqdm=False))
+        embed = PoolingParams()  # last token, normalized
+        timed("engine_embed", lambda: llm.embed(prompt_token_ids=passages, pooling_params=embed, use_tqdm=False))
         progress("hf_embed ...")
         seconds = hf_embed(path, passages, args.batch)
         results[f"hf_automodel_batch{args.batch}"] = {

@@ -45,7 +45,7 @@ class CompletionRequest(GenerationRequest):
     )
     max_tokens: int | None = Field(
         16,
-        description="Most tokens to generate per choice (>= 1); 0 with `echo`: only score the prompt (OpenAI's legacy use).",
+        description="Most tokens to generate per choice (>= 1); 0 with `echo`: only score the prompt (legacy API).",
         **documented(minimum=0),
     )
     best_of: int | None = Field(
