@@ -1,9 +1,9 @@
 """rayserve-paged: LLM serving with PagedAttention, delivered as a Ray Serve application."""
 
 from rayserve_paged.core.lora import LoRARequest
-from rayserve_paged.core.sequence import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from rayserve_paged.core.sequence import PoolingParams, SamplingParams, SamplingParamsError, StructuredOutputsParams
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "SamplingParamsError", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams", "SamplingParamsError", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

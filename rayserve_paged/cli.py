@@ -27,6 +27,7 @@ BENCHMARKS = {
     "telemetry": "benchmarks.telemetry_cost",
     "attention-host": "benchmarks.attention_host",
     "sampler-host": "benchmarks.sampler_host",
+    "embeddings": "benchmarks.embeddings",
     "serving": "benchmarks.serving",
     "smollm2": "benchmarks.smollm2",
     "structured-outputs": "benchmarks.structured_outputs",

@@ -79,6 +79,11 @@ class EngineConfig(BaseModel):
     )
     seed: int = Field(0, description="Seed for unseeded sampling and random weights.")
     max_logprobs: int = Field(20, ge=0, description="Largest logprobs a request may ask for.")
+    task: Literal["generate", "embed"] = Field(
+        "generate",
+        description="What the served model answers (vLLM's name): generate (completions, chat, responses) or embed "
+        "(/v1/embeddings, /v1/score, /v1/rerank, pooling the final hidden states); the other task's routes answer 400.",
+    )
     trust_remote_code: bool = Field(False, description="Allow model code from the hub (off by default).")
     num_cpu_threads: int | None = Field(
         None,

@@ -80,6 +80,10 @@ def salt_key(cache_salt: str | None, lora_id: int = 0) -> int | None:
     return int.from_bytes(digest.digest(), "little", signed=True)
 
 
+def _no_match(token_ids: list[int], root_key: int | None = None) -> list:
+    return []
+
+
 def prefix_block_keys(
     token_ids: list[int],
     block_size: int,
@@ -419,15 +423,18 @@ class BlockManager:
 
         A recomputed group's sequences share their prompt's full blocks again (the first
         computes what is not cached); each also takes its own cached blocks past the prompt.
+        A group that asks for prompt logprobs or pools looks nothing up: every prompt
+        token's logits or hidden state come from its own prefill.
         """
         seqs = group.get_seqs(SequenceStatus.WAITING)
         first = seqs[0]
         root_key = group_root_key(group)
-        hits = [self._match_prefix(first.token_ids, root_key)]
+        match = _no_match if group.sampling_params.is_full_prefill else self._match_prefix
+        hits = [match(first.token_ids, root_key)]
         num_shared = first.num_prompt_tokens // self.block_size if len(seqs) > 1 else 0
         total = self._num_blocks_for(len(first))
         for seq in seqs[1:]:
-            own_hits = self._match_prefix(seq.token_ids, root_key)[num_shared:]
+            own_hits = match(seq.token_ids, root_key)[num_shared:]
             hits.append(own_hits)
             total += self._num_blocks_for(len(seq)) - num_shared
         return seqs, hits, num_shared, total

@@ -483,7 +483,8 @@ class Scheduler:
         if request_id not in self._params_sent:
             self._params_sent.add(request_id)
             params = group.sampling_params
-            prompt = first.prompt_token_ids if params.needs_history else None
+            needs_prompt = params.needs_history or params.prompt_logprobs is not None
+            prompt = first.prompt_token_ids if needs_prompt else None
             msg.new_requests.append(
                 NewRequest(request_id, first.seq_id, params, first.num_prompt_tokens, prompt, group.lora_key)
             )

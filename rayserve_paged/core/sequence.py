@@ -214,6 +214,29 @@ class StructuredOutputsParams:
         return len(self.key[1])
 
 
+POOLING_TYPES = ("last", "mean", "cls")
+
+
+@dataclass(slots=True, frozen=True)
+class PoolingParams:
+    """A pooling (embedding) request: its prompt is prefilled and one vector comes back,
+    the final hidden states pooled (`last` token, `mean` over the prompt, or the first,
+    `cls`), cut to its first `dimensions` and then scaled to unit length when `normalize`;
+    nothing is sampled and no KV stays after it."""
+
+    pooling: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLING_TYPES:
+            raise SamplingParamsError(f"pooling: one of {', '.join(POOLING_TYPES)} (got {self.pooling!r})")
+        if not isinstance(self.normalize, bool):
+            raise SamplingParamsError(f"normalize: must be a boolean (got {self.normalize!r})")
+        if self.dimensions is not None and (not _is_int(self.dimensions) or self.dimensions < 1):
+            raise SamplingParamsError(f"dimensions: must be an integer >= 1 (got {self.dimensions!r})")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to decode one request (the vLLM / OpenAI vocabulary).
@@ -241,6 +264,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    # k: every prompt token after the first gets its logprob and the k most likely
+    # alternatives, from the prefill's logits (vLLM's `prompt_logprobs`); such a request
+    # skips the prefix-cache lookup, so its whole prompt is prefilled (its blocks are still
+    # cached for others)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
@@ -252,6 +280,8 @@ class SamplingParams:
     # under scheduling_policy "priority": lower is more urgent (admitted first, preempted
     # last); ignored under "fcfs" (vLLM's `priority`)
     priority: int = 0
+    # a pooling request (PoolingParams): the prompt's pooled hidden state instead of tokens
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if self.best_of is None:
@@ -295,6 +325,8 @@ class SamplingParams:
             raise bad("seed", "must be an integer")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", "must be an integer >= 0")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", "must be an integer >= 0")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
@@ -329,6 +361,17 @@ class SamplingParams:
                     raise bad(name, "beam search cannot be combined with presence/frequency/repetition penalties")
         elif self.is_greedy and self.best_of > 1:
             raise bad("best_of", "greedy sampling (temperature 0) with best_of > 1 gives copies")
+        if self.pooling is not None:
+            if not isinstance(self.pooling, PoolingParams):
+                raise SamplingParamsError("pooling: must be PoolingParams")
+            if self.best_of > 1 or self.use_beam_search or self.structured_outputs is not None:
+                raise bad("n", "a pooling request returns one vector: n, best_of 1, no beams, no constraint")
+
+    @property
+    def is_full_prefill(self) -> bool:
+        """Whether every prompt token must be computed by the request itself (its prompt
+        logprobs or its pooled hidden states need them): no prefix-cache lookup."""
+        return self.prompt_logprobs is not None or self.pooling is not None
 
     @property
     def needs_history(self) -> bool:

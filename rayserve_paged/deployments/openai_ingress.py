@@ -79,6 +79,14 @@ from rayserve_paged.deployments.errors import (
 from rayserve_paged.deployments.protocol import ModelCard, ModelList
 from rayserve_paged.deployments.serving.chat import ChatCompletionRequest, ChatCompletionResponse, ChatServing
 from rayserve_paged.deployments.serving.completions import CompletionRequest, CompletionResponse, CompletionServing
+from rayserve_paged.deployments.serving.embeddings import EmbeddingRequest, EmbeddingResponse, EmbeddingServing
+from rayserve_paged.deployments.serving.score import (
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+    ScoreServing,
+)
 from rayserve_paged.deployments.serving.lora import LoadLoRAAdapterRequest, LoRAServing, UnloadLoRAAdapterRequest
 from rayserve_paged.deployments.serving.pipeline import MAX_TOKENIZER_QUEUE_BYTES, REQUEST_BYTES, GenerationPipeline
 from rayserve_paged.deployments.serving.response_store import ResponseStore, ResponseStoreConfig
@@ -107,7 +115,10 @@ SESSION_HEADER = "x-session-id"
 # the session of the request being served (the engine client of a fleet's ingress reads it)
 ROUTING_SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("routing_session", default=None)
 # what admission counts: the routes that tokenize or generate
-ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"})
+ADMITTED_PATHS = frozenset({
+    "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/score", "/v1/rerank",
+    "/tokenize", "/detokenize",
+})  # fmt: skip
 
 
 class _APIKeyMiddleware:
@@ -315,6 +326,8 @@ def create_openai_app(
     )
     chat = ChatServing(serving, tool_call_parser, reasoning_parser)
     completion = CompletionServing(serving)
+    embedding = EmbeddingServing(serving)
+    scoring = ScoreServing(embedding)
     tokenization = TokenizationServing(serving, chat)
     lora = LoRAServing(serving)
     store_config = ResponseStoreConfig.model_validate(responses_store or {})
@@ -358,6 +371,18 @@ def create_openai_app(
     async def chat_completions(request: ChatCompletionRequest, http: Request) -> Response:
         ROUTING_SESSION.set(routing_session(http.headers.get(SESSION_HEADER), request.user))
         return await chat.create_chat_completion(request, http.scope.get(SCOPE_KEY))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: EmbeddingRequest, http: Request) -> EmbeddingResponse:
+        return await embedding.create_embedding(request, http.scope.get(SCOPE_KEY))
+
+    @app.post("/v1/score")
+    async def score(request: ScoreRequest, http: Request) -> ScoreResponse:
+        return await scoring.score(request, http.scope.get(SCOPE_KEY))
+
+    @app.post("/v1/rerank")
+    async def rerank(request: RerankRequest, http: Request) -> RerankResponse:
+        return await scoring.rerank(request, http.scope.get(SCOPE_KEY))
 
     @app.post("/v1/responses", response_model=None)
     async def create_response(request: ResponsesRequest, http: Request) -> Response:

@@ -296,6 +296,10 @@ class GenerationRequest(RequestModel):
         """(top logprobs per token, None for none; the field that asked for them)."""
         return self.logprobs, "logprobs"
 
+    def requested_prompt_logprobs(self) -> tuple[int | None, str]:
+        """(top logprobs per prompt token, None for none; the field that asked for them)."""
+        return None, "prompt_logprobs"
+
     def sampling_field_names(self) -> dict[str, str]:
         """SamplingParams field -> this route's field, where they differ."""
         return {}
@@ -388,8 +392,10 @@ def check_unicode_within(value):
 def to_sampling_params(request: GenerationRequest, max_logprobs: int) -> SamplingParams:
     """The engine's SamplingParams for a request; SamplingParamsError names the request field."""
     logprobs, logprobs_field = request.requested_logprobs()
-    if logprobs is not None and logprobs > max_logprobs:
-        raise SamplingParamsError(f"{logprobs_field}: at most {max_logprobs} (got {logprobs})")
+    prompt_logprobs, prompt_logprobs_field = request.requested_prompt_logprobs()
+    for value, name in ((logprobs, logprobs_field), (prompt_logprobs, prompt_logprobs_field)):
+        if value is not None and value > max_logprobs:
+            raise SamplingParamsError(f"{name}: at most {max_logprobs} (got {value})")
     best_of = request.best_of if request.best_of is not None else request.n
     if request.stream and best_of > request.n:
         raise SamplingParamsError("best_of: cannot stream when best_of > n (the n kept are known only at the end)")
@@ -423,6 +429,7 @@ def to_sampling_params(request: GenerationRequest, max_logprobs: int) -> Samplin
         "include_stop_str_in_output": request.include_stop_str_in_output,
         "ignore_eos": request.ignore_eos,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "skip_special_tokens": request.skip_special_tokens,
         "logit_bias": {int(k): v for k, v in (request.logit_bias or {}).items()},
         "min_tokens": request.min_tokens,
@@ -430,6 +437,7 @@ def to_sampling_params(request: GenerationRequest, max_logprobs: int) -> Samplin
         "priority": _or(request.priority, 0),
     }
     names = _field_names(request, logprobs_field)
+    names["prompt_logprobs"] = prompt_logprobs_field
     constraint, field = requested_constraint(request)
     if constraint is not None:
         options["structured_outputs"] = constraint

@@ -8,9 +8,10 @@ from collections.abc import Sequence as Seq
 
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.lora import LoRARequest
-from rayserve_paged.core.sequence import SamplingParams, StructuredOutputsParams
+from rayserve_paged.core.sequence import PoolingParams, SamplingParams, StructuredOutputsParams
 from rayserve_paged.engine.llm_engine import LLMEngine
 from rayserve_paged.engine.output_processor import OutputProcessor
+from rayserve_paged.engine.pooling import checkpoint_pooling
 from rayserve_paged.engine.outputs import RequestOutput
 from rayserve_paged.engine.tool_calls import ToolSet, forced_calls, forced_schema
 from rayserve_paged.engine.tool_parsers import parse_tool_calls
@@ -65,6 +66,21 @@ class LLM:
             self.engine.add_request(request_id, text, p, prompt_token_ids=token_ids, lora_request=lora, grammar=grammar)
             self.processor.add_request(request_id, text, token_ids, p)
         return self._run(order, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptLike | Seq[PromptLike] | None = None,
+        pooling_params: PoolingParams | None = None,
+        prompt_token_ids: list[list[int]] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[list[float]]:
+        """One pooled vector per prompt (PoolingParams: last / mean / cls, normalize,
+        dimensions; by default the checkpoint's rule, engine/pooling.py), in the order of the
+        prompts."""
+        pooling = pooling_params or checkpoint_pooling(self.engine.model_path)
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
+        outputs = self.generate(prompts, params, prompt_token_ids=prompt_token_ids, use_tqdm=use_tqdm)
+        return [out.pooled for out in outputs]
 
     def chat(
         self,

@@ -36,6 +36,7 @@ from rayserve_paged.core.sequence import (
     SequenceStatus,
 )
 from rayserve_paged.engine.detokenizer import DecodeState, Detokenizer
+from rayserve_paged.engine.pooling import checkpoint_pooling
 from rayserve_paged.engine.executor import Executor, InProcessExecutor
 from rayserve_paged.engine.output_processor import find_stop
 from rayserve_paged.engine.outputs import RequestMetrics, SequenceDelta, StepOutput
@@ -76,12 +77,27 @@ def model_limits(config: EngineConfig) -> dict:
     """What request checks need of an engine, read from the model's config alone (no
     weights, no KV cache): {"model", "max_model_len", "vocab_size", "max_logprobs"}, as
     an engine's `model_info` gives them."""
-    model_config = get_model_config(str(resolve_model(config.model)))
+    model_path = str(resolve_model(config.model))
+    model_config = get_model_config(model_path)
     return {
         "model": config.model,
         "max_model_len": resolve_max_model_len(config, model_config.max_model_len),
         "vocab_size": model_config.vocab_size,
         "max_logprobs": config.max_logprobs,
+        **task_info(config, model_path),
+    }
+
+
+def task_info(config: EngineConfig, model_path: str) -> dict:
+    """{"task", "pooling"}: the served task and, for embed, the checkpoint's pooling rule
+    (engine/pooling.py) as PoolingParams fields and the vector's size ("hidden_size")."""
+    if config.task != "embed":
+        return {"task": config.task, "pooling": None}
+    pooling = checkpoint_pooling(model_path)
+    return {
+        "task": "embed",
+        "pooling": {"pooling": pooling.pooling, "normalize": pooling.normalize},
+        "hidden_size": get_model_config(model_path).hidden_size,
     }
 
 
@@ -94,6 +110,7 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.model_path = str(resolve_model(config.model))
+        self.task_info = task_info(config, self.model_path)  # the served task, its pooling rule
         self.model_config = get_model_config(self.model_path)
         self.max_model_len = self._resolve_max_model_len()
         self._tokenizer = tokenizer  # else loaded on first use (the `tokenizer` property)
@@ -132,6 +149,10 @@ class LLMEngine:
         self._num_sent: dict[int, int] = {}  # seq id -> output tokens already emitted
         self._metrics: dict[str, RequestMetrics] = {}
         self._num_cached: dict[str, int] = {}  # request id -> prefix-cache hit, until its first output
+        # request id -> per prompt position: that token's logprob and top-k (None for the
+        # first), for requests with prompt_logprobs, until their first output
+        self._prompt_logprobs: dict[str, list[dict[int, float] | None]] = {}
+        self._pooled: dict[str, list[float] | None] = {}  # request id -> its vector, for its one output
         # structured outputs: grammars compiled off the step loop, a matcher per sequence
         self.grammars = GrammarCompiler(
             None, self.model_config.vocab_size, tuple(self.eos_token_ids), load_tokenizer=lambda: self.tokenizer
@@ -404,6 +425,8 @@ class LLMEngine:
         self._metrics[request_id] = RequestMetrics(arrival_time=arrival)
         if sampling_params.use_beam_search:
             self._beams[request_id] = _BeamState()
+        if sampling_params.prompt_logprobs is not None:  # filled by the prefill, sent with the first output
+            self._prompt_logprobs[request_id] = [None] * len(prompt_token_ids)
 
     def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
@@ -425,6 +448,10 @@ class LLMEngine:
             raise SamplingParamsError(f"logit_bias: token id {bad_bias} is outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise SamplingParamsError(f"logprobs: at most {self.config.max_logprobs} (got {params.logprobs})")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
+            raise SamplingParamsError(
+                f"prompt_logprobs: at most {self.config.max_logprobs} (got {params.prompt_logprobs})"
+            )
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
             after = params.structured_outputs.after_token_id
@@ -562,11 +589,16 @@ class LLMEngine:
                 self._num_cached[request_id] = msg.start_positions[first_row]
             if len(group.seqs) == 1 and group.seqs[0].num_output_tokens == 0:  # prompt tokens
                 self.num_prompt_tokens += sum(counts[first_row : first_row + num_rows])
+            if sampled.prompt_logprobs and request_id in self._prompt_logprobs:
+                self._record_prompt_logprobs(request_id, msg.seq_ids[first_row : first_row + num_rows], sampled)
             if not do_sample:  # a prefill chunk: nothing sampled, nothing to report
                 continue
             group_samples = samples[next_sample : next_sample + num_rows]
             next_sample += num_rows
-            if group.sampling_params.use_beam_search:
+            if group.sampling_params.pooling is not None:  # the prompt is done: its vector, no token
+                self._pooled[request_id] = sampled.pooled.get(group.seqs[0].seq_id)
+                self._finish(group.seqs[0], SequenceStatus.FINISHED_STOPPED, None)
+            elif group.sampling_params.use_beam_search:
                 self._process_beam(group, group_samples)
             else:
                 self._process_samples(group, group_samples, is_first_step)
@@ -583,6 +615,15 @@ class LLMEngine:
             if rid in self._metrics:
                 self._metrics[rid].num_preemptions += 1
         return results
+
+    def _record_prompt_logprobs(self, request_id: str, seq_ids: list[int], sampled: SamplerOutput) -> None:
+        """Place the step's prompt logprobs by position (a recomputed chunk writes the same)."""
+        scores = self._prompt_logprobs[request_id]
+        for seq_id in seq_ids:
+            entry = sampled.prompt_logprobs.get(seq_id)
+            if entry is not None:
+                first, tops = entry
+                scores[first : first + len(tops)] = tops
 
     def _fill_bitmasks(self, out: SchedulerOutput) -> None:
         """The token bitmasks of the step's constrained sampled rows, into its message; the
@@ -827,6 +868,8 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=num_cached,
             metrics=metrics if finished else None,
+            prompt_logprobs=self._prompt_logprobs.pop(group.request_id, None),
+            pooled=self._pooled.pop(group.request_id, None),
         )
 
     def _ignored_output(self, request_id: str) -> StepOutput:
@@ -834,6 +877,7 @@ class LLMEngine:
         self._forget_constraint(request_id)
         self._beams.pop(request_id, None)
         self._num_cached.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
         return StepOutput(
             request_id,
             [],
@@ -857,6 +901,8 @@ class LLMEngine:
         self._forget_constraint(group.request_id)
         self._beams.pop(group.request_id, None)
         self._num_cached.pop(group.request_id, None)
+        self._prompt_logprobs.pop(group.request_id, None)
+        self._pooled.pop(group.request_id, None)
         self._metrics.pop(group.request_id, None)
         for seq in group.seqs:
             self._num_sent.pop(seq.seq_id, None)

@@ -58,6 +58,8 @@ class _Request:
     holdback: int
     choices: dict[int, _Choice] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # from the engine's first output
+    pooled: list[float] | None = None  # a pooling request's vector
     metrics: RequestMetrics | None = None
     output_id: str = ""  # the request id its outputs carry (the caller's, when it differs)
 
@@ -121,6 +123,10 @@ class OutputProcessor:
             return _errored(request, out), None
         if out.num_cached_tokens:
             request.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            request.prompt_logprobs = out.prompt_logprobs
+        if out.pooled is not None:
+            request.pooled = out.pooled
         stops = [stop for delta in out.outputs if (stop := self._apply(request, delta)) is not None]
         is_finished = out.finished or (
             len(request.choices) == request.num_choices and all(c.finish_reason for c in request.choices.values())
@@ -270,6 +276,8 @@ def _output(request: _Request, outputs: list[CompletionOutput], is_finished: boo
         finished=is_finished,
         metrics=request.metrics,
         num_cached_tokens=request.num_cached_tokens,
+        prompt_logprobs=request.prompt_logprobs,
+        pooled=request.pooled,
     )
 
 

@@ -58,6 +58,10 @@ class StepOutput:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (first output only)
     metrics: RequestMetrics | None = None  # with the finished output only
     error: str | None = None  # set when the request could not be served (e.g. ignored)
+    # with the first output of a request with prompt_logprobs: per prompt token, its
+    # logprob and the top-k alternatives' (None for the first token)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    pooled: list[float] | None = None  # a pooling request's vector (with its one, finished output)
 
 
 @dataclass(slots=True)
@@ -92,3 +96,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the request could not be served (e.g. ignored)
     num_cached_tokens: int = field(default=0)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # SamplingParams.prompt_logprobs
+    pooled: list[float] | None = None  # a pooling request's vector (SamplingParams.pooling)

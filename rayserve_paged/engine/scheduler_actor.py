@@ -213,6 +213,7 @@ class SchedulerActor:
             "num_gpu_blocks": engine.cache_sizes.num_gpu_blocks,
             "num_cpu_blocks": engine.cache_sizes.num_cpu_blocks,
             "block_size": engine.config.block_size,
+            **engine.task_info,
         }
 
     def stats(self) -> dict:

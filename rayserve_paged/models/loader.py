@@ -125,8 +125,17 @@ def architecture_of(hf_config: dict) -> str:
     for name in names:
         if name in MODEL_REGISTRY:
             return name
+    for name in names:  # a bare decoder (an embedding checkpoint: Qwen3Model) is its causal LM's skeleton
+        if is_bare_decoder(name):
+            return name.removesuffix("Model") + "ForCausalLM"
     found = names if any(names) else hf_config.get("model_type")
     raise ValueError(f"unsupported model architecture {found!r}; supported: {', '.join(MODEL_REGISTRY)}")
+
+
+def is_bare_decoder(architecture: str) -> bool:
+    """`Qwen3Model`, `LlamaModel`, ...: the decoder without its LM head, as embedding
+    checkpoints are saved (tensors without the `model.` prefix, no `lm_head`)."""
+    return architecture.endswith("Model") and architecture.removesuffix("Model") + "ForCausalLM" in MODEL_REGISTRY
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, hf_config: dict) -> torch.dtype:
@@ -272,8 +281,11 @@ def _loader_of(model: nn.Module, param_name: str):
     return getattr(module, "load_weight", None) or copy_weight, getattr(module, "shard_ids", None)
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
-    """Load every parameter of `model` from (HF name, full tensor) pairs; raise on gaps or misfits."""
+def load_weights(
+    model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], source: str = "checkpoint", optional: tuple = ()
+) -> None:
+    """Load every parameter of `model` from (HF name, full tensor) pairs; raise on gaps or
+    misfits (a parameter named in `optional` that no tensor fills is zeroed instead)."""
     params = dict(model.named_parameters())  # tied parameters appear once
     loaded: set[tuple[str, Any]] = set()
     unexpected: list[str] = []
@@ -301,6 +313,10 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
         loaded.update((name, piece_id) for piece_id, _ in pieces)
     if unexpected:
         logger.warning("%s: ignored %d unexpected tensors, e.g. %s", source, len(unexpected), unexpected[:5])
+    for name in optional:
+        if name in params and not any(key[0] == name for key in loaded):
+            params[name].zero_()
+            loaded.update((name, shard_id) for shard_id in (_loader_of(model, name)[1] or (None,)))
     _check_all_loaded(model, params, loaded, source)
 
 
@@ -374,8 +390,12 @@ def load_model(
         weights = iter_checkpoint(source)
         if kind:
             weights = iter_hf_quantized(weights, hf, kept)
+    names = hf.get("architectures") or []
+    is_bare = gguf_file is None and architecture_of(hf) not in names and any(map(is_bare_decoder, names))
+    if is_bare:  # the checkpoint's names are the decoder's own; its (unused) LM head stays zero
+        weights = (("model." + name, tensor) for name, tensor in weights)
     with torch.no_grad():
-        load_weights(model, weights, source=str(source))
+        load_weights(model, weights, source=str(source), optional=("lm_head.weight",) if is_bare else ())
         process_weights_after_loading(model)
     if device.type == "cpu":
         release_freed_memory()

@@ -41,6 +41,12 @@ class SamplerOutput:
     # LoRA adapters (keys) this step could not put into their slot, with the reason: the
     # engine aborts their requests (whose rows here ran without the adapter)
     lora_failures: list[tuple[tuple, str]] = field(default_factory=list)
+    # rows that asked for prompt logprobs and computed prompt tokens this step: seq id ->
+    # (position p of the first prompt token scored, per token p, p+1, ...: its logprob and
+    # the top-k alternatives'), from the logits of the token before it
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    # pooling requests whose prompt ended this step: seq id -> the pooled vector
+    pooled: dict[int, list[float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -340,6 +346,22 @@ def bitmask_bias(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
         return bias[:, :vocab]
     pad = torch.full((num_rows, vocab - bias.shape[1]), _MASK, device=bitmask.device)
     return torch.cat([bias, pad], dim=1)
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[dict[int, float]]:
+    """Per row of `logits` [n, vocab]: the target token's log-softmax and the top k's (the
+    float32 log-softmax of the model's logits, as HF computes it)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
+    if k <= 0:
+        return [{t: lp} for t, lp in zip(targets, chosen)]
+    values, indices = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)  # [n, k]
+    tops = []
+    for t, lp, ids, vals in zip(targets, chosen, indices.tolist(), values.tolist()):
+        top = dict(zip(ids, vals))
+        top[t] = lp
+        tops.append(top)
+    return tops
 
 
 def _top_logprobs(logprobs: torch.Tensor, token: int, token_logprob: float, k: int) -> dict[int, float]:

@@ -24,7 +24,8 @@ from rayserve_paged.worker.sampling_inputs import RowTemplate, row_template, sam
 
 
 class RequestState:
-    __slots__ = ("request_id", "params", "template", "num_prompt_tokens", "seq_ids", "lora_key")
+    __slots__ = ("request_id", "params", "template", "num_prompt_tokens", "seq_ids", "lora_key", "prompt_token_ids",
+                 "pooled")  # fmt: skip
 
     def __init__(
         self, request_id: str, params: SamplingParams, template: RowTemplate, num_prompt_tokens: int, lora_key=None
@@ -35,6 +36,8 @@ class RequestState:
         self.template = template  # its rows' sampler columns, derived once
         self.num_prompt_tokens = num_prompt_tokens
         self.seq_ids: set[int] = set()
+        self.prompt_token_ids: list[int] | None = None  # kept only for prompt logprobs
+        self.pooled = None  # a pooling request's running sum (mean) or first hidden state (cls)
 
 
 class SeqState:
@@ -63,6 +66,9 @@ class InputBatch:
         self.eos_token_ids = eos_token_ids  # masked before a request's min_tokens
         self.requests: dict[str, RequestState] = {}
         self.seqs: dict[int, SeqState] = {}
+        # requests whose steps read every new token's hidden state (prompt logprobs,
+        # pooling): while none is held, a step does not look for them
+        self.num_full_prefill = 0
 
     @property
     def num_requests(self) -> int:
@@ -89,12 +95,16 @@ class InputBatch:
         for request_id in msg.finished_request_ids:
             request = self.requests.pop(request_id, None)
             if request is not None:
+                self.num_full_prefill -= request.params.is_full_prefill
                 for seq_id in request.seq_ids:
                     seqs.pop(seq_id, None)
         for new in msg.new_requests:
             template = row_template(new.sampling_params, self.eos_token_ids)
             request = RequestState(new.request_id, new.sampling_params, template, new.num_prompt_tokens, new.lora_key)
             self.requests[new.request_id] = request
+            self.num_full_prefill += new.sampling_params.is_full_prefill
+            if new.sampling_params.prompt_logprobs is not None:
+                request.prompt_token_ids = new.prompt_token_ids
             history = None
             if new.sampling_params.needs_history:
                 history = list(new.prompt_token_ids or ())

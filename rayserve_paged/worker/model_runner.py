@@ -15,7 +15,7 @@ import torch
 from rayserve_paged.core.outputs import StepMessage
 from rayserve_paged.models.layers import ROPE_LEN_PER_SEQUENCE
 from rayserve_paged.models.lora import LoRAPool
-from rayserve_paged.models.sampler import Sampler, SamplerOutput
+from rayserve_paged.models.sampler import Sampler, SamplerOutput, prompt_logprobs
 from rayserve_paged.ops.attention import AttentionMetadata
 from rayserve_paged.ops.cache_ops import slot_of
 from rayserve_paged.worker.input_batch import InputBatch, SeqState
@@ -156,7 +156,13 @@ class ModelRunner:
         rows = self.batch.rows(msg)
         _record_history(msg, rows)
         # rows with adapters run eagerly (the static decode buckets hold no adapter slots)
-        is_static = self.static_decode is not None and (self.lora is None or all(s.request.lora_key is None for s in rows))
+        # and so do rows that score their prompt (prompt logprobs read every new token's hidden state)
+        scored = pooling = ()
+        if self.batch.num_full_prefill:
+            scored = _prompt_scored_rows(msg, rows)
+            pooling = [i for i, seq in enumerate(rows) if seq.request.params.pooling is not None]
+        is_static = (self.static_decode is not None and not scored and not pooling
+                     and (self.lora is None or all(s.request.lora_key is None for s in rows)))  # fmt: skip
         decode = decode_rows(msg, rows, self.block_size, self.rope_len_rule) if is_static else None
         if decode is not None and self.static_decode.fits(decode):
             hidden = self.static_decode.forward(decode, kv_caches)  # [num_decodes, hidden]
@@ -175,12 +181,89 @@ class ModelRunner:
             logits_indices, self.last_path = inputs.logits_indices, "eager"
         if self.rope_len_rule == ROPE_LEN_PER_SEQUENCE:
             _record_computed(msg, rows)
+        scores = self._prompt_logprobs(msg, rows, scored, hidden) if scored else {}
+        pooled = _pool(msg, rows, pooling, hidden) if pooling else {}
         if logits_indices.numel() == 0:  # only prefill chunks this step
-            return SamplerOutput([]) if self.sampler is not None else None
+            return SamplerOutput([], prompt_logprobs=scores, pooled=pooled) if self.sampler is not None else None
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))  # [num_sampled, vocab]
         if self.sampler is None:
             return None
-        return self.sampler(logits, self.batch.sampling_batch(msg, rows))
+        out = self.sampler(logits, self.batch.sampling_batch(msg, rows))
+        out.prompt_logprobs, out.pooled = scores, pooled
+        return out
+
+    def _prompt_logprobs(
+        self, msg: StepMessage, rows: list[SeqState], scored: list[int], hidden: torch.Tensor
+    ) -> dict[int, tuple[int, list[dict[int, float]]]]:
+        """The scored rows' prompt logprobs from this step's hidden states [T, hidden] (eager
+        packing: prefill rows' tokens first, then the one-token rows): the token at position
+        p + 1 is scored by the logits at p, for every p this step computes below the prompt's
+        last token."""
+        packed = _packed_starts(msg.num_query_tokens)
+        scores = {}
+        for i in scored:
+            seq, start = rows[i], msg.start_positions[i]
+            prompt = seq.request.prompt_token_ids
+            end = min(start + msg.num_query_tokens[i], len(prompt) - 1)  # positions p scored: [start, end)
+            index = torch.arange(packed[i], packed[i] + end - start, device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, index))  # [end - start, vocab]
+            top = prompt_logprobs(logits, prompt[start + 1 : end + 1], seq.request.params.prompt_logprobs)
+            scores[seq.seq_id] = (start + 1, top)
+        return scores
+
+
+def _pool(msg: StepMessage, rows: list[SeqState], pooling: list[int], hidden: torch.Tensor) -> dict[int, list[float]]:
+    """Pooling rows: fold this step's final hidden states [T, hidden] into each request's
+    pool (a chunk at position 0 starts it over: a recompute), and the pooled vector of
+    each whose prompt ends this step."""
+    packed = _packed_starts(msg.num_query_tokens)
+    pooled = {}
+    for i in pooling:
+        seq, start, count = rows[i], msg.start_positions[i], msg.num_query_tokens[i]
+        request = seq.request
+        params = request.params.pooling
+        states = hidden[packed[i] : packed[i] + count].float()  # [count, hidden]
+        if params.pooling == "mean":
+            total = states.sum(dim=0)
+            request.pooled = total if start == 0 else request.pooled + total
+        elif params.pooling == "cls" and start == 0:
+            request.pooled = states[0]
+        if start + count < request.num_prompt_tokens:
+            continue
+        if params.pooling == "last":
+            vector = states[-1]
+        elif params.pooling == "mean":
+            vector = request.pooled / request.num_prompt_tokens
+        else:
+            vector = request.pooled
+        vector = vector[: params.dimensions]  # [dimensions]: Matryoshka truncation, then the norm
+        if params.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=-1)
+        pooled[seq.seq_id] = vector.tolist()
+        request.pooled = None
+    return pooled
+
+
+def _prompt_scored_rows(msg: StepMessage, rows: list[SeqState]) -> list[int]:
+    """Rows that asked for prompt logprobs and compute a position before their prompt's last."""
+    return [
+        i for i, seq in enumerate(rows)
+        if seq.request.prompt_token_ids is not None and msg.start_positions[i] < seq.request.num_prompt_tokens - 1
+    ]  # fmt: skip
+
+
+def _packed_starts(counts: list[int]) -> list[int]:
+    """Each row's first token's place in an eager step's packing (ModelRunner.prepare):
+    rows of more than one token first, in row order, then the one-token rows."""
+    starts = [0] * len(counts)
+    at = 0
+    for i, n in enumerate(counts):
+        if n > 1:
+            starts[i], at = at, at + n
+    for i, n in enumerate(counts):
+        if n == 1:
+            starts[i], at = at, at + 1
+    return starts
 
 
 def _record_computed(msg: StepMessage, rows: list[SeqState]) -> None:

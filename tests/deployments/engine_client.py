@@ -91,6 +91,7 @@ class InProcessEngineClient(EngineFrontend):
             "max_model_len": self.engine.max_model_len,
             "vocab_size": self.engine.model_config.vocab_size,
             "max_logprobs": self.engine.config.max_logprobs,
+            **self.engine.task_info,
         }
 
     async def metrics_text(self) -> str:

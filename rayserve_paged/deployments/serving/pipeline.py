@@ -180,7 +180,24 @@ class GenerationPipeline:
         log_unknown_fields(request)
         await self.check_model(request.model)
         info = await self.model_info()
+        check_task(info, "generate")
         return info, sampling_params(request, info)
+
+    async def pool(
+        self, request, prompts: list[Prompt], params: SamplingParams, request_ids: list[str],
+        admission: Admission | None, field: str,
+    ) -> list[RequestOutput]:  # fmt: skip
+        """The finished results of pooling requests (one per prompt, nothing generated):
+        their prompts are their work against the replica's admission; an engine error is
+        the client's error naming `field`."""
+        if admission is not None:
+            admission.reserve_sequences(len(prompts), 1, field)
+            num_prompt = _num_prompt_tokens(prompts)
+            admission.reserve_work(num_prompt, num_prompt, params.priority)
+        try:
+            return await self._generate_outputs(prompts, params, request_ids, self.lora_of(request))
+        except Exception as exc:
+            raise to_openai_error(exc, {"prompt_token_ids": field, "prompt": field}) from exc
 
     def reserve(
         self, admission: Admission | None, request: GenerationRequest, num_prompts: int,
@@ -570,6 +587,17 @@ def sampling_params(request: GenerationRequest, info: dict) -> SamplingParams:
 def _check_served(result: RequestOutput) -> None:
     if result.error is not None:  # the engine ignored the request (a ValueError: answered 400)
         raise ValueError(f"prompt: {result.error}")
+
+
+def check_task(info: dict, task: str) -> None:
+    """A route of `task` on a model served for another: a 400 naming the served task."""
+    served = info.get("task", "generate")
+    if served != task:
+        raise bad_request(
+            f"model: this model is served for the {served} task and does not answer {task} routes "
+            f"(serve it with task: {task})",
+            param="model",
+        )
 
 
 def _num_prompt_tokens(prompts: list[Prompt]) -> int:
