@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from rayserve_paged.core import BlockManager, SequenceStatus
+from rayserve_paged.core.lora import LoRARequest
 from rayserve_paged.core.scheduler import Scheduler, SchedulerConfig
 
-from .invariants import check_scheduler
+from .invariants import check_block_manager, check_scheduler
 from .worlds import make_group
 
 
@@ -131,6 +134,38 @@ def test_no_block_is_restored_under_another_salt():
         scheduler.free_finished(group)
         check_scheduler(scheduler)
     assert bm.counters.restored_blocks == 0
+
+
+@pytest.mark.parametrize("num_cpu, restored", [(12, 3), (8, 2)])
+def test_no_block_is_restored_under_another_adapter_and_tier_2_evicts_lru(num_cpu, restored):
+    """12 CPU blocks hold the 9 offloaded; 8 drop the least recently offloaded first: the
+    first adapter's last block (a prefix's tail leaves the device first)."""
+    bm = BlockManager(4, 4, num_cpu, watermark=0.0, kv_offload=True)
+    tokens = list(range(100, 113))
+
+    def admit_and_free(tokens, lora_id=0):
+        group = make_group("r", tokens)
+        if lora_id:
+            group.lora_request = LoRARequest(f"a{lora_id}", lora_id, f"/adapters/{lora_id}")
+        bm.allocate(group)
+        seq = group.seqs[0]
+        computed = seq.num_computed_tokens
+        bm.mark_computed(seq, len(seq))
+        offloads, restores = bm.take_tier_copies()
+        bm.free(seq)
+        check_block_manager(bm)
+        return computed, offloads, restores
+
+    assert admit_and_free(tokens, lora_id=1)[0] == 0
+    assert len(admit_and_free(list(range(200, 213)))[1]) == 3  # adapter 1's blocks go to tier 2
+    for other in (2, 0):  # another adapter, the base model: nothing restored
+        computed, _, restores = admit_and_free(tokens, lora_id=other)
+        assert (computed, restores) == (0, [])
+    computed, _, restores = admit_and_free(tokens, lora_id=1)
+    assert computed == 4 * restored and len(restores) == restored
+    # four requests' 3 blocks each were offloaded (the last one's as the first came back)
+    assert bm.counters.offloaded_blocks == 12
+    assert bm.counters.offload_evicted_blocks == max(0, 12 - num_cpu)
 
 
 def test_randomized_worlds_keep_every_slot_exact_and_compute_less():
