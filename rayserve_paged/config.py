@@ -155,6 +155,8 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= the number of lora_modules ({len(self.lora_modules)})"
             )
+        if self.kv_offload_memory_gb > 0 and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_memory_gb: tier 2 of the prefix cache needs enable_prefix_caching")
         if any(not root for root in self.lora_modules_root):
             raise ValueError("lora_modules_root: a root must be a non-empty path")
         bad = next((name for name in self.lora_modules if not name or name == self.model), None)

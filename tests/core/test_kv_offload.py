@@ -138,7 +138,7 @@ def test_no_block_is_restored_under_another_salt():
 
 @pytest.mark.parametrize("num_cpu, restored", [(12, 3), (8, 2)])
 def test_no_block_is_restored_under_another_adapter_and_tier_2_evicts_lru(num_cpu, restored):
-    """12 CPU blocks hold the 9 offloaded; 8 drop the least recently offloaded first: the
+    """12 CPU blocks hold every offloaded block; 8 drop the least recently offloaded first: the
     first adapter's last block (a prefix's tail leaves the device first)."""
     bm = BlockManager(4, 4, num_cpu, watermark=0.0, kv_offload=True)
     tokens = list(range(100, 113))

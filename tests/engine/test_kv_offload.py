@@ -85,3 +85,10 @@ def test_a_small_pool_with_a_host_tier_makes_the_unbounded_pools_tokens(tiny_pat
         assert readings.value(names.PREFIX_CACHE_TIER_BLOCKS, tier="device", event="evicted") > 0
     finally:
         telemetry.shutdown()
+
+
+def test_a_tier_without_the_prefix_cache_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="kv_offload_memory_gb: tier 2 of the prefix cache needs enable_prefix_caching"):
+        EngineConfig(model="tiny-opt", kv_offload_memory_gb=1, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="kv_offload_memory_gb"):
+        EngineConfig(model="tiny-opt", kv_offload_memory_gb=-1)
