@@ -39,6 +39,7 @@ BENCHMARKS = {
     "load": "benchmarks.load",
     "priority": "benchmarks.priority",
     "routing-cost": "benchmarks.routing_cost",
+    "kv-offload": "benchmarks.kv_offload",
 }
 
 DEMO_QUESTIONS = [

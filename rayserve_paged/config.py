@@ -44,6 +44,14 @@ class EngineConfig(BaseModel):
     )
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="Exact number of KV blocks.")
     swap_space_gb: float = Field(4.0, ge=0, description="CPU swap pool in GiB (per TP rank).")
+    kv_offload_memory_gb: float = Field(
+        0.0,
+        ge=0,
+        description="Tier 2 of the prefix cache, in GiB of host memory per TP rank (0: off): prefix blocks "
+        "evicted from the KV cache are copied there and copied back on a hit instead of recomputed. It joins "
+        "the swap pool (one CPU pool of swap_space_gb + kv_offload_memory_gb); a swap-out takes precedence "
+        "over a tier-2 entry. Needs enable_prefix_caching.",
+    )
     preemption_mode: Literal["recompute", "swap", "auto"] = Field(
         "auto", description="recompute, swap, or auto (recompute single sequences, swap groups)."
     )
@@ -152,6 +160,8 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= the number of lora_modules ({len(self.lora_modules)})"
             )
+        if self.kv_offload_memory_gb > 0 and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_memory_gb: tier 2 of the prefix cache needs enable_prefix_caching")
         if any(not root for root in self.lora_modules_root):
             raise ValueError("lora_modules_root: a root must be a non-empty path")
         bad = next((name for name in self.lora_modules if not name or name == self.model), None)

@@ -93,6 +93,7 @@ ENGINE_KWARGS: dict[str, EngineArg] = {
     "kv_cache_memory_bytes": EngineArg("kv_cache_memory_gb", "bytes / 2^30", _gib),
     "num_gpu_blocks_override": EngineArg("num_gpu_blocks_override"),
     "swap_space": EngineArg("swap_space_gb", "GiB per TP rank, as vLLM's"),
+    "kv_offloading_size": EngineArg("kv_offload_memory_gb", "GiB of host memory per TP rank (tier 2)"),
     "preemption_mode": EngineArg("preemption_mode", "recompute, swap (and `auto`, this project's default)"),
     "dtype": EngineArg("dtype", "auto, float16 (half), bfloat16, float32 (float)", _dtype),
     "quantization": EngineArg("quantization", "null = auto; gguf, awq, gptq, fp8", _quantization),

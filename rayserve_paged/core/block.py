@@ -18,6 +18,8 @@ class PhysicalBlock:
       token_ids the block's tokens, compared on every hit (a key collision never matches)
       parent    the block before it in the chain, with that block's `generation` at the
                 time, so a hit is only taken after the exact chain before it matched
+      parent_key that block's key (or the chain's root key): what a copy of this block in
+                another tier is checked against, the block itself being gone by then
     `generation` increases whenever the block's contents are given up (eviction, reuse).
     """
 
@@ -28,6 +30,7 @@ class PhysicalBlock:
         "token_ids",
         "parent",
         "parent_generation",
+        "parent_key",
         "generation",
         "prev_free",
         "next_free",
@@ -40,6 +43,7 @@ class PhysicalBlock:
         self.token_ids: tuple[int, ...] | None = None
         self.parent: PhysicalBlock | None = None
         self.parent_generation = -1
+        self.parent_key: int | None = None
         self.generation = 0
         self.prev_free: PhysicalBlock | None = None
         self.next_free: PhysicalBlock | None = None
@@ -53,6 +57,7 @@ class PhysicalBlock:
         self.token_ids = None
         self.parent = None
         self.parent_generation = -1
+        self.parent_key = None
         self.generation += 1
 
     def __repr__(self) -> str:

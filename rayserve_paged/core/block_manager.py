@@ -38,6 +38,25 @@ Prefix-cache registration happens when a full block is scheduled to be computed,
 request admitted later in the same step may already share it. The model runner guarantees
 this is safe: in every layer the whole step's new K/V are written into the cache before any
 attention of that step reads it.
+
+Tier 2 (`kv_offload`): the CPU swap pool doubles as a second prefix cache. Its ref-0 blocks
+that hold a copy of an evicted device block stay in its free queue, LRU, keyed like the
+device cache; a swap-out takes any free CPU block, a tier-2 copy included (swap takes
+precedence). Per step (take_tier_copies, at the end of Scheduler.schedule):
+
+    device block d evicted (its prefix cached, computed before this step)
+        -> (d, c) joins blocks_to_swap_out          c: a CPU block, tier 2 evicts LRU
+    admission: device hits, then the chain goes on in tier 2 at c
+        -> new device block d', (c, d') joins blocks_to_swap_in, d' counts as computed
+
+Workers copy swap-outs, then swap-ins, then copy-on-write, then run the rows, so an evicted
+block is read before its new owner (a restore, a copy or a row) writes it, and a restored
+block is whole before any attention reads it. A CPU block a copy of this step reads (a
+restore's or a swap-in's source) is held until the step's offloads have their places, so
+no offload overwrites it. A block registered in this step (its K/V not computed yet) is
+not offloaded. A tier-2 entry is checked against the key of the block before it and its
+token ids; after the first tier-2 hit the chain goes on in tier 2 only. Groups of several
+waiting sequences (a recomputed fork) take device hits only.
 """
 
 from __future__ import annotations
@@ -171,6 +190,12 @@ class BlockCounters:
     swapped_out_blocks: int = 0
     prefix_cache_queries: int = 0  # tokens looked up (prompt tokens at admission)
     prefix_cache_hits: int = 0  # of those, tokens found in cached blocks
+    # the second tier (kv offload, see BlockManager): blocks and tokens per tier
+    prefix_cache_evicted_blocks: int = 0  # device blocks whose cached prefix was given up
+    offload_hits: int = 0  # tokens found in tier 2 (restored, not recomputed)
+    offloaded_blocks: int = 0  # device -> tier 2 copies
+    restored_blocks: int = 0  # tier 2 -> device copies
+    offload_evicted_blocks: int = 0  # tier-2 entries dropped (LRU, or taken by a swap-out)
 
 
 class DeviceAllocator:
@@ -183,6 +208,7 @@ class DeviceAllocator:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, PhysicalBlock] = {}  # key -> block holding that prefix block
         self.num_cached_free = 0  # ref 0 blocks still reachable through `cached`
+        self.on_evict: Callable[[PhysicalBlock], None] | None = None  # before a cached block is given up
 
     @property
     def num_free_blocks(self) -> int:
@@ -192,9 +218,19 @@ class DeviceAllocator:
     def allocate(self) -> PhysicalBlock:
         block = self.free_queue.popleft()
         if block.key is not None:
+            if self.on_evict is not None:
+                self.on_evict(block)
             self._evict(block)
         block.ref_count = 1
         return block
+
+    def hold(self, block: PhysicalBlock) -> None:
+        """Take a reference on any block, cached or empty, in the free queue or not."""
+        if block.ref_count == 0:
+            self.free_queue.remove(block)
+            if block.key is not None and self.cached.get(block.key) is block:
+                self.num_cached_free -= 1
+        block.ref_count += 1
 
     def reuse(self, block: PhysicalBlock) -> None:
         """Take a reference on a block found in the prefix cache."""
@@ -217,11 +253,12 @@ class DeviceAllocator:
             block.forget_contents()
             self.free_queue.appendleft(block)  # nothing worth keeping: handed out first
 
-    def register(self, block: PhysicalBlock, parent: PhysicalBlock | None, key: int, tokens) -> None:
+    def register(self, block: PhysicalBlock, parent: PhysicalBlock | None, key: int, tokens, parent_key=None) -> None:
         block.key = key
         block.token_ids = tokens
         block.parent = parent
         block.parent_generation = -1 if parent is None else parent.generation
+        block.parent_key = parent_key
         self.cached.setdefault(key, block)  # a duplicate of a cached block stays unlisted
 
     def _evict(self, block: PhysicalBlock) -> None:
@@ -256,6 +293,7 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         hash_fn: HashFn = default_block_hash,
         sliding_window: int | None = None,
+        kv_offload: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 (got {block_size})")
@@ -273,7 +311,19 @@ class BlockManager:
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.hash_fn = hash_fn
         self.gpu = DeviceAllocator(num_gpu_blocks, enable_prefix_caching)
-        self.cpu = DeviceAllocator(num_cpu_blocks, enable_caching=False)
+        # tier 2 (see the module docstring): the CPU pool's free blocks also cache prefixes
+        self.kv_offload = kv_offload and enable_prefix_caching and num_cpu_blocks > 0
+        self.cpu = DeviceAllocator(num_cpu_blocks, enable_caching=self.kv_offload)
+        self._fresh: set[int] | None = None  # device blocks registered this step (tier 2 on)
+        # device blocks evicted this step, to offload: (gpu id, key, parent key, token ids)
+        self._evicted: list[tuple[int, int, int | None, tuple[int, ...]]] = []
+        self._restores: BlockMapping = []  # (cpu id, gpu id) restores of this step
+        self._swapped_in: list[int] = []  # CPU blocks this step's swap-ins read
+        self._held: list[PhysicalBlock] = []  # CPU blocks held to the step's end (read by a copy)
+        self.gpu.on_evict = self._note_device_eviction
+        if self.kv_offload:
+            self._fresh = set()
+            self.cpu.on_evict = self._note_tier_eviction
         self.gpu_tables: dict[int, list[int]] = {}
         self.cpu_tables: dict[int, list[int]] = {}
         # Leading blocks of each sequence already given a prefix-cache identity.
@@ -401,7 +451,9 @@ class BlockManager:
                 tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
                 parent_key = self._salt_keys.get(seq.seq_id) if parent is None else parent.key
                 key = self.hash_fn(parent_key, tokens)
-                self.gpu.register(block, parent, key, tokens)
+                self.gpu.register(block, parent, key, tokens, parent_key)
+                if self._fresh is not None:
+                    self._fresh.add(block.block_id)
             parent = block
         self._num_registered[seq.seq_id] = end
 
@@ -414,7 +466,93 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (e.g. after a failed step left blocks uncomputed)."""
         self.gpu.reset_cache()
+        if self.kv_offload:  # the failed step's copies may not have run
+            self.cpu.reset_cache()
+            self._restores, self._evicted, self._swapped_in = [], [], []
+            for block in self._held:
+                self.cpu.decref(block)
+            self._held = []
+            self._fresh.clear()
         self._num_registered = {sid: len(t) for sid, t in self.gpu_tables.items()}
+
+    # ------------------------------------------------------------------ tier 2
+
+    def _note_device_eviction(self, block: PhysicalBlock) -> None:
+        self.counters.prefix_cache_evicted_blocks += 1
+        if self._fresh is not None and block.block_id not in self._fresh:
+            self._evicted.append((block.block_id, block.key, block.parent_key, block.token_ids))
+
+    def _note_tier_eviction(self, block: PhysicalBlock) -> None:
+        self.counters.offload_evicted_blocks += 1
+
+    def _match_tier2(self, token_ids: list[int], start: int, parent_key: int | None) -> list[PhysicalBlock]:
+        """Tier-2 blocks that continue a chain whose first `start` blocks are on the device
+        (`parent_key`: the key of the last of them, or the root key)."""
+        bs = self.block_size
+        cached = self.cpu.cached
+        hits: list[PhysicalBlock] = []
+        for i in range(start, (len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            key = self.hash_fn(parent_key, tokens)
+            block = cached.get(key)
+            if block is None or block.token_ids != tokens or block.parent_key != parent_key:
+                break
+            hits.append(block)
+            parent_key = key
+        return hits
+
+    def _restore(self, seq: Sequence, device_hits: list[PhysicalBlock], root_key: int | None) -> list[int]:
+        """New device blocks for the tier-2 continuation of the sequence's device hits, their
+        copies queued for this step's swap-in list. Their sources are held to the step's end."""
+        parent_key = device_hits[-1].key if device_hits else root_key
+        table = []
+        for source in self._match_tier2(seq.token_ids, len(device_hits), parent_key):
+            self.cpu.hold(source)
+            self._held.append(source)
+            block = self.gpu.allocate()
+            self._restores.append((source.block_id, block.block_id))
+            table.append(block.block_id)
+        self.counters.restored_blocks += len(table)
+        self.counters.offload_hits += len(table) * self.block_size
+        return table
+
+    def take_tier_copies(self) -> tuple[BlockMapping, BlockMapping]:
+        """The step's tier-2 copies: (offloads as (gpu id, cpu id), restores as (cpu id,
+        gpu id)), for the swap-out and swap-in lists. Called once, at the end of a step's
+        scheduling: CPU places for this step's evicted device blocks are taken only now,
+        from blocks no copy of this step reads."""
+        if self._fresh is None:
+            return [], []
+        cpu = self.cpu
+        held = self._held
+        for bid in dict.fromkeys(self._swapped_in):
+            held.append(cpu.blocks[bid])
+            cpu.hold(held[-1])
+        offloads: BlockMapping = []
+        for gpu_bid, key, parent_key, tokens in self._evicted:
+            entry = cpu.cached.get(key)
+            if entry is not None and entry.token_ids == tokens and entry.parent_key == parent_key:
+                if entry.ref_count == 0:  # already in tier 2: now its most recently used entry
+                    cpu.free_queue.remove(entry)
+                    cpu.free_queue.append(entry)
+                continue
+            if entry is not None or not cpu.free_queue.num_blocks:
+                continue  # a different block under that key, or every CPU block held
+            block = cpu.allocate()
+            cpu.register(block, None, key, tokens, parent_key)
+            cpu.decref(block)  # ref 0 and cached: the most recently used tier-2 entry
+            offloads.append((gpu_bid, block.block_id))
+        for block in held:
+            cpu.decref(block)
+        self.counters.offloaded_blocks += len(offloads)
+        restores = self._restores
+        self._restores, self._evicted, self._swapped_in, self._held = [], [], [], []
+        self._fresh.clear()
+        return offloads, restores
+
+    def offload_prefix_keys(self) -> list[int]:
+        """Keys of every tier-2 block (as cached_prefix_keys, for the router)."""
+        return list(self.cpu.cached)
 
     # ------------------------------------------------------------------ admission
 
@@ -465,8 +603,11 @@ class BlockManager:
                 self.gpu.reuse(block)
         first = seqs[0]
         table = [b.block_id for b in hits[0]]
+        if self.kv_offload and len(seqs) == 1:
+            table += self._restore(first, hits[0], root_key)
+        num_computed = len(table) * self.block_size
         table += [self.gpu.allocate().block_id for _ in range(self._num_blocks_for(len(first)) - len(table))]
-        self._start_table(first, table, num_computed=len(hits[0]) * self.block_size)
+        self._start_table(first, table, num_computed=num_computed)
         self.counters.prefix_cache_queries += len(first)
         self.counters.prefix_cache_hits += len(hits[0]) * self.block_size
         for seq, own_hits in zip(seqs[1:], hits[1:]):
@@ -657,6 +798,8 @@ class BlockManager:
                 self.cpu.decref(self.cpu.blocks[bid])
             self.gpu_tables[seq.seq_id] = table
         self.counters.swapped_in_blocks += len(copies)
+        if self.kv_offload:
+            self._swapped_in.extend(bid for bid, _ in copies)
         for seq in seqs:
             # Fresh GPU blocks get their identities again (the group runs this step).
             self._num_registered[seq.seq_id] = 0

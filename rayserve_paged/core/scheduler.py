@@ -363,6 +363,10 @@ class Scheduler:
         if self.lora_slots is not None:
             msg.lora_slot_updates = self.lora_slots.take_updates()
             msg.lora_forgets = self.lora_slots.take_forgets()
+        if bm.kv_offload:  # tier 2: this step's offloads and restores ride the swap lists
+            offloads, restores = bm.take_tier_copies()
+            msg.blocks_to_swap_out.extend(offloads)
+            msg.blocks_to_swap_in.extend(restores)
         out.num_batched_tokens = num_tokens
         return out
 

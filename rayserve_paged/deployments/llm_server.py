@@ -38,7 +38,7 @@ from rayserve_paged.deployments.fleet_metrics import (
     FleetMetricsCache,
     scheduler_actor_name,
 )
-from rayserve_paged.deployments.routing import ADAPTERS_STAT, PREFIX_KEYS_STAT, RoutingKey
+from rayserve_paged.deployments.routing import ADAPTERS_STAT, OFFLOAD_KEYS_STAT, PREFIX_KEYS_STAT, RoutingKey
 from rayserve_paged.deployments.tokenizer_pool import TokenizerPool
 from rayserve_paged.engine.frontend import STREAM_BATCHING_INTERVAL_MS, EngineFrontend, EngineUnavailable
 from rayserve_paged.engine.llm_engine import RequestError
@@ -262,11 +262,13 @@ class RoutedLLMServer(LLMServer):
     serves_http = False
 
     async def record_routing_stats(self) -> dict[str, list[int]]:
-        keys, adapters = await asyncio.gather(
-            self.actor.prefix_cache_keys.remote(), self.actor.resident_lora_ids.remote()
+        keys, adapters, offloaded = await asyncio.gather(
+            self.actor.prefix_cache_keys.remote(),
+            self.actor.resident_lora_ids.remote(),
+            self.actor.offload_prefix_keys.remote(),
         )
-        # a frozenset: the routers take it over as it arrives, without building one per report
-        return {PREFIX_KEYS_STAT: frozenset(keys), ADAPTERS_STAT: adapters}
+        # frozensets: the routers take them over as they arrive, without building one per report
+        return {PREFIX_KEYS_STAT: frozenset(keys), ADAPTERS_STAT: adapters, OFFLOAD_KEYS_STAT: frozenset(offloaded)}
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):

@@ -58,7 +58,10 @@ class PrefixAffinityRouter(RequestRouter):
         for replica_id in loads:
             stats = by_id[replica_id].routing_stats
             self.policy.update_published(
-                replica_id, stats.get(routing.PREFIX_KEYS_STAT), stats.get(routing.ADAPTERS_STAT)
+                replica_id,
+                stats.get(routing.PREFIX_KEYS_STAT),
+                stats.get(routing.ADAPTERS_STAT),
+                stats.get(routing.OFFLOAD_KEYS_STAT),
             )
             loads[replica_id] += self._num_chosen[replica_id]
         replica_id, reason = self.policy.choose(key, loads)
@@ -128,5 +131,8 @@ class PrefixAffinityRouter(RequestRouter):
         for r in replicas:
             stats = r.routing_stats
             self.policy.update_published(
-                r.replica_id.unique_id, stats.get(routing.PREFIX_KEYS_STAT), stats.get(routing.ADAPTERS_STAT)
+                r.replica_id.unique_id,
+                stats.get(routing.PREFIX_KEYS_STAT),
+                stats.get(routing.ADAPTERS_STAT),
+                stats.get(routing.OFFLOAD_KEYS_STAT),
             )

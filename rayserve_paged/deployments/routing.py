@@ -42,6 +42,12 @@ Memory: the sent keys are two generations per replica, turned over at each repor
 also every `sent_generation_s` and at `max_sent_keys` whether or not a report came (a
 replica whose reports are missing or stale cannot grow them without bound).
 
+Tier 2 (kv_offload_memory_gb): replicas also report the keys of the blocks their prefix
+cache moved to host memory. A replica's credit for a request is its device chain (blocks)
+plus TIER2_CREDIT per block of the tier-2 chain that continues it, as the replica's block
+manager restores it (after the device chain, tier 2 only): so a tier-2 hit wins over a miss
+and loses to a device hit of the same length.
+
 Adapter affinity: a request naming a LoRA adapter carries the adapter's int id in its
 RoutingKey (also the root of its prefix chain: prefix_block_keys(..., lora_id=), as the
 replica's block manager keys it, so a chain is found only where it was cached under that
@@ -79,6 +85,12 @@ from rayserve_paged.telemetry import render_families
 ROUTING_KWARG = "routing"  # the keyword of LLMServer.generate / generate_stream the router reads
 PREFIX_KEYS_STAT = "prefix_keys"  # what RoutedLLMServer.record_routing_stats reports: cached keys,
 ADAPTERS_STAT = "lora_resident"  # ... and the int ids of the LoRA adapters in its device slots
+OFFLOAD_KEYS_STAT = "offload_keys"  # ... and the keys of its prefix cache's tier 2 (host memory)
+# What a block in a replica's tier 2 is worth against one in its device cache (1) and a miss
+# (0): a hit there skips the block's prefill but pays a host-to-device copy and takes a device
+# block again, and the report of it is as stale as the device one (Ray Serve LLM's KV-aware
+# router also credits offloaded blocks less).
+TIER2_CREDIT = 0.5
 ROUTER_PATH = "rayserve_paged.deployments.prefix_router:PrefixAffinityRouter"
 DEFAULT_IMBALANCE_THRESHOLD = 8
 MAX_SESSIONS = 100_000  # sessions remembered per router (least recently used forgotten first)
@@ -166,11 +178,12 @@ class AffinityPolicy:
         self._sent: dict[str, SentKeys] = {}  # replica -> the keys sent it (two generations)
         self._adapters: dict[str, frozenset[int]] = {}  # replica -> adapter ids resident at its report
         self._sent_adapters: dict[str, tuple[set[int], set[int]]] = {}  # as _sent, for adapter ids
+        self._offloaded: dict[str, frozenset[int]] = {}  # replica -> its tier-2 keys at its report
 
-    def update_published(self, replica: str, keys, adapters=None) -> None:
+    def update_published(self, replica: str, keys, adapters=None, offload_keys=None) -> None:
         """The replica's latest report (`keys`: a list of ints; `adapters`: its resident
-        adapter ids); a new `keys` object replaces the old sets and turns the sent
-        generations over."""
+        adapter ids; `offload_keys`: its tier-2 keys); a new `keys` object replaces the old
+        sets and turns the sent generations over."""
         if keys is None:
             return
         last = self._published.get(replica)
@@ -179,6 +192,7 @@ class AffinityPolicy:
         published = keys if isinstance(keys, frozenset) else frozenset(keys)  # a replica reports a frozenset
         self._published[replica] = (keys, published)
         self._adapters[replica] = frozenset(adapters or ())
+        self._offloaded[replica] = offload_keys if isinstance(offload_keys, frozenset) else frozenset(offload_keys or ())
         sent = self._sent.get(replica)
         if sent is not None:
             sent.turn_over(self.clock())
@@ -190,7 +204,7 @@ class AffinityPolicy:
     def retain(self, replicas: set[str]) -> None:
         """Forget what is known of every replica not in `replicas` (gone from the fleet)."""
         for replica in (self._published.keys() | self._sent.keys() | self._sent_adapters.keys()) - replicas:
-            for state in (self._published, self._sent, self._adapters, self._sent_adapters):
+            for state in (self._published, self._sent, self._adapters, self._sent_adapters, self._offloaded):
                 state.pop(replica, None)
 
     def holds_adapter(self, replica: str, adapter: int) -> bool:
@@ -208,6 +222,20 @@ class AffinityPolicy:
                 break
             n += 1
         return n
+
+    def prefix_credit(self, replica: str, prefix_keys: tuple[int, ...]) -> float:
+        """The replica's device chain for the request, plus TIER2_CREDIT per block of the
+        tier-2 chain that continues it."""
+        n = self.num_cached_blocks(replica, prefix_keys)
+        offloaded = self._offloaded.get(replica)
+        if not offloaded:
+            return n
+        m = 0
+        for key in prefix_keys[n:]:
+            if key not in offloaded:
+                break
+            m += 1
+        return n + TIER2_CREDIT * m
 
     def _sent_to(self, replica: str) -> SentKeys | None:
         """The keys sent to `replica`, turned over first when their generation is past due."""
@@ -235,7 +263,7 @@ class AffinityPolicy:
                 if loads[replica] - lowest > self.imbalance_threshold:
                     return least(), IMBALANCE  # the session moves (and sticks to its new replica)
                 return replica, SESSION
-        matched = {r: self.num_cached_blocks(r, key.prefix_keys) for r in loads}
+        matched = {r: self.prefix_credit(r, key.prefix_keys) for r in loads}
         if key.adapter:
             holders = [r for r in loads if self.holds_adapter(r, key.adapter)]
             if holders:

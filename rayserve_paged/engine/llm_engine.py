@@ -127,6 +127,7 @@ class LLMEngine:
             watermark=config.watermark,
             enable_prefix_caching=self._prefix_caching(),
             sliding_window=self.model_config.sliding_window,
+            kv_offload=config.kv_offload_memory_gb > 0,
         )
         self.lora_slots = LoRASlots(config.max_loras) if config.is_lora_enabled else None
         self.scheduler = Scheduler(

@@ -245,6 +245,10 @@ class SchedulerActor:
         """Keys of the blocks this engine's prefix cache holds (what a fleet routes on)."""
         return self.engine.block_manager.cached_prefix_keys()
 
+    def offload_prefix_keys(self) -> list[int]:
+        """Keys of the blocks in this engine's prefix-cache tier 2 (host memory)."""
+        return self.engine.block_manager.offload_prefix_keys()
+
     def resident_lora_ids(self) -> list[int]:
         """Int ids of the LoRA adapters in this engine's device slots (a fleet routes on them)."""
         slots = self.engine.lora_slots

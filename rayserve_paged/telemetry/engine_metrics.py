@@ -28,7 +28,10 @@ class EngineLike(Protocol):
     block_manager.usage() -> BlockUsage          (gpu_used / gpu_cached / gpu_free / gpu_total, cpu_*)
     block_manager.slot_usage(seqs) -> (gpu, cpu) SlotUsage  (token slots of the live sequences)
     block_manager.counters                       (copy_on_write_blocks, swapped_in_blocks,
-                                                  swapped_out_blocks, prefix_cache_queries/hits)
+                                                  swapped_out_blocks, prefix_cache_queries/hits,
+                                                  the tier counters: offload_hits, offloaded_blocks,
+                                                  restored_blocks, offload_evicted_blocks,
+                                                  prefix_cache_evicted_blocks)
     num_prompt_tokens, num_generation_tokens
     structured.errors.items(), grammars.num_cached_bytes  (grammar errors by stage, cache bytes)
     lora_slots, loras, num_lora_requests          (only with LoRA: lora_slots not None)
@@ -43,6 +46,22 @@ class EngineLike(Protocol):
 def _swapped_blocks(engine: EngineLike):
     c = engine.block_manager.counters
     return (("in", c.swapped_in_blocks), ("out", c.swapped_out_blocks))
+
+
+def _tier_hits(engine: EngineLike):
+    c = engine.block_manager.counters
+    return (("device", c.prefix_cache_hits), ("host", c.offload_hits))
+
+
+def _tier_blocks(engine: EngineLike):
+    """((tier, event), blocks) pairs: what moved in and out of each prefix-cache tier."""
+    c = engine.block_manager.counters
+    return (
+        (("device", "evicted"), c.prefix_cache_evicted_blocks),
+        (("host", "offloaded"), c.offloaded_blocks),
+        (("host", "restored"), c.restored_blocks),
+        (("host", "evicted"), c.offload_evicted_blocks),
+    )
 
 
 def _preemptions(engine: EngineLike):
@@ -132,6 +151,20 @@ class EngineMetrics:
             callbacks=[self._counter(lambda e: e.block_manager.counters.prefix_cache_hits)],
             unit="{token}",
             description="Of the prefix-cache queries, tokens found in cached blocks (not recomputed).",
+        )
+        meter.create_observable_counter(
+            names.PREFIX_CACHE_TIER_HITS,
+            callbacks=[self._counter(_tier_hits, names.TIER)],
+            unit="{token}",
+            description="Of the prefix-cache queries, tokens found in each tier: device (the KV cache) or host "
+            "(tier 2, copied back instead of recomputed).",
+        )
+        meter.create_observable_counter(
+            names.PREFIX_CACHE_TIER_BLOCKS,
+            callbacks=[self._tier_block_counter],
+            unit="{block}",
+            description="Prefix-cache blocks moved per tier: device evicted; host offloaded (device to host), "
+            "restored (host to device), evicted (LRU, or taken by a swap-out).",
         )
 
         # -- scheduler
@@ -264,6 +297,13 @@ class EngineMetrics:
             return [Observation(v, {**attrs, key: label}) for label, v in value]
 
         return callback
+
+    def _tier_block_counter(self, options: CallbackOptions) -> Iterable[Observation]:
+        attrs = self._attrs
+        return [
+            Observation(v, {**attrs, names.TIER: tier, names.TIER_EVENT: event})
+            for (tier, event), v in _tier_blocks(self.engine)
+        ]
 
     def _observe_blocks(self, options: CallbackOptions) -> Iterable[Observation]:
         u = self.engine.block_manager.usage()

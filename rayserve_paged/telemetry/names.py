@@ -26,6 +26,8 @@ KV_CACHE_FRAGMENTATION = "rayserve_paged.kv_cache.fragmentation"  # {pool}: 1 - 
 KV_CACHE_SHARED_BLOCKS = "rayserve_paged.kv_cache.shared_blocks"  # {pool}: held by > 1 sequence
 PREFIX_CACHE_QUERIES = "rayserve_paged.prefix_cache.queries"
 PREFIX_CACHE_HITS = "rayserve_paged.prefix_cache.hits"
+PREFIX_CACHE_TIER_HITS = "rayserve_paged.prefix_cache.tier_hits"  # {tier}: tokens found in each tier
+PREFIX_CACHE_TIER_BLOCKS = "rayserve_paged.prefix_cache.tier_blocks"  # {tier, event}
 SCHEDULER_REQUESTS = "rayserve_paged.scheduler.requests"  # {state}
 SCHEDULER_PREEMPTIONS = "rayserve_paged.scheduler.preemptions"  # {mode}
 TOKENS = "rayserve_paged.tokens"  # {type}
@@ -69,6 +71,8 @@ SWAP_POOL = "cpu"  # the swap pool in host RAM
 STATE = "state"
 MODE = "mode"  # recompute | swap
 DIRECTION = "direction"  # in | out
+TIER = "tier"  # device | host (the prefix cache's tier 2, kv_offload_memory_gb)
+TIER_EVENT = "event"  # device: evicted; host: offloaded | restored | evicted
 TOKEN_TYPE = "type"  # prompt | generation
 FINISH_REASON = "finish_reason"  # stop | length | abort
 STAGE = "stage"  # consume | mask | mask_budget (where a grammar error happened)
@@ -84,6 +88,8 @@ ENGINE_INSTRUMENTS = (
     KV_CACHE_SHARED_BLOCKS,
     PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS,
+    PREFIX_CACHE_TIER_HITS,
+    PREFIX_CACHE_TIER_BLOCKS,
     SCHEDULER_REQUESTS,
     SCHEDULER_PREEMPTIONS,
     TOKENS,

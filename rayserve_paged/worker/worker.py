@@ -180,7 +180,7 @@ class Worker:
             num_gpu = int(gb * GiB) // block_bytes
         else:
             num_gpu = self._profile_gpu_blocks(block_bytes)
-        num_cpu = int(cfg.swap_space_gb * GiB) // block_bytes
+        num_cpu = int((cfg.swap_space_gb + cfg.kv_offload_memory_gb) * GiB) // block_bytes  # one CPU pool
         return CacheSizes(num_gpu, num_cpu, block_bytes)
 
     def _profile_gpu_blocks(self, block_bytes: int) -> int:

@@ -408,3 +408,25 @@ async def test_while_the_fleet_starts_the_ingress_answers_503_retry_after_and_se
             assert response.status_code == 200, response.text
         assert (await http.get("/health")).status_code == 200
     assert len(handle.keys) == 2
+
+
+def test_a_prefix_in_one_replicas_tier_2_goes_there_when_loads_tie_and_a_device_hit_beats_it():
+    policy = AffinityPolicy()
+    keys = key(CHAT).prefix_keys  # 5 blocks
+    policy.update_published("a", [], offload_keys=list(keys))  # all of it in a's tier 2
+    policy.update_published("b", [])
+    assert policy.prefix_credit("a", keys) == 5 * 0.5 and policy.prefix_credit("b", keys) == 0
+    for _ in range(20):  # never the least-loaded tie-break's random choice
+        assert policy.choose(key(CHAT), {"a": 1, "b": 1}) == ("a", PREFIX)
+    # the same chain on b's device: b; a device chain continued in tier 2 counts both
+    policy.update_published("b", list(keys))
+    assert policy.choose(key(CHAT), {"a": 1, "b": 1}) == ("b", PREFIX)
+    policy.update_published("a", list(keys[:4]), offload_keys=list(keys[4:]))
+    policy.update_published("b", list(keys[:4]))
+    assert policy.prefix_credit("a", keys) == 4.5
+    assert policy.choose(key(CHAT), {"a": 1, "b": 1}) == ("a", PREFIX)
+    # tier 2 continues a device chain only from its start: a later block alone is no match
+    policy.update_published("a", [], offload_keys=list(keys[1:]))
+    assert policy.prefix_credit("a", keys) == 0
+    policy.retain({"b"})
+    assert policy.prefix_credit("a", keys) == 0

@@ -199,6 +199,7 @@ ENGINE_VALUES = {
     "max_num_batched_tokens": (1024, 1024), "block_size": (32, 32), "enable_prefix_caching": (False, False),
     "enable_chunked_prefill": (False, False), "gpu_memory_utilization": (0.5, 0.5),
     "kv_cache_memory_bytes": (2**29, 0.5), "num_gpu_blocks_override": (100, 100), "swap_space": (2, 2),
+    "kv_offloading_size": (1.5, 1.5),
     "preemption_mode": ("swap", "swap"), "dtype": ("half", "float16"), "quantization": (None, "auto"),
     "seed": (None, 0), "enforce_eager": (True, True), "max_logprobs": (5, 5), "trust_remote_code": (True, True),
     "tokenizer": ("/tmp/tok", "/tmp/tok"), "device": ("cpu", "cpu"), "enable_lora": (True, True),
