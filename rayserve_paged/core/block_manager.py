@@ -603,7 +603,7 @@ class BlockManager:
                 self.gpu.reuse(block)
         first = seqs[0]
         table = [b.block_id for b in hits[0]]
-        if self.kv_offload and len(seqs) == 1:
+        if self.kv_offload and len(seqs) == 1 and not group.sampling_params.is_full_prefill:
             table += self._restore(first, hits[0], root_key)
         num_computed = len(table) * self.block_size
         table += [self.gpu.allocate().block_id for _ in range(self._num_blocks_for(len(first)) - len(table))]

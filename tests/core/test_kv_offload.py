@@ -136,6 +136,27 @@ def test_no_block_is_restored_under_another_salt():
     assert bm.counters.restored_blocks == 0
 
 
+@pytest.mark.parametrize("full_prefill", [{"prompt_logprobs": 1}, {"prompt_logprobs": 0}])
+def test_a_request_needing_its_whole_prefill_restores_nothing(full_prefill):
+    """Prompt logprobs (and pooled states) come from the request's own prefill: tier 2 is
+    skipped like the device cache; its own blocks are cached for the request after it."""
+    scheduler, bm = make_tiered(num_gpu=4, num_cpu=8)
+    worker = FakeWorker(bm)
+    a = list(range(100, 113))
+    for rid, tokens, extra in (("a", a, {}), ("b", list(range(200, 213)), {}), ("a2", a, full_prefill), ("a3", a, {})):
+        group = make_group(rid, tokens, max_tokens=64, **extra)
+        scheduler.add_group(group)
+        out = scheduler.schedule()
+        worker.run(scheduler, out)
+        if rid == "a2":
+            assert out.message.blocks_to_swap_in == [] and out.message.num_query_tokens == [13]
+        if rid == "a3":
+            assert out.message.blocks_to_swap_in == [] and out.message.num_query_tokens == [1]
+        group.seqs[0].status = SequenceStatus.FINISHED_STOPPED
+        scheduler.free_finished(group)
+        check_scheduler(scheduler)
+
+
 @pytest.mark.parametrize("num_cpu, restored", [(12, 3), (8, 2)])
 def test_no_block_is_restored_under_another_adapter_and_tier_2_evicts_lru(num_cpu, restored):
     """12 CPU blocks hold every offloaded block; 8 drop the least recently offloaded first: the
