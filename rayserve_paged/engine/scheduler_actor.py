@@ -226,6 +226,8 @@ class SchedulerActor:
             "step_s": self.timing.step_s,
             "preemptions_recompute": self.engine.scheduler.counters.preemptions_recompute,
             "preemptions_swap": self.engine.scheduler.counters.preemptions_swap,
+            "tier2_offloaded_blocks": self.engine.block_manager.counters.offloaded_blocks,
+            "tier2_restored_blocks": self.engine.block_manager.counters.restored_blocks,
             # per rank, (requests, sequences) in its persistent batch: (0, 0) when idle
             "worker_batch_states": self.engine.executor.batch_states(),
         }

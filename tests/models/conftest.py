@@ -6,6 +6,7 @@ import torch
 from rayserve_paged.models.loader import get_model_config, load_model
 from rayserve_paged.models.tiny import make_tiny_model
 
+from .families import write_family_checkpoint
 from .paged import PagedRunner
 
 
@@ -29,6 +30,20 @@ def tiny_checkpoint(tmp_path_factory):
         if key not in made:
             made[key] = make_tiny_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}"), **overrides)
         return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def family_checkpoint(tmp_path_factory):
+    """make(family) -> the path of a random checkpoint of tests/models/families.py's
+    `family`, written once per session."""
+    made = {}
+
+    def make(family: str) -> str:
+        if family not in made:
+            made[family] = str(write_family_checkpoint(family, tmp_path_factory.mktemp(f"family-{family}")))
+        return made[family]
 
     return make
 

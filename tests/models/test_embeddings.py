@@ -16,15 +16,8 @@ from .families import write_family_checkpoint
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    made = {}
-
-    def make(family):
-        if family not in made:
-            made[family] = str(write_family_checkpoint(family, tmp_path_factory.mktemp(f"emb-{family}")))
-        return made[family]
-
-    return make
+def checkpoint(family_checkpoint):
+    return family_checkpoint
 
 
 def _hf_pooled(hf, prompt: list[int], pooling: PoolingParams) -> torch.Tensor:

@@ -12,20 +12,12 @@ import torch
 from rayserve_paged import LLM, SamplingParams
 from rayserve_paged.core.sequence import SamplingParamsError
 
-from .families import write_family_checkpoint
 from .conftest import hf_logits
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    made = {}
-
-    def make(family):
-        if family not in made:
-            made[family] = str(write_family_checkpoint(family, tmp_path_factory.mktemp(f"plp-{family}")))
-        return made[family]
-
-    return make
+def checkpoint(family_checkpoint):
+    return family_checkpoint
 
 
 def _assert_matches_hf(hf, prompt: list[int], scores, k: int) -> None:

@@ -4,6 +4,7 @@ errors, and the placement of each replica's actors."""
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 
 import pytest
@@ -170,3 +171,29 @@ def test_executors_equal_the_offline_engine_under_preemption(serve_session, lora
     assert stats["worker_batch_states"] == [(0, 0)] * tp  # no request's state outlives it on any rank
     handle.check_health.remote().result()  # the ranks still answer plain calls beside the step graph
     serve_session.delete("executors")
+
+
+def test_tier_2_restores_at_tp2_equal_tp1_without_it(serve_session):
+    """Prefix-cache tier 2 at TP=2 (compiled graph): documents evicted from a 12-block KV
+    cache come back from host memory on every rank's shard, and the greedy answers equal
+    those of the offline TP=1 engine with no tier and a cache that holds everything."""
+    from rayserve_paged import LLM
+
+    rng = random.Random(3)
+    docs = [[rng.randrange(4, 500) for _ in range(64)] for _ in range(3)]  # 4 full blocks each
+    prompts = [doc + [rng.randrange(4, 500) for _ in range(8)] for _ in range(2) for doc in docs]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    offline = LLM(model="tiny-llama", device="cpu", max_model_len=128, num_gpu_blocks_override=200)
+    expected = [_tokens(o) for o in offline.generate(prompts, greedy, use_tqdm=False)]
+
+    handle = _deploy(serve_session, "tier2", max_model_len=128, num_gpu_blocks_override=12, kv_offload_memory_gb=0.01,
+                     tensor_parallel_size=2, worker_transport="compiled_graph")  # fmt: skip
+    got = [_tokens(handle.generate.remote(p, greedy).result()) for p in prompts]  # one at a time: each evicts
+    assert got == expected
+    stats = handle.stats.remote().result()
+    # each request fills 5 blocks: the third document evicts 3 of the first's, which come back
+    # from tier 2 when the first is asked about again
+    assert stats["tier2_restored_blocks"] >= 3, stats
+    assert stats["tier2_offloaded_blocks"] >= stats["tier2_restored_blocks"], stats
+    assert stats["gpu_blocks_used"] == 0 and stats["worker_batch_states"] == [(0, 0)] * 2
+    serve_session.delete("tier2")
