@@ -47,7 +47,7 @@ def test_a_step_pickles_as_constructor_calls_and_back_whole():
         StepOutput("c@2", [], True, error="prompt too long"),
     ]
     assert pickle.loads(pickle.dumps(step, protocol=5)) == step
-    assert step[1].__reduce__() == (StepOutput, ("b@1", step[1].outputs, True, 0, metrics, None))
+    assert step[1].__reduce__() == (StepOutput, ("b@1", step[1].outputs, True, 0, metrics, None, None, None))
 
 
 def test_the_engine_is_built_and_stepped_on_the_step_thread(tiny_paths, monkeypatch):
