@@ -7,9 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
-import threading
-import time
 
 import pytest
 
@@ -250,38 +247,22 @@ def test_ceiling_launch_is_a_one_layer_opt_of_hidden_16_with_256_streams_of_256_
 # ---------------------------------------------------------------------------- a quick run over HTTP
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fake_server(tmp_path_factory):
     """create_openai_app over an in-process tiny engine, served by uvicorn on 127.0.0.1."""
-    import uvicorn
-
     from rayserve_paged.config import EngineConfig
     from rayserve_paged.deployments.openai_ingress import create_openai_app
     from rayserve_paged.engine.llm_engine import LLMEngine
     from rayserve_paged.models.tiny import make_tiny_model
+    from tests.deployments.conftest import served_over_http
     from tests.deployments.engine_client import InProcessEngineClient
 
     path = make_tiny_model("opt", tmp_path_factory.mktemp("serving-opt"))
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", max_model_len=128, num_gpu_blocks_override=64,
                                     swap_space_gb=0.01, num_cpu_threads=1))  # fmt: skip
     app = create_openai_app(InProcessEngineClient(engine, SERVED_NAME), engine.tokenizer, SERVED_NAME)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with served_over_http(app) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
+import threading
+import time
 
 import httpx
 import openai
@@ -53,6 +56,29 @@ async def idle_client(engine, **options):
     await client.close()
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_gpu_blocks() == engine.block_manager.gpu.num_blocks
+
+
+@contextlib.contextmanager
+def served_over_http(app):
+    """`app` served by uvicorn on a free 127.0.0.1 port, in a background thread (its own event
+    loop): yields the base URL, stops the server at the end."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 def asgi_client(app, **kwargs) -> httpx.AsyncClient:
