@@ -93,6 +93,12 @@ class ModelRunner:
             rule = self.rope_len_rule
             rope_lens = [n for i in [*prefills, *decodes] for n in rope_lens_of(rows[i], starts[i], counts[i], rule)]
         sampled = last_index if not unsampled else [last_index[i] for i, s in enumerate(msg.seq_ids) if s not in unsampled]
+        if msg.draft_seq_ids:  # a row verifying k drafts samples at its last 1 + k tokens
+            drafts = dict(zip(msg.draft_seq_ids, msg.num_draft_tokens))
+            sampled = [
+                j for i, s in enumerate(msg.seq_ids) if s not in unsampled
+                for j in range(last_index[i] - drafts.get(s, 0), last_index[i] + 1)
+            ]  # fmt: skip
         prefill_tables, prefill_width = _padded([rows[i].block_table for i in prefills])
         decode_tables, decode_width = _padded([rows[i].block_table for i in decodes])
         longs, ints = self.staging.stage(
@@ -180,7 +186,42 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))  # [num_sampled, vocab]
         if self.sampler is None:
             return None
+        if msg.draft_seq_ids:
+            return self._sample_with_drafts(msg, rows, logits)
         return self.sampler(logits, self.batch.sampling_batch(msg, rows))
+
+    def _sample_with_drafts(self, msg: StepMessage, rows: list[SeqState], logits: torch.Tensor) -> SamplerOutput:
+        """The plain rows sample as ever; each drafting row's 1 + k logits rows verify its
+        drafts (Sampler.verify). One SeqSample per sampled row, in row order."""
+        drafts = dict(zip(msg.draft_seq_ids, msg.num_draft_tokens))
+        unsampled = set(msg.unsampled_seq_ids)
+        plain_rows, draft_rows, draft_tokens = [], [], []
+        offset = 0
+        for i, seq_id in enumerate(msg.seq_ids):
+            end = offset + msg.num_query_tokens[i]
+            if seq_id in unsampled:
+                pass
+            elif seq_id in drafts:
+                k = drafts[seq_id]
+                draft_rows.extend(range(len(plain_rows) + len(draft_rows), len(plain_rows) + len(draft_rows) + k + 1))
+                draft_tokens.append(msg.token_ids[end - k : end])
+            else:
+                plain_rows.append(len(plain_rows) + len(draft_rows))
+            offset = end
+        plain = SamplerOutput([])
+        if plain_rows:
+            index = torch.tensor(plain_rows, device=logits.device)
+            plain = self.sampler(logits.index_select(0, index), self.batch.sampling_batch(msg, rows, skip=drafts))
+        verified = self.sampler.verify(
+            logits.index_select(0, torch.tensor(draft_rows, device=logits.device)),
+            self.batch.draft_sampling_batch(msg, rows, drafts),
+            draft_tokens,
+        )
+        plain_samples, verified_samples = iter(plain.samples), iter(verified)
+        samples = [
+            next(verified_samples) if s in drafts else next(plain_samples) for s in msg.seq_ids if s not in unsampled
+        ]
+        return SamplerOutput(samples)
 
 
 def _record_computed(msg: StepMessage, rows: list[SeqState]) -> None:
