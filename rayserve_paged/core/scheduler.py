@@ -491,12 +491,13 @@ class Scheduler:
 
     def accept_drafts(self, seq: Sequence) -> None:
         """After verification the sequence holds its accepted drafts and one more token:
-        all but that last token are computed; the blocks of rejected drafts go back (the
-        workers keep their longer table: its leading entries are the same, and the next
-        update rewrites it from the first entry past what is kept)."""
+        all but that last token are computed; the blocks of rejected drafts go back. The
+        workers' longer table is cut with the sequence's next step: its last kept entry is
+        sent again (an update from there replaces everything after it)."""
         seq.num_computed_tokens = len(seq.token_ids) - 1
         table = self.block_manager.roll_back(seq, seq.num_computed_tokens)
-        seq.num_blocks_sent = min(seq.num_blocks_sent, len(table))
+        if len(table) < seq.num_blocks_sent:
+            seq.num_blocks_sent = len(table) - 1
 
     def _append_slots(self, seq: Sequence, msg: StepMessage, num_lookahead: int = 0) -> None:
         """The block manager's slots for the sequence's new tokens (and `num_lookahead`
@@ -506,8 +507,8 @@ class Scheduler:
         num_copies = len(copies)
         table = self.block_manager.append_slots(seq, copies, num_lookahead)
         sent = seq.num_blocks_sent
-        if len(copies) != num_copies and sent == len(table):
-            sent = len(table) - 1  # copy-on-write replaced the last block
+        if len(copies) != num_copies:  # copy-on-write replaced the last block (drafts' blocks may follow it)
+            sent = min(sent, len(table) - 1 if not num_lookahead else table.index(copies[-1][1]))
         if sent != len(table):
             msg.block_table_updates.append((seq.seq_id, sent, table[sent:]))
             seq.num_blocks_sent = len(table)

@@ -30,6 +30,7 @@ class EngineLike(Protocol):
     block_manager.counters                       (copy_on_write_blocks, swapped_in_blocks,
                                                   swapped_out_blocks, prefix_cache_queries/hits)
     num_prompt_tokens, num_generation_tokens
+    scheduler.counters.spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens
     structured.errors.items(), grammars.num_cached_bytes  (grammar errors by stage, cache bytes)
     lora_slots, loras, num_lora_requests          (only with LoRA: lora_slots not None)
     """
@@ -132,6 +133,19 @@ class EngineMetrics:
             callbacks=[self._counter(lambda e: e.block_manager.counters.prefix_cache_hits)],
             unit="{token}",
             description="Of the prefix-cache queries, tokens found in cached blocks (not recomputed).",
+        )
+
+        meter.create_observable_counter(
+            names.SPEC_DECODE_NUM_DRAFT_TOKENS,
+            callbacks=[self._counter(lambda e: e.scheduler.counters.spec_decode_num_draft_tokens)],
+            unit="{token}",
+            description="Draft tokens (speculative decoding) scheduled for verification.",
+        )
+        meter.create_observable_counter(
+            names.SPEC_DECODE_NUM_ACCEPTED_TOKENS,
+            callbacks=[self._counter(lambda e: e.spec_decode_num_accepted_tokens)],
+            unit="{token}",
+            description="Of the draft tokens, those verification accepted (acceptance rate: accepted / draft).",
         )
 
         # -- scheduler

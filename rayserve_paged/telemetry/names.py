@@ -26,6 +26,8 @@ KV_CACHE_FRAGMENTATION = "rayserve_paged.kv_cache.fragmentation"  # {pool}: 1 - 
 KV_CACHE_SHARED_BLOCKS = "rayserve_paged.kv_cache.shared_blocks"  # {pool}: held by > 1 sequence
 PREFIX_CACHE_QUERIES = "rayserve_paged.prefix_cache.queries"
 PREFIX_CACHE_HITS = "rayserve_paged.prefix_cache.hits"
+SPEC_DECODE_NUM_DRAFT_TOKENS = "rayserve_paged.spec_decode.num_draft_tokens"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS = "rayserve_paged.spec_decode.num_accepted_tokens"
 SCHEDULER_REQUESTS = "rayserve_paged.scheduler.requests"  # {state}
 SCHEDULER_PREEMPTIONS = "rayserve_paged.scheduler.preemptions"  # {mode}
 TOKENS = "rayserve_paged.tokens"  # {type}
@@ -84,6 +86,8 @@ ENGINE_INSTRUMENTS = (
     KV_CACHE_SHARED_BLOCKS,
     PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS,
+    SPEC_DECODE_NUM_DRAFT_TOKENS,
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS,
     SCHEDULER_REQUESTS,
     SCHEDULER_PREEMPTIONS,
     TOKENS,
