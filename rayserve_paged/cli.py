@@ -38,6 +38,7 @@ BENCHMARKS = {
     "load": "benchmarks.load",
     "priority": "benchmarks.priority",
     "routing-cost": "benchmarks.routing_cost",
+    "speculative": "benchmarks.speculative",
 }
 
 DEMO_QUESTIONS = [

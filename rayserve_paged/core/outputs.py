@@ -116,6 +116,7 @@ class StepMessage:
             or self.unsampled_seq_ids
             or self.first_step_seq_ids
             or self.draft_seq_ids
+            or self.num_draft_tokens
             or self.bitmask_seq_ids
             or self.token_bitmasks
             or self.lora_slot_updates
