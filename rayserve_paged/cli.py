@@ -40,6 +40,7 @@ BENCHMARKS = {
     "priority": "benchmarks.priority",
     "routing-cost": "benchmarks.routing_cost",
     "kv-offload": "benchmarks.kv_offload",
+    "speculative": "benchmarks.speculative",
 }
 
 DEMO_QUESTIONS = [

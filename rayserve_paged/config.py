@@ -13,6 +13,38 @@ DEFAULT_CPU_KV_CACHE_GB = 1.0
 DEFAULT_MAX_CPU_LORAS = 8  # adapters registered at once, unless max_cpu_loras says
 
 
+class SpeculativeDecodingConfig(BaseModel):
+    """Speculative decoding (vLLM's speculative_config): n-gram drafts from the sequence's
+    own prompt and output, verified in one step."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["ngram"] = Field(
+        "ngram", description="ngram (prompt lookup); draft_model is not in this version."
+    )
+    num_speculative_tokens: int = Field(3, ge=1, le=16, description="Most drafts per sequence and step.")
+    prompt_lookup_min: int = Field(1, ge=1, description="Shortest suffix n-gram looked up.")
+    prompt_lookup_max: int = Field(4, ge=1, le=64, description="Longest suffix n-gram looked up (tried first).")
+    disable_by_batch_size: int = Field(
+        4, ge=1, description="No drafts in a step whose running batch holds at least this many sequences."
+    )
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _known_method(cls, value):
+        if value in ("draft_model", "eagle", "eagle3", "mtp", "medusa", "suffix"):
+            raise ValueError(f"method {value!r} is not supported here: only 'ngram' (prompt lookup)")
+        return value
+
+    @model_validator(mode="after")
+    def _check_lookup(self) -> SpeculativeDecodingConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        return self
+
+
 class EngineConfig(BaseModel):
     """Everything one engine (one Serve replica, or one offline `LLM`) needs."""
 
@@ -105,6 +137,12 @@ class EngineConfig(BaseModel):
             "How the scheduler actor drives worker actors (tensor_parallel_size > 1): a Ray Compiled Graph "
             "compiled once at start-up (shared-memory channels), or one actor call per rank per step."
         ),
+    )
+
+    speculative_config: SpeculativeDecodingConfig | None = Field(
+        None,
+        description="Speculative decoding (vLLM's shape): {method: ngram, num_speculative_tokens, "
+        "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size}; null: off.",
     )
 
     enable_lora: bool = Field(

@@ -118,6 +118,9 @@ ENGINE_KWARGS: dict[str, EngineArg] = {
     ),
     "guided_decoding_backend": EngineArg(None, "auto or guidance (llguidance)", _structured_outputs_backend),
     "served_model_name": EngineArg(None, "must equal model_loading_config.model_id (the served name)"),
+    "speculative_config": EngineArg(
+        "speculative_config", "method ngram only (num_speculative_tokens, prompt_lookup_min/max, disable_by_batch_size)"
+    ),
     "scheduling_policy": EngineArg("scheduling_policy", "fcfs or priority (per-request `priority`, lower first)"),
     "pipeline_parallel_size": EngineArg(None, "1 (tensor parallelism only)", _only(1)),
     "data_parallel_size": EngineArg(None, "1 (replicas are Serve's: deployment_config)", _only(1)),
@@ -126,7 +129,6 @@ ENGINE_KWARGS: dict[str, EngineArg] = {
 
 # vLLM engine arguments with no equivalent here, and what there is instead
 UNSUPPORTED_ENGINE_KWARGS: dict[str, str] = {
-    "speculative_config": "speculative decoding is not in this version",
     "kv_cache_dtype": "the KV cache is kept in `dtype`",
     "cpu_offload_gb": "weights stay on the device; swap_space sizes the KV swap pool",
     "load_format": "the format is read from model_source (safetensors directory or .gguf file)",

@@ -657,9 +657,12 @@ class BlockManager:
             need += holders - 1 if blocks[bid].ref_count == holders else holders
         return need <= self.gpu.num_free_blocks
 
-    def append_slots(self, seq: Sequence, blocks_to_copy: BlockMapping) -> list[int]:
-        """Make room for the sequence's uncomputed tokens (copy-on-write if shared);
-        returns its block table. On every decode step of every sequence: kept lean."""
+    def append_slots(self, seq: Sequence, blocks_to_copy: BlockMapping, num_lookahead: int = 0) -> list[int]:
+        """Make room for the sequence's uncomputed tokens (copy-on-write if shared), and
+        for `num_lookahead` draft tokens past them (speculative decoding: `roll_back`
+        returns the rejected drafts' blocks); returns its block table. On every decode
+        step of every sequence: kept lean. Only tokens of the sequence get prefix-cache
+        identities, never drafts."""
         table = self.gpu_tables[seq.seq_id]
         num_tokens = len(seq.token_ids)
         bs = self.block_size
@@ -675,10 +678,29 @@ class BlockManager:
                 table[-1] = copy.block_id
                 blocks_to_copy.append((last.block_id, copy.block_id))
                 self.counters.copy_on_write_blocks += 1
+        if num_lookahead:
+            while len(table) * bs < num_tokens + num_lookahead:
+                table.append(self.gpu.allocate().block_id)
         if num_tokens % bs == 0:
             self._register_full_blocks(seq, table, num_tokens)
         if self.sliding_window is not None and num_tokens > self.sliding_window:
             self._release_outside_window(seq.seq_id, table, num_tokens)
+        return table
+
+    def roll_back(self, seq: Sequence, num_computed: int) -> list[int]:
+        """Speculative decoding verified the sequence's drafts: its first `num_computed`
+        tokens (the accepted drafts among them) hold K/V. Blocks past them go back to the
+        pool, tail first (they were never registered: no cached identity is lost); the full
+        blocks of accepted tokens become prefix-cache entries. Returns its block table.
+
+            before   [t0 .. t15][t16 t17 d1 d2 ][d3 d4 .  .  ]    4 drafts, 1 accepted
+            after    [t0 .. t15][t16 t17 d1 x  ]                  x: the token drawn next
+        """
+        table = self.gpu_tables[seq.seq_id]
+        keep = max(self._num_blocks_for(num_computed), self._num_released.get(seq.seq_id, 0))
+        while len(table) > keep:
+            self.gpu.decref(self.gpu.blocks[table.pop()])
+        self._register_full_blocks(seq, table, num_computed)
         return table
 
     def _release_outside_window(self, seq_id: int, table: list[int], num_tokens: int) -> None:

@@ -80,6 +80,11 @@ class StepMessage:
     unsampled_seq_ids: list[int] = field(default_factory=list)
     # rows whose group samples for the first time: best_of draws (n > 1 forks from them)
     first_step_seq_ids: list[int] = field(default_factory=list)
+    # rows that verify drafts (speculative decoding): the last num_draft_tokens[i] query
+    # tokens of seq draft_seq_ids[i]'s row are drafts; the row samples at every one of its
+    # 1 + k positions and returns the accepted drafts and one more token
+    draft_seq_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: list[int] = field(default_factory=list)
     # constrained rows (structured outputs): the engine's grammar matchers allow only some
     # tokens next. token_bitmasks packs one bitmask per seq id in bitmask_seq_ids, in order:
     # little-endian int32 words, bit j of word w set = token 32 * w + j allowed
@@ -110,6 +115,8 @@ class StepMessage:
             or self.blocks_to_copy
             or self.unsampled_seq_ids
             or self.first_step_seq_ids
+            or self.draft_seq_ids
+            or self.num_draft_tokens
             or self.bitmask_seq_ids
             or self.token_bitmasks
             or self.lora_slot_updates

@@ -38,6 +38,7 @@ from rayserve_paged.core.block_manager import AllocStatus, BlockManager
 from rayserve_paged.core.lora import LoRASlots
 from rayserve_paged.core.outputs import NewRequest, ScheduledGroup, SchedulerOutput, StepMessage
 from rayserve_paged.core.sequence import KV_CACHE_LIMIT, Sequence, SequenceGroup, SequenceStatus
+from rayserve_paged.core.spec_decode import SpeculativeConfig, propose_ngram
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -63,6 +64,8 @@ class SchedulerConfig:
     # transformers' Phi-3 `generate` drops its cache and re-encodes the whole sequence
     # with the long factors); None: never.
     recompute_at_len: int | None = None
+    # n-gram speculative decoding (core/spec_decode.py); None: off
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         self.preemption_mode = PreemptionMode(self.preemption_mode)
@@ -87,6 +90,7 @@ class SchedulerConfig:
 class SchedulerCounters:
     preemptions_recompute: int = 0
     preemptions_swap: int = 0
+    spec_decode_num_draft_tokens: int = 0  # drafts scheduled for verification
 
 
 class Scheduler:
@@ -227,6 +231,15 @@ class Scheduler:
         num_free = bm.num_free_gpu_blocks()
         room = num_free >= self.config.max_num_seqs or num_free >= sum([len(g.seqs) for g in running])
         room = room and self.fast_decode
+        # Drafts (speculative decoding) only while the batch is small, and never at the cost
+        # of a block another sequence may need this step: each draft-free decode takes at
+        # most one block, so that many stay free (with the watermark) after the drafts'.
+        spec = self.config.speculative
+        num_running_seqs = sum([len(g.seqs) for g in running]) if spec is not None else 0
+        drafting = spec is not None and num_running_seqs < spec.disable_by_batch_size
+        if drafting:
+            spare_tokens = budget - num_running_seqs
+            spare_blocks = num_free - num_running_seqs - bm.watermark_blocks
         # The common decode is inlined (one sequence, one new token): a row, and the block
         # manager only when the step needs a new block, a copy-on-write or a full block
         # registered for the prefix cache (1 step in 8 with 16-token blocks). Everything
@@ -253,6 +266,14 @@ class Scheduler:
                 recomputed.append(group)
                 continue
             seqs = group.seqs
+            if drafting and len(seqs) == 1:
+                drafts = self._drafts(group, spare_tokens, spare_blocks)
+                if drafts:
+                    spare_blocks -= self._schedule_drafts(group, drafts, out)
+                    spare_tokens -= len(drafts)
+                    num_tokens += 1 + len(drafts)
+                    num_seqs += 1
+                    continue
             if len(seqs) == inline_width:
                 seq = seqs[0]
                 token_ids = seq.token_ids
@@ -414,15 +435,84 @@ class Scheduler:
         self._emit(group, first_row, out, True)
         return num_tokens
 
-    def _append_slots(self, seq: Sequence, msg: StepMessage) -> None:
-        """The block manager's slots for the sequence's new tokens, and the workers' copy of
-        its block table brought up to date: from the first entry they do not hold as is."""
+    # ------------------------------------------------------------------ speculative decoding
+
+    def _drafts(self, group: SequenceGroup, spare_tokens: int, spare_blocks: int) -> list[int]:
+        """The n-gram drafts of a decoding one-sequence group, within the step's spare
+        tokens and blocks, max_tokens and max_model_len; [] where the request does not
+        speculate (beam search, structured outputs, penalties, min_tokens still to reach)."""
+        seq = group.seqs[0]
+        params = group.sampling_params
+        end = len(seq.token_ids)
+        if (
+            seq.status is not SequenceStatus.RUNNING
+            or seq.num_computed_tokens != end - 1
+            or params.use_beam_search
+            or params.structured_outputs is not None
+            or params.needs_history
+            or seq.num_output_tokens < params.min_tokens
+        ):
+            return []
+        spec = self.config.speculative
+        k = min(spec.num_speculative_tokens, spare_tokens, self.config.max_model_len - end - 1)
+        if params.max_tokens is not None:
+            k = min(k, params.max_tokens - seq.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        bm = self.block_manager
+        table = bm.gpu_tables[seq.seq_id]
+        # blocks past those the plain decode takes (which the reserve already counts)
+        extra = bm._num_blocks_for(end + k) - max(len(table), bm._num_blocks_for(end))
+        if extra > spare_blocks:
+            k = (max(len(table), bm._num_blocks_for(end)) + max(spare_blocks, 0)) * bm.block_size - end
+            if k <= 0:
+                return []
+        return propose_ngram(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def _schedule_drafts(self, group: SequenceGroup, drafts: list[int], out: SchedulerOutput) -> int:
+        """Emit the sequence's last token and its drafts as one row of 1 + k query tokens
+        over its cached context; returns the blocks taken past the plain decode's. The
+        engine then keeps what verification accepted (accept_drafts)."""
+        msg = out.message
+        seq = group.seqs[0]
+        end = len(seq.token_ids)
+        bm = self.block_manager
+        table = bm.gpu_tables[seq.seq_id]
+        plain = max(len(table), bm._num_blocks_for(end))
+        self._append_slots(seq, msg, len(drafts))
+        first_row = len(msg.seq_ids)
+        msg.seq_ids.append(seq.seq_id)
+        msg.start_positions.append(end - 1)
+        msg.num_query_tokens.append(1 + len(drafts))
+        msg.token_ids.append(seq.token_ids[-1])
+        msg.token_ids.extend(drafts)
+        msg.draft_seq_ids.append(seq.seq_id)
+        msg.num_draft_tokens.append(len(drafts))
+        seq.num_computed_tokens = end
+        self.counters.spec_decode_num_draft_tokens += len(drafts)
+        self._emit(group, first_row, out, True)
+        return len(table) - plain
+
+    def accept_drafts(self, seq: Sequence) -> None:
+        """After verification the sequence holds its accepted drafts and one more token:
+        all but that last token are computed; the blocks of rejected drafts go back. The
+        workers' longer table is cut with the sequence's next step: its last kept entry is
+        sent again (an update from there replaces everything after it)."""
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        table = self.block_manager.roll_back(seq, seq.num_computed_tokens)
+        if len(table) < seq.num_blocks_sent:
+            seq.num_blocks_sent = len(table) - 1
+
+    def _append_slots(self, seq: Sequence, msg: StepMessage, num_lookahead: int = 0) -> None:
+        """The block manager's slots for the sequence's new tokens (and `num_lookahead`
+        draft tokens past them), and the workers' copy of its block table brought up to
+        date: from the first entry they do not hold as is."""
         copies = msg.blocks_to_copy
         num_copies = len(copies)
-        table = self.block_manager.append_slots(seq, copies)
+        table = self.block_manager.append_slots(seq, copies, num_lookahead)
         sent = seq.num_blocks_sent
-        if len(copies) != num_copies and sent == len(table):
-            sent = len(table) - 1  # copy-on-write replaced the last block
+        if len(copies) != num_copies:  # copy-on-write replaced the last block (drafts' blocks may follow it)
+            sent = min(sent, len(table) - 1 if not num_lookahead else table.index(copies[-1][1]))
         if sent != len(table):
             msg.block_table_updates.append((seq.seq_id, sent, table[sent:]))
             seq.num_blocks_sent = len(table)

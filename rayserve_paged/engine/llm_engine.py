@@ -26,6 +26,7 @@ from rayserve_paged.core.block_manager import BlockManager
 from rayserve_paged.core.lora import LoRAKey, LoRARequest, LoRASlots, UnknownLoRAError, startup_lora_ids
 from rayserve_paged.core.outputs import SchedulerOutput
 from rayserve_paged.core.scheduler import Scheduler, SchedulerConfig
+from rayserve_paged.core.spec_decode import SpeculativeConfig
 from rayserve_paged.core.sequence import (
     FINISH_REASONS,
     KV_CACHE_LIMIT,
@@ -139,6 +140,7 @@ class LLMEngine:
                 preemption_mode=config.preemption_mode,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 recompute_at_len=self.model_config.rope_recompute_len,
+                speculative=_speculative(config),
             ),
             self.block_manager,
             self.lora_slots,
@@ -163,6 +165,7 @@ class LLMEngine:
         self._mask_errors: dict[int, str] = {}  # this step's rows whose grammar failed at the mask
         self.num_prompt_tokens = 0  # computed prompt tokens (after prefix-cache hits)
         self.num_generation_tokens = 0
+        self.spec_decode_num_accepted_tokens = 0  # drafts that verification kept
         # LoRA adapters by name (core/lora.py: identity); the model's layer shapes (a
         # meta-device skeleton) check them
         self.loras: dict[str, LoRARequest] = {}
@@ -578,6 +581,7 @@ class LLMEngine:
         counts = msg.num_query_tokens
         results = []
         next_sample = 0
+        drafting = set(msg.draft_seq_ids)
         for group, first_row, num_rows, do_sample, is_first_step in out.scheduled:
             request_id = group.request_id
             if request_id in failed:  # its adapter failed: its rows ran without it, and it ended
@@ -604,6 +608,8 @@ class LLMEngine:
             else:
                 self._process_samples(group, group_samples, is_first_step)
             self.num_generation_tokens += num_rows
+            if drafting:
+                self._keep_accepted(group, group_samples, drafting)
             if metrics.first_token_time is None:
                 metrics.first_token_time = time.monotonic()
             self.scheduler.free_finished(group)
@@ -655,6 +661,9 @@ class LLMEngine:
         is_constrained = group.request_id in self._constrained
         for sample in samples:
             seq = by_id[sample.seq_id]
+            if not is_first_step and len(sample.token_ids) > 1:  # verified drafts, then one more
+                self._append_verified(seq, sample, params)
+                continue
             picks = list(range(len(sample.token_ids)))
             # first step of best_of > 1: one draw per sequence; the parent forks the others
             children = [self._new_child(group, seq) for _ in picks[1:]] if is_first_step else []
@@ -675,6 +684,28 @@ class LLMEngine:
                 elif is_complete and target.status is not SequenceStatus.FINISHED_STOPPED:
                     # the grammar is complete (only EOS may follow): the output is whole
                     self._finish(target, SequenceStatus.FINISHED_STOPPED, None)
+
+    def _append_verified(self, seq: Sequence, sample: SeqSample, params: SamplingParams) -> None:
+        """A speculative step's tokens, one at a time as separate steps would append them:
+        the first that ends the sequence (stop token, EOS, a length) is its last."""
+        for i, token in enumerate(sample.token_ids):
+            seq.append_token(token, sample.logprobs[i])
+            if sample.top_logprobs is not None:
+                seq.output_logprobs.append(sample.top_logprobs[i])
+            self._check_stop(seq, params)
+            if seq.status.is_finished:
+                return
+
+    def _keep_accepted(self, group: SequenceGroup, samples: list[SeqSample], drafting: set[int]) -> None:
+        """The drafting sequences keep their accepted drafts' K/V; the rest is rolled back."""
+        for sample in samples:
+            if sample.seq_id not in drafting:
+                continue
+            self.spec_decode_num_accepted_tokens += len(sample.token_ids) - 1
+            self.num_generation_tokens += len(sample.token_ids) - 1
+            seq = next(s for s in group.seqs if s.seq_id == sample.seq_id)
+            if not seq.status.is_finished:
+                self.scheduler.accept_drafts(seq)
 
     def _end_with_grammar_error(self, seq: Sequence, params: SamplingParams, error: str) -> None:
         """A grammar that cannot go on ends the sequence visibly (finish_reason "abort",
@@ -907,6 +938,15 @@ class LLMEngine:
         self._metrics.pop(group.request_id, None)
         for seq in group.seqs:
             self._num_sent.pop(seq.seq_id, None)
+
+
+def _speculative(config: EngineConfig) -> SpeculativeConfig | None:
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    return SpeculativeConfig(
+        spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, spec.disable_by_batch_size
+    )
 
 
 def _delta(index: int, seq: Sequence, params: SamplingParams, num_sent: int) -> SequenceDelta:

@@ -180,6 +180,76 @@ class Sampler:
             self._fill(samples, owners, draws, tokens, raw_logprobs, batch.logprobs)
         return SamplerOutput(samples)
 
+    # ------------------------------------------------------------------ speculative decoding
+
+    @torch.inference_mode()
+    def verify(self, logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]]) -> list[SeqSample]:
+        """Verify n-gram drafts: each entry of `drafts` (k tokens) owns the next 1 + k rows of
+        `logits` and `batch` (row j: the distribution after its j-th draft). Returns one
+        SeqSample per entry: the accepted drafts, then one token more.
+
+        Greedy: drafts are accepted while each equals the argmax, and the token after them
+        is the argmax: exactly what decoding one token at a time gives. Sampling: a draft
+        is a deterministic proposal (q puts all its mass on it), so the rejection rule
+        accept with min(1, p/q) becomes "accept with probability p(draft)", and a rejected
+        draft is replaced by a draw from the residual max(0, p - q) normalised: p with the
+        draft's token zeroed. Each position's output token is then distributed as p, as
+        without drafts. A seeded row draws position j from the generator of output index
+        output_indices[row] (the uniform first, then the exponential race), so a seeded
+        request repeats itself."""
+        logits = logits.float()  # [rows, vocab]
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        controlled = self._apply_controls(logits, batch)
+        argmax = controlled.argmax(dim=-1).tolist()
+        temperatures = batch.temperatures
+        sampled = [r for r, t in enumerate(temperatures) if t != 0.0]
+        probs = {}
+        if sampled:
+            p = self._truncated_probs(
+                controlled.index_select(0, torch.tensor(sampled, device=logits.device)),
+                [temperatures[r] for r in sampled],
+                [batch.top_ks[r] for r in sampled] if batch.has_top_k_or_p else None,
+                [batch.top_ps[r] for r in sampled] if batch.has_top_k_or_p else None,
+                [batch.min_ps[r] for r in sampled] if batch.has_min_p else None,
+            )  # [num_sampled, vocab]
+            probs = dict(zip(sampled, p))
+        samples = []
+        row = 0
+        for draft in drafts:
+            tokens: list[int] = []
+            for j in range(len(draft) + 1):
+                r = row + j
+                if temperatures[r] == 0.0:
+                    token = argmax[r]
+                    tokens.append(token)
+                    if j == len(draft) or token != draft[j]:
+                        break
+                    continue
+                gen = None
+                if batch.seeds[r] is not None:
+                    gen = torch.Generator(device=logits.device)
+                    gen.manual_seed(_mix_seed(batch.seeds[r], batch.sample_indices[r], batch.output_indices[r]))
+                p = probs[r]
+                if j < len(draft):
+                    d = draft[j]
+                    if torch.rand((), generator=gen, device=logits.device) < p[d]:
+                        tokens.append(d)
+                        continue
+                    p = p.clone()
+                    p[d] = 0.0  # the residual (the race needs no normalising)
+                q = torch.empty_like(p).exponential_(generator=gen)
+                tokens.append(int((p / q).argmax()))
+                break
+            rows = range(row, row + len(tokens))
+            chosen = [float(raw_logprobs[r, t]) for r, t in zip(rows, tokens)]
+            sample = SeqSample(batch.seq_ids[row], tokens, chosen)
+            k = batch.logprobs[row]
+            if k is not None:
+                sample.top_logprobs = [_top_logprobs(raw_logprobs[r], t, c, k) for r, t, c in zip(rows, tokens, chosen)]
+            samples.append(sample)
+            row += len(draft) + 1
+        return samples
+
     # ------------------------------------------------------------------ penalties and controls
 
     def _apply_controls(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

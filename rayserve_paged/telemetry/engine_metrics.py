@@ -33,6 +33,7 @@ class EngineLike(Protocol):
                                                   restored_blocks, offload_evicted_blocks,
                                                   prefix_cache_evicted_blocks)
     num_prompt_tokens, num_generation_tokens
+    scheduler.counters.spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens
     structured.errors.items(), grammars.num_cached_bytes  (grammar errors by stage, cache bytes)
     lora_slots, loras, num_lora_requests          (only with LoRA: lora_slots not None)
     """
@@ -165,6 +166,19 @@ class EngineMetrics:
             unit="{block}",
             description="Prefix-cache blocks moved per tier: device evicted; host offloaded (device to host), "
             "restored (host to device), evicted (LRU, or taken by a swap-out).",
+        )
+
+        meter.create_observable_counter(
+            names.SPEC_DECODE_NUM_DRAFT_TOKENS,
+            callbacks=[self._counter(lambda e: e.scheduler.counters.spec_decode_num_draft_tokens)],
+            unit="{token}",
+            description="Draft tokens (speculative decoding) scheduled for verification.",
+        )
+        meter.create_observable_counter(
+            names.SPEC_DECODE_NUM_ACCEPTED_TOKENS,
+            callbacks=[self._counter(lambda e: e.spec_decode_num_accepted_tokens)],
+            unit="{token}",
+            description="Of the draft tokens, those verification accepted (acceptance rate: accepted / draft).",
         )
 
         # -- scheduler

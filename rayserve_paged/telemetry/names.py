@@ -28,6 +28,8 @@ PREFIX_CACHE_QUERIES = "rayserve_paged.prefix_cache.queries"
 PREFIX_CACHE_HITS = "rayserve_paged.prefix_cache.hits"
 PREFIX_CACHE_TIER_HITS = "rayserve_paged.prefix_cache.tier_hits"  # {tier}: tokens found in each tier
 PREFIX_CACHE_TIER_BLOCKS = "rayserve_paged.prefix_cache.tier_blocks"  # {tier, event}
+SPEC_DECODE_NUM_DRAFT_TOKENS = "rayserve_paged.spec_decode.num_draft_tokens"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS = "rayserve_paged.spec_decode.num_accepted_tokens"
 SCHEDULER_REQUESTS = "rayserve_paged.scheduler.requests"  # {state}
 SCHEDULER_PREEMPTIONS = "rayserve_paged.scheduler.preemptions"  # {mode}
 TOKENS = "rayserve_paged.tokens"  # {type}
@@ -90,6 +92,8 @@ ENGINE_INSTRUMENTS = (
     PREFIX_CACHE_HITS,
     PREFIX_CACHE_TIER_HITS,
     PREFIX_CACHE_TIER_BLOCKS,
+    SPEC_DECODE_NUM_DRAFT_TOKENS,
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS,
     SCHEDULER_REQUESTS,
     SCHEDULER_PREEMPTIONS,
     TOKENS,

@@ -129,10 +129,11 @@ class InputBatch:
         except KeyError as e:
             return [self._seq(e.args[0])]  # raises StepStateError, naming the sequence
 
-    def sampling_batch(self, msg: StepMessage, rows: Sequence[SeqState]) -> SamplingBatch:
+    def sampling_batch(self, msg: StepMessage, rows: Sequence[SeqState], skip=()) -> SamplingBatch:
         """The batch for a step's sampled rows, in row order, from this state (`rows[i]` is
-        the state of the message's row i, as `rows(msg)` gives)."""
-        unsampled = set(msg.unsampled_seq_ids)
+        the state of the message's row i, as `rows(msg)` gives); rows of `skip` (seq ids:
+        the drafting rows, see draft_sampling_batch) left out."""
+        unsampled = set(msg.unsampled_seq_ids) | set(skip)
         first_step = set(msg.first_step_seq_ids)
         starts = msg.start_positions
         counts = msg.num_query_tokens
@@ -154,3 +155,19 @@ class InputBatch:
         row_of = {row[1]: i for i, row in enumerate(batch_rows)}
         bitmask_rows = [row_of[seq_id] for seq_id in msg.bitmask_seq_ids]
         return sampling_batch(batch_rows, bitmask_rows, unpack_step_bitmasks(msg))
+
+    def draft_sampling_batch(self, msg: StepMessage, rows: Sequence[SeqState], drafts: dict[int, int]) -> SamplingBatch:
+        """The batch of the drafting rows (seq id -> k drafts), in row order: 1 + k entries
+        each, one per verified position, the j-th at output index + j (its seed's draw).
+        Drafting requests have no penalties, bitmasks or min_tokens left (core/scheduler.py)."""
+        batch_rows = []
+        for i, seq in enumerate(rows):
+            k = drafts.get(seq.seq_id)
+            if k is None:
+                continue
+            request = seq.request
+            num_prompt = request.num_prompt_tokens
+            first = msg.start_positions[i] + 1 - num_prompt  # the output index of the row's first sample
+            batch_rows += [(request.template, seq.seq_id, seq.sample_index, first + j, 1, None, num_prompt)
+                           for j in range(k + 1)]  # fmt: skip
+        return sampling_batch(batch_rows)

@@ -93,6 +93,12 @@ class ModelRunner:
             rule = self.rope_len_rule
             rope_lens = [n for i in [*prefills, *decodes] for n in rope_lens_of(rows[i], starts[i], counts[i], rule)]
         sampled = last_index if not unsampled else [last_index[i] for i, s in enumerate(msg.seq_ids) if s not in unsampled]
+        if msg.draft_seq_ids:  # a row verifying k drafts samples at its last 1 + k tokens
+            drafts = dict(zip(msg.draft_seq_ids, msg.num_draft_tokens))
+            sampled = [
+                j for i, s in enumerate(msg.seq_ids) if s not in unsampled
+                for j in range(last_index[i] - drafts.get(s, 0), last_index[i] + 1)
+            ]  # fmt: skip
         prefill_tables, prefill_width = _padded([rows[i].block_table for i in prefills])
         decode_tables, decode_width = _padded([rows[i].block_table for i in decodes])
         longs, ints = self.staging.stage(
@@ -188,7 +194,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))  # [num_sampled, vocab]
         if self.sampler is None:
             return None
-        out = self.sampler(logits, self.batch.sampling_batch(msg, rows))
+        if msg.draft_seq_ids:
+            out = self._sample_with_drafts(msg, rows, logits)
+        else:
+            out = self.sampler(logits, self.batch.sampling_batch(msg, rows))
         out.prompt_logprobs, out.pooled = scores, pooled
         return out
 
@@ -211,59 +220,38 @@ class ModelRunner:
             scores[seq.seq_id] = (start + 1, top)
         return scores
 
-
-def _pool(msg: StepMessage, rows: list[SeqState], pooling: list[int], hidden: torch.Tensor) -> dict[int, list[float]]:
-    """Pooling rows: fold this step's final hidden states [T, hidden] into each request's
-    pool (a chunk at position 0 starts it over: a recompute), and the pooled vector of
-    each whose prompt ends this step."""
-    packed = _packed_starts(msg.num_query_tokens)
-    pooled = {}
-    for i in pooling:
-        seq, start, count = rows[i], msg.start_positions[i], msg.num_query_tokens[i]
-        request = seq.request
-        params = request.params.pooling
-        states = hidden[packed[i] : packed[i] + count].float()  # [count, hidden]
-        if params.pooling == "mean":
-            total = states.sum(dim=0)
-            request.pooled = total if start == 0 else request.pooled + total
-        elif params.pooling == "cls" and start == 0:
-            request.pooled = states[0]
-        if start + count < request.num_prompt_tokens:
-            continue
-        if params.pooling == "last":
-            vector = states[-1]
-        elif params.pooling == "mean":
-            vector = request.pooled / request.num_prompt_tokens
-        else:
-            vector = request.pooled
-        vector = vector[: params.dimensions]  # [dimensions]: Matryoshka truncation, then the norm
-        if params.normalize:
-            vector = torch.nn.functional.normalize(vector, dim=-1)
-        pooled[seq.seq_id] = vector.tolist()
-        request.pooled = None
-    return pooled
-
-
-def _prompt_scored_rows(msg: StepMessage, rows: list[SeqState]) -> list[int]:
-    """Rows that asked for prompt logprobs and compute a position before their prompt's last."""
-    return [
-        i for i, seq in enumerate(rows)
-        if seq.request.prompt_token_ids is not None and msg.start_positions[i] < seq.request.num_prompt_tokens - 1
-    ]  # fmt: skip
-
-
-def _packed_starts(counts: list[int]) -> list[int]:
-    """Each row's first token's place in an eager step's packing (ModelRunner.prepare):
-    rows of more than one token first, in row order, then the one-token rows."""
-    starts = [0] * len(counts)
-    at = 0
-    for i, n in enumerate(counts):
-        if n > 1:
-            starts[i], at = at, at + n
-    for i, n in enumerate(counts):
-        if n == 1:
-            starts[i], at = at, at + 1
-    return starts
+    def _sample_with_drafts(self, msg: StepMessage, rows: list[SeqState], logits: torch.Tensor) -> SamplerOutput:
+        """The plain rows sample as ever; each drafting row's 1 + k logits rows verify its
+        drafts (Sampler.verify). One SeqSample per sampled row, in row order."""
+        drafts = dict(zip(msg.draft_seq_ids, msg.num_draft_tokens))
+        unsampled = set(msg.unsampled_seq_ids)
+        plain_rows, draft_rows, draft_tokens = [], [], []
+        offset = 0
+        for i, seq_id in enumerate(msg.seq_ids):
+            end = offset + msg.num_query_tokens[i]
+            if seq_id in unsampled:
+                pass
+            elif seq_id in drafts:
+                k = drafts[seq_id]
+                draft_rows.extend(range(len(plain_rows) + len(draft_rows), len(plain_rows) + len(draft_rows) + k + 1))
+                draft_tokens.append(msg.token_ids[end - k : end])
+            else:
+                plain_rows.append(len(plain_rows) + len(draft_rows))
+            offset = end
+        plain = SamplerOutput([])
+        if plain_rows:
+            index = torch.tensor(plain_rows, device=logits.device)
+            plain = self.sampler(logits.index_select(0, index), self.batch.sampling_batch(msg, rows, skip=drafts))
+        verified = self.sampler.verify(
+            logits.index_select(0, torch.tensor(draft_rows, device=logits.device)),
+            self.batch.draft_sampling_batch(msg, rows, drafts),
+            draft_tokens,
+        )
+        plain_samples, verified_samples = iter(plain.samples), iter(verified)
+        samples = [
+            next(verified_samples) if s in drafts else next(plain_samples) for s in msg.seq_ids if s not in unsampled
+        ]
+        return SamplerOutput(samples)
 
 
 def _record_computed(msg: StepMessage, rows: list[SeqState]) -> None:
@@ -352,3 +340,57 @@ def _aligned(columns: list[list[int]], per_16_bytes: int) -> tuple[list[int], li
         flat.extend(column)
         flat.extend([0] * (-len(column) % per_16_bytes))
     return flat, starts
+
+
+def _pool(msg: StepMessage, rows: list[SeqState], pooling: list[int], hidden: torch.Tensor) -> dict[int, list[float]]:
+    """Pooling rows: fold this step's final hidden states [T, hidden] into each request's
+    pool (a chunk at position 0 starts it over: a recompute), and the pooled vector of
+    each whose prompt ends this step."""
+    packed = _packed_starts(msg.num_query_tokens)
+    pooled = {}
+    for i in pooling:
+        seq, start, count = rows[i], msg.start_positions[i], msg.num_query_tokens[i]
+        request = seq.request
+        params = request.params.pooling
+        states = hidden[packed[i] : packed[i] + count].float()  # [count, hidden]
+        if params.pooling == "mean":
+            total = states.sum(dim=0)
+            request.pooled = total if start == 0 else request.pooled + total
+        elif params.pooling == "cls" and start == 0:
+            request.pooled = states[0]
+        if start + count < request.num_prompt_tokens:
+            continue
+        if params.pooling == "last":
+            vector = states[-1]
+        elif params.pooling == "mean":
+            vector = request.pooled / request.num_prompt_tokens
+        else:
+            vector = request.pooled
+        vector = vector[: params.dimensions]  # [dimensions]: Matryoshka truncation, then the norm
+        if params.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=-1)
+        pooled[seq.seq_id] = vector.tolist()
+        request.pooled = None
+    return pooled
+
+
+def _prompt_scored_rows(msg: StepMessage, rows: list[SeqState]) -> list[int]:
+    """Rows that asked for prompt logprobs and compute a position before their prompt's last."""
+    return [
+        i for i, seq in enumerate(rows)
+        if seq.request.prompt_token_ids is not None and msg.start_positions[i] < seq.request.num_prompt_tokens - 1
+    ]  # fmt: skip
+
+
+def _packed_starts(counts: list[int]) -> list[int]:
+    """Each row's first token's place in an eager step's packing (ModelRunner.prepare):
+    rows of more than one token first, in row order, then the one-token rows."""
+    starts = [0] * len(counts)
+    at = 0
+    for i, n in enumerate(counts):
+        if n > 1:
+            starts[i], at = at, at + n
+    for i, n in enumerate(counts):
+        if n == 1:
+            starts[i], at = at, at + 1
+    return starts

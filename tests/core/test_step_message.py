@@ -165,6 +165,8 @@ def test_is_empty_reads_every_field():
         "token_ids": [7],
         "unsampled_seq_ids": [1],
         "first_step_seq_ids": [1],
+        "draft_seq_ids": [1],
+        "num_draft_tokens": [2],
         "bitmask_seq_ids": [1],
         "token_bitmasks": b"\xff\xff\xff\xff",
         "lora_slot_updates": [(0, (1, "/adapters/a", "digest"))],

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from rayserve_paged.app import AppArgs, build_app, build_openai_app, placement_group_bundles
+from rayserve_paged.config import SpeculativeDecodingConfig
 from rayserve_paged.serve_llm import (
     ENGINE_KWARGS,
     LLM_CONFIG_FIELDS,
@@ -205,6 +206,8 @@ ENGINE_VALUES = {
     "tokenizer": ("/tmp/tok", "/tmp/tok"), "device": ("cpu", "cpu"), "enable_lora": (True, True),
     "max_loras": (3, 3), "max_lora_rank": (32, 32), "max_cpu_loras": (4, 4), "tool_call_parser": ("hermes", "hermes"),
     "reasoning_parser": ("qwen3", "qwen3"), "scheduling_policy": ("priority", "priority"),
+    "speculative_config": ({"method": "ngram", "num_speculative_tokens": 2},
+                           SpeculativeDecodingConfig(method="ngram", num_speculative_tokens=2)),
     "chat_template": ("{{ messages[0]['content'] }}", "{{ messages[0]['content'] }}"),
 }  # fmt: skip
 CHECKED = {

@@ -1,0 +1,231 @@
+"""Speculative decoding (n-gram drafts): greedy output equals decoding without drafts token
+for token, under swap, recompute, chunked prefill and prefix caching, with the block
+manager's invariants after every step (no block leaked by a rejected draft) and the
+workers' rows equal to the scheduler's; sampling keeps the distribution (chi-square);
+stop strings cut where they would without drafts; what speculation refuses."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from rayserve_paged import LLM, SamplingParams
+from rayserve_paged.config import EngineConfig
+from rayserve_paged.core.spec_decode import propose_ngram
+from rayserve_paged.models.sampler import Sampler
+from rayserve_paged.models.sampler import SamplingBatch
+from rayserve_paged.serve_llm import ENGINE_KWARGS, UNSUPPORTED_ENGINE_KWARGS
+from tests.engine.test_every_request_ends import BudgetCheck, _assert_idle
+
+SPEC = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
+            disable_by_batch_size=64)  # fmt: skip
+
+
+def _repetitive_prompts(rng: random.Random, num: int, vocab: int = 500) -> list[list[int]]:
+    """Prompts that repeat a random phrase (so lookups find matches), of random lengths."""
+    prompts = []
+    for _ in range(num):
+        phrase = [rng.randrange(4, vocab) for _ in range(rng.randrange(2, 7))]
+        prompt = phrase * rng.randrange(2, 6) + [rng.randrange(4, vocab) for _ in range(rng.randrange(0, 4))]
+        prompts.append(prompt[: rng.randrange(3, len(prompt) + 1)])
+    return prompts
+
+
+def test_ngram_proposals_follow_the_latest_longest_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    assert propose_ngram(tokens, 2, 1, 3) == [7, 8]  # "1 2 3" last seen before 7 8
+    assert propose_ngram(tokens, 5, 1, 3) == [7, 8, 1, 2, 3]
+    assert propose_ngram([5, 6, 7], 3, 1, 3) == []
+    assert propose_ngram([4, 5, 4], 3, 1, 3) == [5, 4]  # only n = 1 matches
+    assert propose_ngram([4, 5, 4], 3, 2, 3) == []
+
+
+WORLDS = {
+    "roomy": dict(max_model_len=128, num_gpu_blocks_override=160, swap_space_gb=0),
+    # a pool this small preempts: swap, then recompute; and chunked prefill in small chunks
+    "swap": dict(block_size=8, max_model_len=96, max_num_seqs=6, max_num_batched_tokens=24, num_gpu_blocks_override=14,
+                 watermark=0.0, swap_space_gb=0.002, preemption_mode="swap"),
+    "recompute": dict(block_size=8, max_model_len=96, max_num_seqs=6, max_num_batched_tokens=24,
+                      num_gpu_blocks_override=14, watermark=0.0, swap_space_gb=0, preemption_mode="recompute"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_greedy_output_is_the_same_with_drafts(tiny_paths, world):
+    rng = random.Random(f"greedy-{world}")
+    prompts = _repetitive_prompts(rng, 8)
+    shared = prompts[0][:9]
+    prompts += [shared + p for p in prompts[1:4]]  # prefix-cache hits
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 40), ignore_eos=True) for _ in prompts]
+    params[1] = SamplingParams(temperature=0.0, max_tokens=20, logprobs=2, ignore_eos=True)
+    params[2] = SamplingParams(n=2, best_of=3, temperature=0.8, seed=3, max_tokens=10)  # wide: no drafts
+    params[3] = SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3)  # penalties: no drafts
+    off = LLM(model=tiny_paths["llama"], **WORLDS[world])
+    on = LLM(model=tiny_paths["llama"], speculative_config=SPEC, **WORLDS[world])
+    check = BudgetCheck(on)
+    expected = off.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    got = on.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    for e, g in zip(expected, got):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in e.outputs]
+        assert [c.finish_reason for c in g.outputs] == [c.finish_reason for c in e.outputs]
+    for e_choice, g_choice in zip(expected[1].outputs[0].logprobs, got[1].outputs[0].logprobs):
+        assert g_choice.keys() == e_choice.keys()
+        for token in e_choice:
+            assert g_choice[token] == pytest.approx(e_choice[token], abs=1e-4)
+    engine = on.engine
+    assert engine.scheduler.counters.spec_decode_num_draft_tokens > 0
+    assert engine.spec_decode_num_accepted_tokens > 0
+    if world != "roomy":
+        counters = engine.scheduler.counters
+        assert counters.preemptions_swap + counters.preemptions_recompute > 0
+    _assert_idle(on, check)
+
+
+def test_drafts_stop_at_the_batch_size_limit(tiny_paths):
+    rng = random.Random(5)
+    prompts = _repetitive_prompts(rng, 6)
+    llm = LLM(model=tiny_paths["llama"], max_model_len=128, num_gpu_blocks_override=160,
+              speculative_config={**SPEC, "disable_by_batch_size": 6})  # fmt: skip
+    seen = []
+    real = llm.engine.executor.execute
+
+    def execute(msg):
+        if msg.draft_seq_ids:
+            seen.append(len(msg.seq_ids))
+        return real(msg)
+
+    llm.engine.executor.execute = execute
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 6 * i, ignore_eos=True) for i in range(6)]
+    llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert seen and max(seen) < 6  # while 6 run, no step drafts; as they end, drafts come back
+
+
+def test_stop_strings_inside_accepted_drafts_cut_where_they_would_without(tiny_paths):
+    prompts = _repetitive_prompts(random.Random("greedy-roomy"), 8)
+    off = LLM(model=tiny_paths["llama"], max_model_len=128, kv_cache_memory_gb=0.01)
+    on = LLM(model=tiny_paths["llama"], max_model_len=128, kv_cache_memory_gb=0.01, speculative_config=SPEC)
+    plain = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    full = off.generate(prompt_token_ids=prompts, sampling_params=plain, use_tqdm=False)
+    for prompt, out in zip(prompts, full):
+        text = out.outputs[0].text
+        for at in (5, 12, 20):
+            stop = text[at : at + 3]
+            if len(stop) < 3:
+                continue
+            params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop])
+            (e,) = off.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+            (g,) = on.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+            assert (g.outputs[0].text, g.outputs[0].finish_reason) == (e.outputs[0].text, e.outputs[0].finish_reason)
+            assert g.outputs[0].token_ids == e.outputs[0].token_ids
+    assert on.engine.spec_decode_num_accepted_tokens > 0
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+def _chi_square(counts: list[int], probs: list[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs) if p > 0)
+
+
+def _verify_batch(num: int, temperature: float, seed: int | None) -> SamplingBatch:
+    rows = 2 * num  # one draft each: 2 positions
+    return SamplingBatch(
+        list(range(rows)), [temperature] * rows, [-1] * rows, [1.0] * rows, [0.0] * rows,
+        [None if seed is None else seed + i // 2 for i in range(rows)], [0] * rows, [i % 2 for i in range(rows)],
+        [1] * rows, [0] * rows, [None] * rows,
+    )  # fmt: skip
+
+
+def test_verification_keeps_the_distribution_and_a_wrong_residual_fails():
+    """One draft on a 6-token distribution, 6000 times (fixed seeds): the first output
+    token is distributed as p. A rule that redraws from p instead of the residual gives
+    p(d) + (1 - p(d)) p(d) for the draft: the same counts are far from that."""
+    torch.manual_seed(0)
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.7, 0.0, -1.0])
+    p = logits.softmax(-1).tolist()
+    num = 6000
+    draft = 0  # the most likely token: accepted often, rejected often enough
+    batch = _verify_batch(num, 1.0, seed=1000)
+    samples = Sampler().verify(logits.repeat(2 * num, 1), batch, [[draft]] * num)
+    counts = [0] * len(p)
+    for sample in samples:
+        counts[sample.token_ids[0]] += 1
+    # 5 degrees of freedom: P(chi2 > 20.5) = 0.001
+    assert _chi_square(counts, p) < 20.5, counts
+    wrong = [pi * (1 - p[draft]) for pi in p]
+    wrong[draft] += p[draft]
+    assert _chi_square(counts, wrong) > 100, counts
+    # seeded: the same draws again
+    again = Sampler().verify(logits.repeat(2 * num, 1), batch, [[draft]] * num)
+    assert [s.token_ids for s in again] == [s.token_ids for s in samples]
+
+
+def test_sampled_tokens_have_the_same_frequencies_with_drafts(tiny_paths):
+    """The tiny model at temperature 1 with top_k 3: output tokens 1..3 by position, seeds
+    0..N-1, have the same frequencies with drafts as without (two-sample chi-square). The
+    prompt holds every token once, shuffled, so each step has a draft to verify (mostly
+    rejected: the residual draws are what is tested)."""
+    vocab = LLM(model=tiny_paths["llama"], max_model_len=8, num_gpu_blocks_override=4).engine.model_config.vocab_size
+    prompt = list(range(4, vocab))
+    random.Random(0).shuffle(prompt)
+    num = 300
+    counts = {}
+    for name, spec in (("off", None), ("on", SPEC)):
+        llm = LLM(model=tiny_paths["llama"], max_model_len=vocab + 8, num_gpu_blocks_override=200, swap_space_gb=0,
+                  max_num_seqs=64, speculative_config=spec)  # fmt: skip
+        params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=4, seed=s, ignore_eos=True) for s in range(num)]
+        outs = []
+        for i in range(0, num, 30):  # 30 at a time: under disable_by_batch_size 64
+            outs += llm.generate(prompt_token_ids=[prompt] * 30, sampling_params=params[i : i + 30], use_tqdm=False)
+        counts[name] = [dict() for _ in range(4)]
+        for out in outs:
+            for pos, token in enumerate(out.outputs[0].token_ids):
+                counts[name][pos][token] = counts[name][pos].get(token, 0) + 1
+        if spec is not None:
+            assert llm.engine.scheduler.counters.spec_decode_num_draft_tokens >= num  # drafts were verified
+    for pos in range(1, 4):  # position 0 comes from the prefill step (no drafts)
+        a, b = counts["off"][pos], counts["on"][pos]
+        tokens = sorted(set(a) | set(b))
+        stat = sum((a.get(t, 0) - b.get(t, 0)) ** 2 / (a.get(t, 0) + b.get(t, 0)) for t in tokens)
+        # df = len(tokens) - 1; P(chi2_df > 3 df + 12) < 0.001 for the df here
+        assert stat < 3 * (len(tokens) - 1) + 12, (pos, a, b)
+
+
+def test_seeded_requests_repeat_with_drafts(tiny_paths):
+    llm = LLM(model=tiny_paths["llama"], max_model_len=64, kv_cache_memory_gb=0.01, speculative_config=SPEC)
+    params = SamplingParams(temperature=0.9, max_tokens=20, seed=42, ignore_eos=True)
+    prompt = [11, 12, 13, 14] * 3
+    (a,) = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+    (b,) = llm.generate(prompt_token_ids=[prompt, [5, 6, 11, 12, 13]], sampling_params=params, use_tqdm=False)[:1]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+# ---------------------------------------------------------------------------- configuration
+
+
+def test_speculative_config_is_checked_and_reaches_the_engine_from_serve_args():
+    config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert config.speculative_config.num_speculative_tokens == 2
+    with pytest.raises(ValidationError, match="draft_model"):
+        EngineConfig(speculative_config={"method": "draft_model", "model": "x"})
+    with pytest.raises(ValidationError, match="prompt_lookup_min"):
+        EngineConfig(speculative_config={"prompt_lookup_min": 5, "prompt_lookup_max": 2})
+    with pytest.raises(ValidationError, match="num_speculative_tokens"):
+        EngineConfig(speculative_config={"num_speculative_tokens": 0})
+    assert ENGINE_KWARGS["speculative_config"].field == "speculative_config"
+    assert "speculative_config" not in UNSUPPORTED_ENGINE_KWARGS
+
+
+def test_beam_search_runs_without_drafts(tiny_paths):
+    on = LLM(model=tiny_paths["llama"], max_model_len=64, kv_cache_memory_gb=0.01, speculative_config=SPEC)
+    off = LLM(model=tiny_paths["llama"], max_model_len=64, kv_cache_memory_gb=0.01)
+    params = SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=8)
+    prompt = [[3, 4, 5, 3, 4, 5, 3, 4]]
+    e = off.generate(prompt_token_ids=prompt, sampling_params=params, use_tqdm=False)
+    g = on.generate(prompt_token_ids=prompt, sampling_params=params, use_tqdm=False)
+    assert [c.token_ids for c in g[0].outputs] == [c.token_ids for c in e[0].outputs]
+    assert on.engine.scheduler.counters.spec_decode_num_draft_tokens == 0
