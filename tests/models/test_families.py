@@ -182,8 +182,8 @@ def test_all_windowed_model_frees_blocks_outside_the_window_and_equals_hf(mode, 
     held: list[int] = []
     append_slots = bm.append_slots
 
-    def recording_append_slots(seq, copies):
-        table = append_slots(seq, copies)
+    def recording_append_slots(seq, copies, *lookahead):
+        table = append_slots(seq, copies, *lookahead)
         held.append(bm.num_held_blocks(seq))
         return table
 

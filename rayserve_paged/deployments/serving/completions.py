@@ -274,7 +274,8 @@ class CompletionServing:
 
 def completion_choice_json(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> str:
     """A streamed CompletionChoice without logprobs, as pydantic writes it."""
-    return f'{{"index":{index},"text":{json_value(text)},"logprobs":null,{reasons_json(finish_reason, stop_reason)}'
+    reasons = reasons_json(finish_reason, stop_reason)[:-1]  # the choice's last field is prompt_logprobs
+    return f'{{"index":{index},"text":{json_value(text)},"logprobs":null,{reasons},"prompt_logprobs":null}}'
 
 
 def _visible(request: CompletionRequest, out: CompletionOutput) -> tuple[str, list[int], list | None]:
