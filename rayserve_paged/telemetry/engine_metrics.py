@@ -12,7 +12,9 @@ read (atomic under the GIL), so a collection may straddle a step but never sees 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Protocol
 
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
@@ -79,6 +81,144 @@ def _lora_adapters(engine: EngineLike):
     return (("registered", len(engine.loras)), ("resident", len(slots.slot_of)), ("active", slots.num_pinned))
 
 
+def _blocks(engine: EngineLike):
+    """((pool, state), blocks) pairs of the block manager's pools."""
+    u = engine.block_manager.usage()
+    return (
+        ((names.DEVICE_POOL, "used"), u.gpu_used),
+        ((names.DEVICE_POOL, "cached"), u.gpu_cached),
+        ((names.DEVICE_POOL, "free"), u.gpu_free),
+        ((names.SWAP_POOL, "used"), u.cpu_used),
+        ((names.SWAP_POOL, "free"), u.cpu_free),
+    )
+
+
+def _usage(engine: EngineLike):
+    u = engine.block_manager.usage()
+    return ((names.DEVICE_POOL, u.gpu_usage), (names.SWAP_POOL, u.cpu_usage))
+
+
+def _slot_usage(engine: EngineLike):
+    """(pool, SlotUsage) of the sequences of running and swapped groups, read now."""
+    s = engine.scheduler
+    seqs = [seq for group in (*list(s.running), *list(s.swapped)) for seq in list(group.seqs)]
+    gpu, cpu = engine.block_manager.slot_usage(seqs)
+    return ((names.DEVICE_POOL, gpu), (names.SWAP_POOL, cpu))
+
+
+def _token_slots(engine: EngineLike):
+    return [
+        ((pool, state), n)
+        for pool, u in _slot_usage(engine)
+        for state, n in (("used", u.used_slots), ("allocated", u.allocated_slots))
+    ]
+
+
+def _fragmentation(engine: EngineLike):
+    return [(pool, u.fragmentation) for pool, u in _slot_usage(engine)]
+
+
+def _shared_blocks(engine: EngineLike):
+    return [(pool, u.num_shared_blocks) for pool, u in _slot_usage(engine)]
+
+
+def _requests(engine: EngineLike):
+    s = engine.scheduler
+    # finished groups stay in `running` until the next schedule(); count only live ones
+    num_running = sum(1 for g in list(s.running) if not g.is_finished())
+    return (("running", num_running), ("waiting", len(s.waiting)), ("swapped", len(s.swapped)))
+
+
+@dataclass(frozen=True, slots=True)
+class _Observable:
+    """One observable instrument. `read` is the engine's attribute path to one value, or a
+    function of the engine giving (label, value) pairs observed with attribute `key`, or
+    (labels, value) pairs with a tuple of keys."""
+
+    kind: str  # "counter", "up_down_counter" or "gauge": meter.create_observable_<kind>
+    name: str
+    unit: str
+    read: str | Callable[[Any], Any]
+    description: str
+    key: str | tuple[str, ...] | None = None
+
+
+_ENGINE_INSTRUMENTS = (
+    # -- KV cache (the block manager's state at collection)
+    _Observable("up_down_counter", names.KV_CACHE_BLOCKS, "{block}", _blocks,
+        "KV cache blocks by pool (device, cpu: the swap pool) and state (used: held by sequences; "
+        "cached: free but holding a reusable prefix; free).", key=(names.POOL, names.STATE)),
+    _Observable("gauge", names.KV_CACHE_USAGE, "1", _usage,
+        "Fraction of the pool's KV blocks held by sequences (1 = full).", key=names.POOL),
+    _Observable("counter", names.KV_CACHE_SWAPPED_BLOCKS, "{block}", _swapped_blocks,
+        "KV blocks copied between the GPU pool and the CPU swap pool (in: CPU to GPU).", key=names.DIRECTION),
+    _Observable("counter", names.KV_CACHE_COPY_ON_WRITE_BLOCKS, "{block}",
+        "block_manager.counters.copy_on_write_blocks",
+        "KV blocks copied because a shared block was appended to (copy-on-write)."),
+    _Observable("up_down_counter", names.KV_CACHE_TOKEN_SLOTS, "{token}", _token_slots,
+        "Token slots of the blocks held by running and swapped sequences, by pool and state "
+        "(used: holding a token; allocated: every slot of those blocks; a shared block counts once).",
+        key=(names.POOL, names.STATE)),
+    _Observable("gauge", names.KV_CACHE_FRAGMENTATION, "1", _fragmentation,
+        "Share of the allocated token slots holding no token: 1 - used / allocated "
+        "(internal fragmentation, the unfilled tails of last blocks; 0 when nothing is allocated).", key=names.POOL),
+    _Observable("up_down_counter", names.KV_CACHE_SHARED_BLOCKS, "{block}", _shared_blocks,
+        "KV blocks held by more than one sequence (forks, beams, prefix-cache hits), by pool.", key=names.POOL),
+    _Observable("counter", names.PREFIX_CACHE_QUERIES, "{token}", "block_manager.counters.prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache at admission."),
+    _Observable("counter", names.PREFIX_CACHE_HITS, "{token}", "block_manager.counters.prefix_cache_hits",
+        "Of the prefix-cache queries, tokens found in cached blocks (not recomputed)."),
+    _Observable("counter", names.PREFIX_CACHE_TIER_HITS, "{token}", _tier_hits,
+        "Of the prefix-cache queries, tokens found in each tier: device (the KV cache) or host "
+        "(tier 2, copied back instead of recomputed).", key=names.TIER),
+    _Observable("counter", names.PREFIX_CACHE_TIER_BLOCKS, "{block}", _tier_blocks,
+        "Prefix-cache blocks moved per tier: device evicted; host offloaded (device to host), "
+        "restored (host to device), evicted (LRU, or taken by a swap-out).", key=(names.TIER, names.TIER_EVENT)),
+    _Observable("counter", names.SPEC_DECODE_NUM_DRAFT_TOKENS, "{token}",
+        "scheduler.counters.spec_decode_num_draft_tokens",
+        "Draft tokens (speculative decoding) scheduled for verification."),
+    _Observable("counter", names.SPEC_DECODE_NUM_ACCEPTED_TOKENS, "{token}", "spec_decode_num_accepted_tokens",
+        "Of the draft tokens, those verification accepted (acceptance rate: accepted / draft)."),
+    # -- scheduler
+    _Observable("up_down_counter", names.SCHEDULER_REQUESTS, "{request}", _requests,
+        "Unfinished requests (sequence groups) by queue: running, waiting, swapped.", key=names.STATE),
+    _Observable("counter", names.SCHEDULER_PREEMPTIONS, "{preemption}", _preemptions,
+        "Sequence groups preempted for lack of KV blocks, by mode (recompute, swap).", key=names.MODE),
+    _Observable("counter", names.TOKENS, "{token}", _tokens,
+        "Tokens computed: prompt (prefilled, after prefix-cache hits) and generation (sampled).", key=names.TOKEN_TYPE),
+)  # fmt: skip
+
+_GRAMMAR_INSTRUMENTS = (  # only with structured outputs
+    _Observable("counter", names.GRAMMAR_ERRORS, "{sequence}", lambda e: e.structured.errors.items(),
+        "Sequences ended by a grammar error (finish_reason abort, stop_reason grammar_error), "
+        "by stage: consume (the sampled token), mask (computing the next mask), mask_budget (masks "
+        "costlier than the budget).", key=names.STAGE),
+    _Observable("up_down_counter", names.GRAMMAR_CACHE_BYTES, "By", "grammars.num_cached_bytes",
+        "Estimated bytes held by the compiled grammars in the cache."),
+)  # fmt: skip
+
+_LORA_INSTRUMENTS = (  # only with LoRA
+    _Observable("up_down_counter", names.LORA_ADAPTERS, "{adapter}", _lora_adapters,
+        "LoRA adapters by state: registered (requests may name them), resident (in a device "
+        "slot), active (pinned by an admitted request).", key=names.STATE),
+    _Observable("counter", names.LORA_SLOT_LOADS, "{adapter}", "lora_slots.counters.num_loads",
+        "LoRA adapters put into a device slot (read from the CPU cache or from disk)."),
+    _Observable("counter", names.LORA_SLOT_EVICTIONS, "{adapter}", "lora_slots.counters.num_evictions",
+        "Of the slot loads, those that evicted an idle resident adapter (least recently used)."),
+    _Observable("counter", names.LORA_REQUESTS, "{request}", lambda e: list(e.num_lora_requests.items()),
+        "Requests added per LoRA adapter, by lora_name.", key=names.LORA_NAME),
+)  # fmt: skip
+
+# latency histograms (seconds), recorded once per finished request: (attribute, name, description)
+_LATENCIES = (
+    ("_ttft", names.REQUEST_TIME_TO_FIRST_TOKEN, "Arrival to the first generated token."),
+    ("_tpot", names.REQUEST_TIME_PER_OUTPUT_TOKEN,
+        "Mean time between output tokens of a request: (finish - first token) / (tokens - 1)."),
+    ("_e2e", names.REQUEST_E2E_LATENCY, "Arrival to the last token (end-to-end latency)."),
+    ("_queue", names.REQUEST_QUEUE_TIME, "Arrival to first scheduled (time spent waiting)."),
+)  # fmt: skip
+
+
 def finish_reason(output) -> str:
     """A finished request's reason: its first completion's. An output without completions
     is a request the engine ignored (it can never fit); the engine maps that to "length"."""
@@ -95,129 +235,15 @@ class EngineMetrics:
         self._reason_attrs: dict[str, dict[str, str]] = {}
         meter = meter_provider.get_meter(names.METER_NAME)
 
-        # -- KV cache (observable: the block manager's state at collection)
-        meter.create_observable_up_down_counter(
-            names.KV_CACHE_BLOCKS,
-            callbacks=[self._observe_blocks],
-            unit="{block}",
-            description="KV cache blocks by pool (device, cpu: the swap pool) and state (used: held by sequences; "
-            "cached: free but holding a reusable prefix; free).",
-        )
-        meter.create_observable_gauge(
-            names.KV_CACHE_USAGE,
-            callbacks=[self._observe_usage],
-            unit="1",
-            description="Fraction of the pool's KV blocks held by sequences (1 = full).",
-        )
-        meter.create_observable_counter(
-            names.KV_CACHE_SWAPPED_BLOCKS,
-            callbacks=[self._counter(_swapped_blocks, names.DIRECTION)],
-            unit="{block}",
-            description="KV blocks copied between the GPU pool and the CPU swap pool (in: CPU to GPU).",
-        )
-        meter.create_observable_counter(
-            names.KV_CACHE_COPY_ON_WRITE_BLOCKS,
-            callbacks=[self._counter(lambda e: e.block_manager.counters.copy_on_write_blocks)],
-            unit="{block}",
-            description="KV blocks copied because a shared block was appended to (copy-on-write).",
-        )
-        meter.create_observable_up_down_counter(
-            names.KV_CACHE_TOKEN_SLOTS,
-            callbacks=[self._observe_token_slots],
-            unit="{token}",
-            description="Token slots of the blocks held by running and swapped sequences, by pool and state "
-            "(used: holding a token; allocated: every slot of those blocks; a shared block counts once).",
-        )
-        meter.create_observable_gauge(
-            names.KV_CACHE_FRAGMENTATION,
-            callbacks=[self._observe_fragmentation],
-            unit="1",
-            description="Share of the allocated token slots holding no token: 1 - used / allocated "
-            "(internal fragmentation, the unfilled tails of last blocks; 0 when nothing is allocated).",
-        )
-        meter.create_observable_up_down_counter(
-            names.KV_CACHE_SHARED_BLOCKS,
-            callbacks=[self._observe_shared_blocks],
-            unit="{block}",
-            description="KV blocks held by more than one sequence (forks, beams, prefix-cache hits), by pool.",
-        )
-        meter.create_observable_counter(
-            names.PREFIX_CACHE_QUERIES,
-            callbacks=[self._counter(lambda e: e.block_manager.counters.prefix_cache_queries)],
-            unit="{token}",
-            description="Prompt tokens looked up in the prefix cache at admission.",
-        )
-        meter.create_observable_counter(
-            names.PREFIX_CACHE_HITS,
-            callbacks=[self._counter(lambda e: e.block_manager.counters.prefix_cache_hits)],
-            unit="{token}",
-            description="Of the prefix-cache queries, tokens found in cached blocks (not recomputed).",
-        )
-        meter.create_observable_counter(
-            names.PREFIX_CACHE_TIER_HITS,
-            callbacks=[self._counter(_tier_hits, names.TIER)],
-            unit="{token}",
-            description="Of the prefix-cache queries, tokens found in each tier: device (the KV cache) or host "
-            "(tier 2, copied back instead of recomputed).",
-        )
-        meter.create_observable_counter(
-            names.PREFIX_CACHE_TIER_BLOCKS,
-            callbacks=[self._tier_block_counter],
-            unit="{block}",
-            description="Prefix-cache blocks moved per tier: device evicted; host offloaded (device to host), "
-            "restored (host to device), evicted (LRU, or taken by a swap-out).",
-        )
-
-        meter.create_observable_counter(
-            names.SPEC_DECODE_NUM_DRAFT_TOKENS,
-            callbacks=[self._counter(lambda e: e.scheduler.counters.spec_decode_num_draft_tokens)],
-            unit="{token}",
-            description="Draft tokens (speculative decoding) scheduled for verification.",
-        )
-        meter.create_observable_counter(
-            names.SPEC_DECODE_NUM_ACCEPTED_TOKENS,
-            callbacks=[self._counter(lambda e: e.spec_decode_num_accepted_tokens)],
-            unit="{token}",
-            description="Of the draft tokens, those verification accepted (acceptance rate: accepted / draft).",
-        )
-
-        # -- scheduler
-        meter.create_observable_up_down_counter(
-            names.SCHEDULER_REQUESTS,
-            callbacks=[self._observe_requests],
-            unit="{request}",
-            description="Unfinished requests (sequence groups) by queue: running, waiting, swapped.",
-        )
-        meter.create_observable_counter(
-            names.SCHEDULER_PREEMPTIONS,
-            callbacks=[self._counter(_preemptions, names.MODE)],
-            unit="{preemption}",
-            description="Sequence groups preempted for lack of KV blocks, by mode (recompute, swap).",
-        )
-        meter.create_observable_counter(
-            names.TOKENS,
-            callbacks=[self._counter(_tokens, names.TOKEN_TYPE)],
-            unit="{token}",
-            description="Tokens computed: prompt (prefilled, after prefix-cache hits) and generation (sampled).",
-        )
-
+        instruments = list(_ENGINE_INSTRUMENTS)
         if getattr(engine, "structured", None) is not None:
-            meter.create_observable_counter(
-                names.GRAMMAR_ERRORS,
-                callbacks=[self._counter(lambda e: e.structured.errors.items(), names.STAGE)],
-                unit="{sequence}",
-                description="Sequences ended by a grammar error (finish_reason abort, stop_reason grammar_error), "
-                "by stage: consume (the sampled token), mask (computing the next mask), mask_budget (masks "
-                "costlier than the budget).",
-            )
-            meter.create_observable_up_down_counter(
-                names.GRAMMAR_CACHE_BYTES,
-                callbacks=[self._counter(lambda e: e.grammars.num_cached_bytes)],
-                unit="By",
-                description="Estimated bytes held by the compiled grammars in the cache.",
-            )
+            instruments += _GRAMMAR_INSTRUMENTS
         if getattr(engine, "lora_slots", None) is not None:
-            self._add_lora_instruments(meter)
+            instruments += _LORA_INSTRUMENTS
+        for i in instruments:
+            read = attrgetter(i.read) if isinstance(i.read, str) else i.read
+            create = getattr(meter, f"create_observable_{i.kind}")
+            create(i.name, callbacks=[self._observer(read, i.key)], unit=i.unit, description=i.description)
 
         # -- per finished request
         self._finished = meter.create_counter(
@@ -225,47 +251,8 @@ class EngineMetrics:
             unit="{request}",
             description="Finished requests by finish_reason (stop, length, abort).",
         )
-        self._ttft = meter.create_histogram(
-            names.REQUEST_TIME_TO_FIRST_TOKEN, unit="s", description="Arrival to the first generated token."
-        )
-        self._tpot = meter.create_histogram(
-            names.REQUEST_TIME_PER_OUTPUT_TOKEN,
-            unit="s",
-            description="Mean time between output tokens of a request: (finish - first token) / (tokens - 1).",
-        )
-        self._e2e = meter.create_histogram(
-            names.REQUEST_E2E_LATENCY, unit="s", description="Arrival to the last token (end-to-end latency)."
-        )
-        self._queue = meter.create_histogram(
-            names.REQUEST_QUEUE_TIME, unit="s", description="Arrival to first scheduled (time spent waiting)."
-        )
-
-    def _add_lora_instruments(self, meter) -> None:
-        meter.create_observable_up_down_counter(
-            names.LORA_ADAPTERS,
-            callbacks=[self._counter(_lora_adapters, names.STATE)],
-            unit="{adapter}",
-            description="LoRA adapters by state: registered (requests may name them), resident (in a device "
-            "slot), active (pinned by an admitted request).",
-        )
-        meter.create_observable_counter(
-            names.LORA_SLOT_LOADS,
-            callbacks=[self._counter(lambda e: e.lora_slots.counters.num_loads)],
-            unit="{adapter}",
-            description="LoRA adapters put into a device slot (read from the CPU cache or from disk).",
-        )
-        meter.create_observable_counter(
-            names.LORA_SLOT_EVICTIONS,
-            callbacks=[self._counter(lambda e: e.lora_slots.counters.num_evictions)],
-            unit="{adapter}",
-            description="Of the slot loads, those that evicted an idle resident adapter (least recently used).",
-        )
-        meter.create_observable_counter(
-            names.LORA_REQUESTS,
-            callbacks=[self._counter(lambda e: list(e.num_lora_requests.items()), names.LORA_NAME)],
-            unit="{request}",
-            description="Requests added per LoRA adapter, by lora_name.",
-        )
+        for attr, name, description in _LATENCIES:
+            setattr(self, attr, meter.create_histogram(name, unit="s", description=description))
 
     # ------------------------------------------------------------------ per finished request
 
@@ -299,67 +286,17 @@ class EngineMetrics:
 
     # ------------------------------------------------------------------ callbacks
 
-    def _counter(self, read, key: str | None = None):
-        """A callback for a counter read by `read(engine)`: one value, or (label, value)
-        pairs observed with attribute `key`."""
+    def _observer(self, read, key: str | tuple[str, ...] | None):
+        """A callback for an instrument read by `read(engine)`: one value (no key), (label,
+        value) pairs observed with attribute `key`, or (labels, value) pairs with a tuple of keys."""
         attrs = self._attrs
 
         def callback(options: CallbackOptions) -> Iterable[Observation]:
             value = read(self.engine)
             if key is None:
                 return [Observation(value, attrs)]
-            return [Observation(v, {**attrs, key: label}) for label, v in value]
+            if isinstance(key, str):
+                return [Observation(v, {**attrs, key: label}) for label, v in value]
+            return [Observation(v, {**attrs, **dict(zip(key, labels))}) for labels, v in value]
 
         return callback
-
-    def _tier_block_counter(self, options: CallbackOptions) -> Iterable[Observation]:
-        attrs = self._attrs
-        return [
-            Observation(v, {**attrs, names.TIER: tier, names.TIER_EVENT: event})
-            for (tier, event), v in _tier_blocks(self.engine)
-        ]
-
-    def _observe_blocks(self, options: CallbackOptions) -> Iterable[Observation]:
-        u = self.engine.block_manager.usage()
-        rows = (
-            (names.DEVICE_POOL, "used", u.gpu_used),
-            (names.DEVICE_POOL, "cached", u.gpu_cached),
-            (names.DEVICE_POOL, "free", u.gpu_free),
-            (names.SWAP_POOL, "used", u.cpu_used),
-            (names.SWAP_POOL, "free", u.cpu_free),
-        )
-        return [Observation(n, {**self._attrs, names.POOL: pool, names.STATE: state}) for pool, state, n in rows]
-
-    def _observe_usage(self, options: CallbackOptions) -> Iterable[Observation]:
-        u = self.engine.block_manager.usage()
-        return [
-            Observation(u.gpu_usage, {**self._attrs, names.POOL: names.DEVICE_POOL}),
-            Observation(u.cpu_usage, {**self._attrs, names.POOL: names.SWAP_POOL}),
-        ]
-
-    def _slot_usage(self):
-        """(pool, SlotUsage) of the sequences of running and swapped groups, read now."""
-        s = self.engine.scheduler
-        seqs = [seq for group in (*list(s.running), *list(s.swapped)) for seq in list(group.seqs)]
-        gpu, cpu = self.engine.block_manager.slot_usage(seqs)
-        return ((names.DEVICE_POOL, gpu), (names.SWAP_POOL, cpu))
-
-    def _observe_token_slots(self, options: CallbackOptions) -> Iterable[Observation]:
-        out = []
-        for pool, u in self._slot_usage():
-            out.append(Observation(u.used_slots, {**self._attrs, names.POOL: pool, names.STATE: "used"}))
-            out.append(Observation(u.allocated_slots, {**self._attrs, names.POOL: pool, names.STATE: "allocated"}))
-        return out
-
-    def _observe_fragmentation(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(u.fragmentation, {**self._attrs, names.POOL: pool}) for pool, u in self._slot_usage()]
-
-    def _observe_shared_blocks(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(u.num_shared_blocks, {**self._attrs, names.POOL: pool}) for pool, u in self._slot_usage()]
-
-    def _observe_requests(self, options: CallbackOptions) -> Iterable[Observation]:
-        s = self.engine.scheduler
-        # finished groups stay in `running` until the next schedule(); count only live ones
-        num_running = sum(1 for g in list(s.running) if not g.is_finished())
-        rows = (("running", num_running), ("waiting", len(s.waiting)), ("swapped", len(s.swapped)))
-        return [Observation(n, {**self._attrs, names.STATE: state}) for state, n in rows]
