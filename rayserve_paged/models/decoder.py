@@ -328,21 +328,25 @@ def map_packed_name(
     return hf_name, None
 
 
-class DecoderForCausalLM(nn.Module):
-    """forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, hidden].
+class CausalLM(nn.Module):
+    """What every family's model is: a body (`build_model`) whose token embedding
+    (`embedding()`) the LM head may be tied to, the head, and the weight-name mapper.
 
-    Subclasses (one per family) override `config_from_hf` and, where their layers differ, the
-    class attributes below.
+    forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, the
+    embedding's width]; compute_logits(hidden [n, width]) -> [n, vocab] float32.
     """
 
-    attention_class: ClassVar[type[nn.Module]] = DecoderAttention
-    mlp_class: ClassVar[type[nn.Module]] = DecoderMLP
-    layer_class: ClassVar[type[nn.Module]] = DecoderLayer
     packed_modules: ClassVar[dict[str, tuple[str, Any]]] = SEPARATE_PROJECTIONS
 
     @classmethod
-    def config_from_hf(cls, hf_config: dict) -> DecoderConfig:
-        return decoder_config_from_hf(hf_config)
+    def config_from_hf(cls, hf_config: dict) -> Any:
+        raise NotImplementedError
+
+    def build_model(self, cfg: Any, attn_backend: Any, parallel: ParallelState, dtype: torch.dtype | None) -> nn.Module:
+        raise NotImplementedError
+
+    def embedding(self) -> VocabParallelEmbedding:
+        return self.model.embed_tokens
 
     def __init__(
         self,
@@ -354,11 +358,10 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = self.config_from_hf(hf_config)
         cfg = self.config
-        ctx = DecoderContext(cfg, attn_backend, parallel, dtype, self.attention_class, self.mlp_class)
-        self.model = DecoderModel(ctx, self.layer_class)
-        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, parallel=parallel, dtype=dtype, tied_to=tied)
-        self.rope_len_rule = cfg.rope_len_rule  # the runner builds metadata.rope_lens by it
+        self.model = self.build_model(cfg, attn_backend, parallel, dtype)
+        embed = self.embedding()
+        tied = embed if cfg.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, embed.embedding_dim, parallel=parallel, dtype=dtype, tied_to=tied)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], attn_metadata: AttentionMetadata
@@ -366,12 +369,39 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head.compute_logits(hidden_states)  # [n, vocab] float32
+        return self.lm_head.compute_logits(hidden_states)  # [n, vocab] float32
+
+    def map_weight_name(self, hf_name: str) -> tuple[str, Any] | None:
+        """HF checkpoint name -> (our parameter name, shard id), or None to skip it."""
+        return map_packed_name(hf_name, self.packed_modules, self.config.tie_word_embeddings)
+
+
+class DecoderForCausalLM(CausalLM):
+    """The Llama-shaped skeleton. Subclasses (one per family) override `config_from_hf` and,
+    where their layers differ, the class attributes below.
+    """
+
+    attention_class: ClassVar[type[nn.Module]] = DecoderAttention
+    mlp_class: ClassVar[type[nn.Module]] = DecoderMLP
+    layer_class: ClassVar[type[nn.Module]] = DecoderLayer
+
+    @classmethod
+    def config_from_hf(cls, hf_config: dict) -> DecoderConfig:
+        return decoder_config_from_hf(hf_config)
+
+    def build_model(
+        self, cfg: DecoderConfig, attn_backend: Any, parallel: ParallelState, dtype: torch.dtype | None
+    ) -> DecoderModel:
+        ctx = DecoderContext(cfg, attn_backend, parallel, dtype, self.attention_class, self.mlp_class)
+        return DecoderModel(ctx, self.layer_class)
+
+    @property
+    def rope_len_rule(self) -> str | None:
+        return self.config.rope_len_rule  # the runner builds metadata.rope_lens by it
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden_states)  # [n, vocab] float32
         cap = self.config.final_soft_cap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-    def map_weight_name(self, hf_name: str) -> tuple[str, Any] | None:
-        return map_packed_name(hf_name, self.packed_modules, self.config.tie_word_embeddings)
-

@@ -19,14 +19,12 @@ from torch import nn
 
 from rayserve_paged.ops.attention import AttentionMetadata
 
-from .decoder import map_packed_name
+from .decoder import CausalLM
 from .layers import (
     ACTIVATIONS,
-    SINGLE_RANK,
     Attention,
     ColumnParallelLinear,
     KVCache,
-    ParallelLMHead,
     ParallelState,
     QKVParallelLinear,
     RowParallelLinear,
@@ -173,8 +171,11 @@ class OPTModel(nn.Module):
         super().__init__()
         self.decoder = OPTDecoder(cfg, backend, parallel, dtype)
 
+    def forward(self, *args: Any) -> torch.Tensor:
+        return self.decoder(*args)
 
-class OPTForCausalLM(nn.Module):
+
+class OPTForCausalLM(CausalLM):
     """forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, proj_dim]."""
 
     packed_modules = PACKED_MODULES  # checkpoint module -> (our fused module, shard id)
@@ -183,36 +184,15 @@ class OPTForCausalLM(nn.Module):
     def config_from_hf(cls, hf_config: dict) -> OPTConfig:
         return OPTConfig.from_hf(hf_config)
 
-    def __init__(
-        self,
-        hf_config: dict,
-        attn_backend: Any,
-        parallel: ParallelState = SINGLE_RANK,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.config = OPTConfig.from_hf(hf_config)
-        cfg = self.config
-        self.model = OPTModel(cfg, attn_backend, parallel, dtype)
-        tied = self.model.decoder.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(
-            cfg.vocab_size, cfg.word_embed_proj_dim, parallel=parallel, dtype=dtype, tied_to=tied
-        )
+    def build_model(
+        self, cfg: OPTConfig, attn_backend: Any, parallel: ParallelState, dtype: torch.dtype | None
+    ) -> OPTModel:
+        return OPTModel(cfg, attn_backend, parallel, dtype)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        return self.model.decoder(input_ids, positions, kv_caches, attn_metadata)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden_states)  # [n, vocab] float32
+    def embedding(self) -> VocabParallelEmbedding:
+        return self.model.decoder.embed_tokens
 
     def map_weight_name(self, hf_name: str) -> tuple[str, Any] | None:
-        """HF checkpoint name -> (our parameter name, shard id), or None to skip it."""
         if hf_name.startswith("decoder."):  # facebook/opt-* .bin files were saved from OPTModel
             hf_name = "model." + hf_name
-        return map_packed_name(hf_name, PACKED_MODULES, self.config.tie_word_embeddings)
+        return super().map_weight_name(hf_name)
