@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rayserve_paged import LLM
 from rayserve_paged.models.loader import get_model_config, load_model
 from rayserve_paged.models.tiny import make_tiny_model
 
@@ -67,6 +68,16 @@ def make_runner(path, **kwargs) -> PagedRunner:
     config = get_model_config(path)
     model = load_model(path, dtype=torch.float32)
     return PagedRunner(model, config.num_layers, config.num_kv_heads, config.head_dim, **kwargs)
+
+
+def preempting_llm(path, mode: str, num_blocks: int, max_model_len: int, chunk: int, max_num_seqs: int) -> LLM:
+    """An engine of `num_blocks` 8-token blocks (few enough that the test's requests preempt,
+    by `mode`), prefix caching on and prompts chunked `chunk` tokens per step."""
+    return LLM(
+        model=path, block_size=8, num_gpu_blocks_override=num_blocks, max_model_len=max_model_len,
+        preemption_mode=mode, swap_space_gb=0.01, kv_cache_memory_gb=0.05, enable_prefix_caching=True,
+        enable_chunked_prefill=True, max_num_batched_tokens=chunk, max_num_seqs=max_num_seqs,
+    )  # fmt: skip
 
 
 def hf_logits(hf, tokens: list[int]) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from rayserve_paged import LLM, SamplingParams
 from rayserve_paged.models.loader import get_model_config, load_model
 
-from .conftest import hf_logits, make_runner
+from .conftest import hf_logits, make_runner, preempting_llm
 from .families import FAMILIES, WINDOW, write_family_checkpoint
 from .test_tensor_parallel import _generate, _gloo_rank, run_on_ranks
 
@@ -146,11 +146,7 @@ PROMPTS = [SHARED + q for q in ("What is a block?", "Why page memory?", "Who wro
 def test_engine_greedy_equals_hf_with_prefix_cache_chunks_and_preemption(family, mode, family_checkpoint, hf_model):
     path = family_checkpoint(family)
     # 14 blocks of 8 for 4 requests growing to ~50 tokens: preempts; 16-token chunks
-    llm = LLM(
-        model=path, block_size=8, num_gpu_blocks_override=14, max_model_len=96, preemption_mode=mode,
-        swap_space_gb=0.01, kv_cache_memory_gb=0.05, enable_prefix_caching=True, enable_chunked_prefill=True,
-        max_num_batched_tokens=16, max_num_seqs=4,
-    )  # fmt: skip
+    llm = preempting_llm(path, mode, num_blocks=14, max_model_len=96, chunk=16, max_num_seqs=4)
     params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
     first = llm.generate(PROMPTS[:1], params, use_tqdm=False)
     rest = llm.generate(PROMPTS[1:], params, use_tqdm=False)

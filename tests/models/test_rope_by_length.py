@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 
-from rayserve_paged import LLM, SamplingParams
+from rayserve_paged import SamplingParams
 from rayserve_paged.models.layers import (
     RotaryEmbedding,
     dynamic_inv_freq_table,
@@ -29,6 +29,7 @@ from rayserve_paged.models.layers import ROPE_LEN_PER_SEQUENCE, ROPE_LEN_PER_TOK
 from rayserve_paged.worker.input_batch import RequestState, SeqState
 from rayserve_paged.worker.static_decode import rope_lens_of
 
+from .conftest import preempting_llm
 from .families import write_family_checkpoint
 
 THRESHOLD = 32
@@ -142,11 +143,7 @@ def test_loaded_config_serves_dynamic_to_max_positions_times_factor(checkpoint):
 def test_engine_greedy_equals_hf_with_chunked_prefill_and_preemption(name, mode, checkpoint, hf_model):
     path = checkpoint(name)
     # 12 blocks of 8 for 3 requests growing to 30-59 tokens: preempts; 8-token chunks beside decodes
-    llm = LLM(
-        model=path, block_size=8, num_gpu_blocks_override=12, max_model_len=64, preemption_mode=mode,
-        swap_space_gb=0.01, kv_cache_memory_gb=0.05, enable_prefix_caching=True, enable_chunked_prefill=True,
-        max_num_batched_tokens=8, max_num_seqs=3,
-    )  # fmt: skip
+    llm = preempting_llm(path, mode, num_blocks=12, max_model_len=64, chunk=8, max_num_seqs=3)
     assert not llm.engine.block_manager.enable_prefix_caching  # K depends on each request's prompt length
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
