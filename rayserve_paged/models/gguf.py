@@ -314,37 +314,38 @@ def gguf_hf_config(path: str | Path) -> dict:
     }
 
 
-def _gemma2_fields(header: GGUFHeader) -> dict:
-    """What llama.cpp keeps of Gemma 2's config: soft-caps and window in the metadata, the
-    query scale implied by the size (as llama.cpp does: 1 / sqrt(hidden / heads) for the
-    46-layer 27B, 1 / sqrt(head_dim) otherwise)."""
+def _gemma_fields(header: GGUFHeader, arch: str, num_layers_27b: int) -> dict:
+    """What Gemma 2 and 3 share in llama.cpp's terms: the window in the metadata, the query
+    scale implied by the size (as llama.cpp does: 1 / sqrt(hidden / heads) for the 27B, whose
+    layer count names it, 1 / sqrt(head_dim) otherwise)."""
     meta = header.metadata
-    hidden, heads = meta["gemma2.embedding_length"], meta["gemma2.attention.head_count"]
-    head_dim = meta.get("gemma2.attention.key_length", hidden // heads)
+    hidden, heads = meta[f"{arch}.embedding_length"], meta[f"{arch}.attention.head_count"]
+    head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
     return {
         "hidden_activation": "gelu_pytorch_tanh",
-        "attn_logit_softcapping": meta.get("gemma2.attn_logit_softcapping"),
-        "final_logit_softcapping": meta.get("gemma2.final_logit_softcapping"),
-        "sliding_window": meta.get("gemma2.attention.sliding_window"),
-        "query_pre_attn_scalar": hidden // heads if meta["gemma2.block_count"] == 46 else head_dim,
+        "sliding_window": meta.get(f"{arch}.attention.sliding_window"),
+        "query_pre_attn_scalar": hidden // heads if meta[f"{arch}.block_count"] == num_layers_27b else head_dim,
         "tie_word_embeddings": "output.weight" not in header.tensors,
     }
 
 
-def _gemma3_fields(header: GGUFHeader) -> dict:
-    """Gemma 3 in llama.cpp's terms: the window and the global layers' RoPE (base, linear
-    factor) in the metadata; the sliding layers' base (10000), the 5:1 pattern and the query
-    scale fixed by llama.cpp (1 / sqrt(hidden / heads) for the 62-layer 27B)."""
+def _gemma2_fields(header: GGUFHeader) -> dict:
+    """Gemma 2 (the 27B: 46 layers): the soft-caps in the metadata."""
     meta = header.metadata
-    hidden, heads = meta["gemma3.embedding_length"], meta["gemma3.attention.head_count"]
-    head_dim = meta.get("gemma3.attention.key_length", hidden // heads)
     return {
-        "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": meta.get("gemma3.attention.sliding_window"),
+        **_gemma_fields(header, "gemma2", num_layers_27b=46),
+        "attn_logit_softcapping": meta.get("gemma2.attn_logit_softcapping"),
+        "final_logit_softcapping": meta.get("gemma2.final_logit_softcapping"),
+    }
+
+
+def _gemma3_fields(header: GGUFHeader) -> dict:
+    """Gemma 3 (the 27B: 62 layers): the global layers' RoPE (base, linear factor) in the
+    metadata; the sliding layers' base (10000) and the 5:1 pattern fixed by llama.cpp."""
+    return {
+        **_gemma_fields(header, "gemma3", num_layers_27b=62),
         "sliding_window_pattern": 6,
         "rope_local_base_freq": 10000.0,
-        "query_pre_attn_scalar": hidden // heads if meta["gemma3.block_count"] == 62 else head_dim,
-        "tie_word_embeddings": "output.weight" not in header.tensors,
     }
 
 
