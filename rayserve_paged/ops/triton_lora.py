@@ -24,6 +24,21 @@ BLOCK_W = 16  # rank columns per expand step (the pool's width is a multiple of 
 
 
 @triton.jit
+def _rows_dot(m_ptr, v_ptr, rows, row_mask, num_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """[BLOCK_ROWS] float32: M[rows] . v, M row-major [*, num_cols] at m_ptr, v [num_cols] at
+    v_ptr, summed over column tiles of BLOCK_COLS in float32 (the shape of both LoRA products)."""
+    acc = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+    for c_start in range(0, num_cols, BLOCK_COLS):
+        cs = c_start + tl.arange(0, BLOCK_COLS)  # [BC]
+        c_mask = cs < num_cols
+        v = tl.load(v_ptr + cs, mask=c_mask, other=0.0).to(tl.float32)  # [BC]
+        m = tl.load(m_ptr + rows[:, None] * num_cols + cs[None, :],
+                    mask=row_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)  # [BR, BC]  # fmt: skip
+        acc += tl.sum(m * v[None, :], axis=1)
+    return acc
+
+
+@triton.jit
 def lora_shrink_kernel(
     x_ptr, a_ptr, slots_ptr, xa_ptr,
     in_features, lora_width, stride_x_row, stride_a_slot,
@@ -35,14 +50,9 @@ def lora_shrink_kernel(
     ws = pid_w * BLOCK_W_SHRINK + tl.arange(0, BLOCK_W_SHRINK)  # [BW]
     w_mask = ws < lora_width
     acc = tl.zeros((BLOCK_W_SHRINK,), dtype=tl.float32)
-    if slot >= 0:
-        for k_start in range(0, in_features, BLOCK_K):
-            ks = k_start + tl.arange(0, BLOCK_K)  # [BK]
-            k_mask = ks < in_features
-            x = tl.load(x_ptr + token * stride_x_row + ks, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
-            a = tl.load(a_ptr + slot * stride_a_slot + ws[:, None] * in_features + ks[None, :],
-                        mask=w_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)  # [BW, BK]  # fmt: skip
-            acc += tl.sum(a * x[None, :], axis=1)
+    if slot >= 0:  # A[slot] [W, in] . x[token] [in]
+        acc = _rows_dot(a_ptr + slot * stride_a_slot, x_ptr + token * stride_x_row, ws, w_mask, in_features,
+                        BLOCK_W_SHRINK, BLOCK_K)  # fmt: skip
     tl.store(xa_ptr + token * lora_width + ws, acc, mask=w_mask)
 
 
@@ -58,14 +68,9 @@ def lora_expand_kernel(
     if slot >= 0:
         ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         n_mask = ns < out_features
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for w_start in range(0, lora_width, BLOCK_W):
-            ws = w_start + tl.arange(0, BLOCK_W)  # [BW]
-            w_mask = ws < lora_width
-            xa = tl.load(xa_ptr + token * lora_width + ws, mask=w_mask, other=0.0)  # [BW] float32
-            b = tl.load(b_ptr + slot * stride_b_slot + ns[:, None] * lora_width + ws[None, :],
-                        mask=n_mask[:, None] & w_mask[None, :], other=0.0).to(tl.float32)  # [BN, BW]  # fmt: skip
-            acc += tl.sum(b * xa[None, :], axis=1)
+        # B[slot] [out, W] . xa[token] [W]
+        acc = _rows_dot(b_ptr + slot * stride_b_slot, xa_ptr + token * lora_width, ns, n_mask, lora_width,
+                        BLOCK_N, BLOCK_W)  # fmt: skip
         y_tile = y_ptr + token * stride_y_row + ns
         y = tl.load(y_tile, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(y_tile, (y + acc).to(y_ptr.dtype.element_ty), mask=n_mask)
