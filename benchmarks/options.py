@@ -1,6 +1,7 @@
 """The arguments every benchmark takes, one way: --out (the folder for its JSON), --seed
 (where it draws random inputs) and --quick (seconds, for tests: a smaller workload); and
-the host-time benchmarks' own set on top (--steps, --warmup, --cases, a baseline file)."""
+the engine-run sizes (--threads, --num-requests, --max-tokens, --rounds); the host-time
+benchmarks' own set on top (--steps, --warmup, --cases, a baseline file)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,16 @@ def benchmark_parser(
         parser.add_argument("--seed", type=int, default=seed)
     parser.add_argument("--quick", action="store_true", help=quick_help)
     return parser
+
+
+def add_engine_run_arguments(parser: argparse.ArgumentParser, *, threads: int, num_requests: int, max_tokens: int,
+                             rounds_help: str) -> None:
+    """--threads, --num-requests, --max-tokens (defaults given) and --rounds (default 1): the
+    size of a benchmark's timed engine runs over a fixed set of requests."""
+    parser.add_argument("--threads", type=int, default=threads)
+    parser.add_argument("--num-requests", type=int, default=num_requests)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--rounds", type=int, default=1, help=rounds_help)
 
 
 def host_time_parser(prog: str, description: str, cases: dict, *, out_name: str, baseline_help: str,

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.options import add_engine_run_arguments
 from benchmarks.records import write_record
 from benchmarks.smollm2 import conversations, post_chats
 
@@ -385,10 +386,8 @@ def _layouts(text: str) -> list[tuple[int, int]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rayserve-paged bench quantized", description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="directory for quantized.json")
-    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
-    parser.add_argument("--num-requests", type=int, default=NUM_REQUESTS)
-    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
-    parser.add_argument("--rounds", type=int, default=1, help="interleaved (none, auto) engine runs")
+    add_engine_run_arguments(parser, threads=DEFAULT_THREADS, num_requests=NUM_REQUESTS, max_tokens=MAX_TOKENS,
+                             rounds_help="interleaved (none, auto) engine runs")
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel timings")
     parser.add_argument("--no-http", action="store_true", help="skip `serve run`")
     parser.add_argument("--llama-server", help="path of llama.cpp's llama-server binary (skipped when absent)")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.options import benchmark_parser
+from benchmarks.options import add_engine_run_arguments, benchmark_parser
 from benchmarks.records import load_average, write_report
 
 SUBJECTS = [
@@ -239,10 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser("rayserve-paged bench smollm2", __doc__.splitlines()[0], seed=None,
                               out_help="directory for smollm2.json",
                               quick_help="2 requests of 8 tokens, no load-time or HTTP run (seconds)")
-    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
-    parser.add_argument("--num-requests", type=int, default=NUM_REQUESTS)
-    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
-    parser.add_argument("--rounds", type=int, default=1, help="(HF, engine) pairs after the first engine run")
+    add_engine_run_arguments(parser, threads=DEFAULT_THREADS, num_requests=NUM_REQUESTS, max_tokens=MAX_TOKENS,
+                             rounds_help="(HF, engine) pairs after the first engine run")
     parser.add_argument("--no-load", action="store_true", help="skip the load-time measurement")
     parser.add_argument("--no-http", action="store_true", help="skip the run over HTTP")
     parser.add_argument("--measure-load", choices=["project", "hf"], help=argparse.SUPPRESS)
