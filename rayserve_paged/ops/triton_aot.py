@@ -191,8 +191,8 @@ def launch_spec(config: KernelConfig):
     dtype, head_dim, kv_heads = config.torch_dtype, config.head_dim, config.num_kv_heads
     num_heads = kv_heads * config.group_size
     if config.kernel in ("decode", "decode_partition"):
-        constants = backend.decode_constants(
-            dtype, head_dim, kv_heads, config.group_size, config.block_size, interpreted=False
+        constants = backend.attention_constants(
+            "decode", dtype, head_dim, kv_heads, config.group_size, config.block_size, interpreted=False
         )
         if config.kernel == "decode_partition":
             constants["PARTITION_SIZE"] = config.partition_size
@@ -203,8 +203,8 @@ def launch_spec(config: KernelConfig):
         fn, constants = kernels.paged_decode_reduce_kernel, backend.reduce_constants(head_dim, config.partition_size)
     elif config.kernel == "prefill":
         fn = kernels.paged_prefill_kernel
-        constants = backend.prefill_constants(
-            dtype, head_dim, kv_heads, config.group_size, config.block_size, interpreted=False
+        constants = backend.attention_constants(
+            "prefill", dtype, head_dim, kv_heads, config.group_size, config.block_size, interpreted=False
         )
     elif config.kernel == "group_quant_gemm":
         from . import quant_gemm

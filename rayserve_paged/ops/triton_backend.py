@@ -215,23 +215,15 @@ def attention_tiles(kind: Literal["decode", "prefill"], dtype: torch.dtype, head
     return dict(BLOCK_M=block_m, BLOCK_Q=block_m // group_size, TILE_N=tile_n, num_warps=num_warps)
 
 
-def decode_constants(
-    dtype: torch.dtype, head_dim: int, num_kv_heads: int, group_size: int, block_size: int, *, interpreted: bool
+def attention_constants(
+    kind: Literal["decode", "prefill"], dtype: torch.dtype, head_dim: int, num_kv_heads: int, group_size: int,
+    block_size: int, *, interpreted: bool,
 ) -> dict:
-    """Constants (and num_warps) of paged_decode_kernel / paged_decode_partition_kernel."""
+    """Constants (and num_warps) of paged_decode_kernel / paged_decode_partition_kernel
+    (kind "decode") or paged_prefill_kernel ("prefill")."""
     return dict(
         _attention_constants(dtype, head_dim, num_kv_heads, block_size, interpreted),
-        GROUP_SIZE=group_size, **attention_tiles("decode", dtype, head_dim, group_size),
-    )
-
-
-def prefill_constants(
-    dtype: torch.dtype, head_dim: int, num_kv_heads: int, group_size: int, block_size: int, *, interpreted: bool
-) -> dict:
-    """Constants (and num_warps) of paged_prefill_kernel."""
-    return dict(
-        _attention_constants(dtype, head_dim, num_kv_heads, block_size, interpreted),
-        GROUP_SIZE=group_size, **attention_tiles("prefill", dtype, head_dim, group_size),
+        GROUP_SIZE=group_size, **attention_tiles(kind, dtype, head_dim, group_size),
     )
 
 
@@ -394,8 +386,9 @@ class _DecodeLaunch:
         self.partition_size = partition_size  # 0: the single-pass kernel
         self.num_seqs, self.num_heads, self.num_kv_heads, self.head_dim = num_seqs, num_heads, num_kv_heads, head_dim
         self.device = query.device
-        self.constants = decode_constants(
-            query.dtype, head_dim, num_kv_heads, num_heads // num_kv_heads, block_size, interpreted=is_interpreted()
+        self.constants = attention_constants(
+            "decode", query.dtype, head_dim, num_kv_heads, num_heads // num_kv_heads, block_size,
+            interpreted=is_interpreted(),
         )
         self.strides = dict(
             stride_q_token=query.stride(0), stride_q_head=query.stride(1), stride_table_seq=block_tables.stride(0),
@@ -475,8 +468,9 @@ class _PrefillLaunch:
     def __init__(self, query, key_cache, block_tables, max_query_len: int):
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
-        self.constants = prefill_constants(
-            query.dtype, head_dim, num_kv_heads, num_heads // num_kv_heads, block_size, interpreted=is_interpreted()
+        self.constants = attention_constants(
+            "prefill", query.dtype, head_dim, num_kv_heads, num_heads // num_kv_heads, block_size,
+            interpreted=is_interpreted(),
         )
         self.grid = (triton.cdiv(max_query_len, self.constants["BLOCK_Q"]), block_tables.shape[0], num_kv_heads)
         self.strides = dict(
