@@ -386,6 +386,14 @@ def check_unicode_within(value):
     return value
 
 
+def unicode_checked(*fields: str):
+    """A request model's validator of `fields`: check_unicode_within each one's value.
+
+        _check_text = unicode_checked("content", "name")   # in the class body
+    """
+    return field_validator(*fields)(check_unicode_within)
+
+
 # --------------------------------------------------------------------------- to SamplingParams
 
 

@@ -27,6 +27,7 @@ from rayserve_paged.deployments.protocol import (
     UsageInfo,
     check_unicode,
     check_unicode_within,
+    unicode_checked,
     documented,
 )
 from rayserve_paged.deployments.serving.logprobs import chat_logprobs
@@ -80,10 +81,7 @@ class ChatMessage(RequestModel):
     )
     tool_call_id: str | None = Field(None, description="The call a tool message answers (passed to the template).")
 
-    @field_validator("content", "name", "tool_call_id", "tool_calls")
-    @classmethod
-    def _check_text(cls, value):
-        return check_unicode_within(value)
+    _check_text = unicode_checked("content", "name", "tool_call_id", "tool_calls")
 
     @model_validator(mode="after")
     def _content_unless_tool_calls(self):
@@ -143,10 +141,7 @@ class ChatCompletionRequest(GenerationRequest):
         "ones the server sets itself (messages, tools, add_generation_prompt, ...).",
     )
 
-    @field_validator("tools", "tool_choice")
-    @classmethod
-    def _check_tools(cls, value):
-        return check_unicode_within(value)
+    _check_tools = unicode_checked("tools", "tool_choice")
 
     @field_validator("chat_template_kwargs")
     @classmethod

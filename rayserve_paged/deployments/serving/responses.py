@@ -37,7 +37,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from rayserve_paged.deployments.admission import Admission
 from rayserve_paged.deployments.errors import OpenAIError, bad_request, validation_error
-from rayserve_paged.deployments.protocol import GenerationRequest, RequestModel, check_unicode_within, documented
+from rayserve_paged.deployments.protocol import GenerationRequest, RequestModel, documented, unicode_checked
 from rayserve_paged.deployments.serving.chat import ChatCompletionRequest, ChatServing
 from rayserve_paged.deployments.serving.pipeline import log_unknown_fields
 from rayserve_paged.deployments.serving.response_store import ResponseStore, StoredResponse
@@ -137,10 +137,7 @@ class ResponsesRequest(RequestModel):
     include: list[str] | None = Field(None, description="Accepted; nothing extra is included.")
     background: bool = Field(False, description="Not supported (true is a 400).")
 
-    @field_validator("input", "instructions", "tools", "tool_choice", "metadata", "previous_response_id")
-    @classmethod
-    def _check_text(cls, value):
-        return check_unicode_within(value)
+    _check_text = unicode_checked("input", "instructions", "tools", "tool_choice", "metadata", "previous_response_id")
 
     @field_validator("metadata")
     @classmethod
