@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 
@@ -263,16 +264,7 @@ class GenerationRequest(RequestModel):
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, bias):
-        if bias is None:
-            return bias
-        if len(bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS} token ids (got {len(bias)})")
-        for key, value in bias.items():
-            if not _TOKEN_ID_KEY.fullmatch(key):
-                raise ValueError(f"keys must be token ids written in ASCII digits (got {ascii(key[:24])})")
-            if not -100 <= value <= 100:
-                raise ValueError(f"biases must be in [-100, 100] (got {value} for {key})")
-        return bias
+        return check_entries(bias, MAX_LOGIT_BIAS, "token ids", _check_bias_entry)
 
     @field_validator("stop")
     @classmethod
@@ -384,6 +376,25 @@ def check_unicode_within(value):
         elif isinstance(item, list):
             stack.extend(item)
     return value
+
+
+def check_entries(mapping: dict | None, limit: int, what: str, check_entry: Callable[[Any, Any], None]) -> dict | None:
+    """A bounded mapping field: at most `limit` entries (`what` names them in the error),
+    each passed to `check_entry(key, value)`, which raises ValueError; None passes."""
+    if mapping is None:
+        return mapping
+    if len(mapping) > limit:
+        raise ValueError(f"at most {limit} {what} (got {len(mapping)})")
+    for key, value in mapping.items():
+        check_entry(key, value)
+    return mapping
+
+
+def _check_bias_entry(key: str, value: float) -> None:
+    if not _TOKEN_ID_KEY.fullmatch(key):
+        raise ValueError(f"keys must be token ids written in ASCII digits (got {ascii(key[:24])})")
+    if not -100 <= value <= 100:
+        raise ValueError(f"biases must be in [-100, 100] (got {value} for {key})")
 
 
 def unicode_checked(*fields: str):

@@ -37,7 +37,13 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from rayserve_paged.deployments.admission import Admission
 from rayserve_paged.deployments.errors import OpenAIError, bad_request, validation_error
-from rayserve_paged.deployments.protocol import GenerationRequest, RequestModel, documented, unicode_checked
+from rayserve_paged.deployments.protocol import (
+    GenerationRequest,
+    RequestModel,
+    check_entries,
+    documented,
+    unicode_checked,
+)
 from rayserve_paged.deployments.serving.chat import ChatCompletionRequest, ChatServing
 from rayserve_paged.deployments.serving.pipeline import log_unknown_fields
 from rayserve_paged.deployments.serving.response_store import ResponseStore, StoredResponse
@@ -142,15 +148,13 @@ class ResponsesRequest(RequestModel):
     @field_validator("metadata")
     @classmethod
     def _check_metadata(cls, metadata):
-        if metadata is None:
-            return metadata
-        if len(metadata) > MAX_METADATA_KEYS:
-            raise ValueError(f"at most {MAX_METADATA_KEYS} keys (got {len(metadata)})")
-        for key, value in metadata.items():
-            if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
-                raise ValueError(f"keys are at most {MAX_METADATA_KEY_CHARS} characters and values at most "
-                                 f"{MAX_METADATA_VALUE_CHARS}")  # fmt: skip
-        return metadata
+        return check_entries(metadata, MAX_METADATA_KEYS, "keys", _check_metadata_entry)
+
+
+def _check_metadata_entry(key: str, value: str) -> None:
+    if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+        raise ValueError(f"keys are at most {MAX_METADATA_KEY_CHARS} characters and values at most "
+                         f"{MAX_METADATA_VALUE_CHARS}")  # fmt: skip
 
 
 class FunctionTool(RequestModel):
