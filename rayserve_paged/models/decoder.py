@@ -18,7 +18,7 @@ LinearMethod's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -47,6 +47,7 @@ from .layers import (
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # HF `layer_types` values
 LAYER_TYPES = (FULL, SLIDING)
+LayerT = TypeVar("LayerT", bound=nn.Module)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +160,10 @@ class DecoderContext:
     mlp_class: type[nn.Module]
     rotary: dict = field(default_factory=dict)  # (head_dim, rope) -> the layers' shared RotaryEmbedding
 
+    def sharded(self, layer_class: type[LayerT], *sizes: Any, **options: Any) -> LayerT:
+        """A models/layers.py parallel layer (linear, embedding) on this model's ranks, in its dtype."""
+        return layer_class(*sizes, parallel=self.parallel, dtype=self.dtype, **options)
+
     def norm(self, size: int) -> RMSNorm:
         cfg = self.config
         return RMSNorm(size, cfg.rms_norm_eps, dtype=self.dtype, weight_offset=cfg.norm_weight_offset)
@@ -175,12 +180,12 @@ class DecoderContext:
 class DecoderAttention(nn.Module):
     def __init__(self, ctx: DecoderContext, layer_idx: int) -> None:
         super().__init__()
-        cfg, parallel, dtype = ctx.config, ctx.parallel, ctx.dtype
+        cfg = ctx.config
         d = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads, bias=cfg.qkv_bias, parallel=parallel, dtype=dtype
+        self.qkv_proj = ctx.sharded(
+            QKVParallelLinear, cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads, bias=cfg.qkv_bias
         )
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias, parallel=parallel, dtype=dtype)
+        self.o_proj = ctx.sharded(RowParallelLinear, cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias)
         self.num_heads = self.qkv_proj.num_heads_per_rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads_per_rank
         self.head_dim = d
@@ -211,12 +216,10 @@ class DecoderAttention(nn.Module):
 class DecoderMLP(nn.Module):
     def __init__(self, ctx: DecoderContext, layer_idx: int) -> None:
         super().__init__()
-        cfg, parallel, dtype = ctx.config, ctx.parallel, ctx.dtype
+        cfg = ctx.config
         size = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [size, size], bias=cfg.mlp_bias, parallel=parallel, dtype=dtype
-        )
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias, parallel=parallel, dtype=dtype)
+        self.gate_up_proj = ctx.sharded(MergedColumnParallelLinear, cfg.hidden_size, [size, size], bias=cfg.mlp_bias)
+        self.down_proj = ctx.sharded(RowParallelLinear, size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -257,7 +260,7 @@ class DecoderModel(nn.Module):
     def __init__(self, ctx: DecoderContext, layer_class: type[nn.Module]) -> None:
         super().__init__()
         cfg = ctx.config
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel=ctx.parallel, dtype=ctx.dtype)
+        self.embed_tokens = ctx.sharded(VocabParallelEmbedding, cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layer_class(ctx, i) for i in range(cfg.num_layers))
         self.norm = ctx.norm(cfg.hidden_size)
         self.rotaries = tuple(ctx.rotary.values())  # each computes cos/sin once per forward
