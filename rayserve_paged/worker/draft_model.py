@@ -32,10 +32,11 @@ from __future__ import annotations
 import torch
 
 from rayserve_paged.core.outputs import StepMessage
+from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.models.loader import ModelConfig
 from rayserve_paged.models.sampler import Sampler
 from rayserve_paged.ops.cache_ops import BlockSwapper, copy_blocks
-from rayserve_paged.worker.input_batch import InputBatch, SeqState
+from rayserve_paged.worker.input_batch import InputBatch, RequestState, SeqState
 from rayserve_paged.worker.model_runner import ModelRunner
 
 
@@ -124,7 +125,8 @@ class DraftModel:
         qkv_stride = (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
         compiled = backend.warm_up(*self.kv_caches[0], mc.num_heads, qkv_stride)
         probe = StepMessage(seq_ids=[0], start_positions=[0], num_query_tokens=[1], token_ids=[0])
-        hidden, sampled = self._forward(probe, [SeqState(0, None, [0], 0, None)])
+        request = RequestState("draft-warm-up", SamplingParams(), None, 1)
+        hidden, sampled = self._forward(probe, [SeqState(0, request, [0], 0, None)])
         self.model.compute_logits(hidden.index_select(0, sampled))
         return compiled
 

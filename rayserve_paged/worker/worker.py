@@ -329,7 +329,8 @@ class Worker:
         self.swapper = BlockSwapper(self.kv_caches, self.cpu_caches)
         if self.draft is not None:  # the same block ids, the draft's layer and head shapes
             dc = self.draft_model_config
-            self.draft.set_caches(*self._pools(num_gpu_blocks, num_cpu_blocks, dc.num_layers, dc.num_kv_heads, dc.head_dim))
+            pools = self._pools(num_gpu_blocks, num_cpu_blocks, dc.num_layers, dc.num_kv_heads, dc.head_dim)
+            self.draft.set_caches(*pools)
 
     def _pools(self, num_gpu_blocks: int, num_cpu_blocks: int, num_layers: int, num_kv_heads: int, head_dim: int):
         """(device pool, CPU swap pool): per layer, (key, value) caches of

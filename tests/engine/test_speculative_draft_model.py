@@ -139,7 +139,8 @@ def test_sampled_tokens_have_the_same_frequencies_with_a_draft_model(tiny_paths,
 
 
 def test_seeded_requests_repeat_with_a_draft_model(tiny_paths, drafts):
-    llm = LLM(model=tiny_paths["llama"], max_model_len=64, kv_cache_memory_gb=0.01, speculative_config=_spec(drafts["sharp"]))
+    spec = _spec(drafts["sharp"])
+    llm = LLM(model=tiny_paths["llama"], max_model_len=64, kv_cache_memory_gb=0.01, speculative_config=spec)
     params = SamplingParams(temperature=0.9, max_tokens=20, seed=42, ignore_eos=True)
     prompt = [11, 12, 13, 14] * 3
     (a,) = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
@@ -161,6 +162,7 @@ def test_draft_model_config_errors_are_clear(tiny_paths, tmp_path):
     with pytest.raises(ValidationError, match="eagle"):
         EngineConfig(speculative_config={"method": "eagle", "model": "x"})
     wide = make_tiny_model("llama", tmp_path / "wide", vocab_size=TINY_VOCAB_SIZE + 64, num_hidden_layers=1)
-    message = rf"vocabulary \({TINY_VOCAB_SIZE + 64} tokens\) differs from the target model's \({TINY_VOCAB_SIZE} tokens\)"
+    wide_vocab, vocab = TINY_VOCAB_SIZE + 64, TINY_VOCAB_SIZE
+    message = rf"vocabulary \({wide_vocab} tokens\) differs from the target model's \({vocab} tokens\)"
     with pytest.raises(ValueError, match=message):
         LLM(model=tiny_paths["llama"], max_model_len=64, kv_cache_memory_gb=0.01, speculative_config=_spec(str(wide)))
