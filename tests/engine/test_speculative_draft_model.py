@@ -57,6 +57,7 @@ def test_greedy_output_is_the_same_with_a_draft_model(tiny_paths, drafts, world,
     params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 40), ignore_eos=True) for _ in prompts]
     params[1] = SamplingParams(temperature=0.0, max_tokens=20, logprobs=2, ignore_eos=True)
     params[2] = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=10)  # two sequences: no drafts
+    params[3] = SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3)  # penalties: no drafts
     model = tiny_paths["llama"] if draft == "self" else drafts[draft]
     off = LLM(model=tiny_paths["llama"], **WORLDS[world])
     on = LLM(model=tiny_paths["llama"], speculative_config=_spec(model), **WORLDS[world])
