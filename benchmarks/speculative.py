@@ -1,4 +1,5 @@
-"""Single-stream decode speed with n-gram speculative decoding on and off.
+"""Single-stream decode speed with speculative decoding on and off: n-gram drafts, or a
+draft model's with `--draft-model` (any model the loader serves, of the target's tokenizer).
 
 One greedy request at a time on a high-overlap prompt (the model is asked to repeat a
 passage given in the prompt), `--output-len` tokens each, runs alternating off, on, off, on
@@ -34,8 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--draft-model", default=None, help="method draft_model with this draft (else ngram)")
     args = parser.parse_args(argv)
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_max": 4}
+    if args.draft_model is not None:
+        k = args.num_speculative_tokens
+        spec = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": k}
     engines = {
         "off": LLM(model=args.model, max_model_len=args.max_model_len, kv_cache_memory_gb=0.25),
         "on": LLM(model=args.model, max_model_len=args.max_model_len, kv_cache_memory_gb=0.25, speculative_config=spec),
@@ -57,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     accepted = engine.spec_decode_num_accepted_tokens
     result = {
         "model": args.model,
+        "method": spec["method"],
+        "draft_model": args.draft_model,
         "output_len": args.output_len,
         "tokens_per_s_off": round(statistics.median(rates["off"]), 2),
         "tokens_per_s_on": round(statistics.median(rates["on"]), 2),

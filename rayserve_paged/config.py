@@ -14,17 +14,25 @@ DEFAULT_MAX_CPU_LORAS = 8  # adapters registered at once, unless max_cpu_loras s
 
 
 class SpeculativeDecodingConfig(BaseModel):
-    """Speculative decoding (vLLM's speculative_config): n-gram drafts from the sequence's
-    own prompt and output, verified in one step."""
+    """Speculative decoding (vLLM's speculative_config): drafts verified in one step, from
+    the sequence's own prompt and output (ngram) or from a small model of the same
+    tokenizer run by the same worker (draft_model, at tensor_parallel_size 1)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    method: Literal["ngram"] = Field(
-        "ngram", description="ngram (prompt lookup); draft_model is not in this version."
+    method: Literal["ngram", "draft_model"] = Field(
+        "ngram", description="ngram (prompt lookup) or draft_model (a small model of the same tokenizer: `model`)."
+    )
+    model: str | None = Field(
+        None,
+        description="The draft model (method draft_model): any name or path the loader serves (a local HF "
+        "directory, a .gguf file, a built-in name, a hub id); its vocabulary must be the target's.",
     )
     num_speculative_tokens: int = Field(3, ge=1, le=16, description="Most drafts per sequence and step.")
-    prompt_lookup_min: int = Field(1, ge=1, description="Shortest suffix n-gram looked up.")
-    prompt_lookup_max: int = Field(4, ge=1, le=64, description="Longest suffix n-gram looked up (tried first).")
+    prompt_lookup_min: int = Field(1, ge=1, description="Shortest suffix n-gram looked up (ngram).")
+    prompt_lookup_max: int = Field(
+        4, ge=1, le=64, description="Longest suffix n-gram looked up, tried first (ngram)."
+    )
     disable_by_batch_size: int = Field(
         4, ge=1, description="No drafts in a step whose running batch holds at least this many sequences."
     )
@@ -32,8 +40,8 @@ class SpeculativeDecodingConfig(BaseModel):
     @field_validator("method", mode="before")
     @classmethod
     def _known_method(cls, value):
-        if value in ("draft_model", "eagle", "eagle3", "mtp", "medusa", "suffix"):
-            raise ValueError(f"method {value!r} is not supported here: only 'ngram' (prompt lookup)")
+        if value in ("eagle", "eagle3", "mtp", "medusa", "suffix"):
+            raise ValueError(f"method {value!r} is not supported here: only 'ngram' (prompt lookup) and 'draft_model'")
         return value
 
     @model_validator(mode="after")
@@ -42,6 +50,10 @@ class SpeculativeDecodingConfig(BaseModel):
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})"
             )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("method 'draft_model' needs `model`: the draft model's name or path")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError(f"`model` ({self.model!r}) is for method 'draft_model'; method 'ngram' takes none")
         return self
 
 
@@ -141,8 +153,8 @@ class EngineConfig(BaseModel):
 
     speculative_config: SpeculativeDecodingConfig | None = Field(
         None,
-        description="Speculative decoding (vLLM's shape): {method: ngram, num_speculative_tokens, "
-        "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size}; null: off.",
+        description="Speculative decoding (vLLM's shape): {method: ngram | draft_model, model (draft_model), "
+        "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size}; null: off.",
     )
 
     enable_lora: bool = Field(
@@ -202,6 +214,12 @@ class EngineConfig(BaseModel):
             raise ValueError("kv_offload_memory_gb: tier 2 of the prefix cache needs enable_prefix_caching")
         if any(not root for root in self.lora_modules_root):
             raise ValueError("lora_modules_root: a root must be a non-empty path")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative_config: method 'draft_model' runs at tensor_parallel_size 1 only "
+                f"(got tensor_parallel_size {self.tensor_parallel_size}); use method 'ngram' at TP > 1"
+            )
         bad = next((name for name in self.lora_modules if not name or name == self.model), None)
         if bad is not None:
             raise ValueError(f"lora_modules: adapter name {bad!r} must be non-empty and differ from the model's")

@@ -119,7 +119,9 @@ ENGINE_KWARGS: dict[str, EngineArg] = {
     "guided_decoding_backend": EngineArg(None, "auto or guidance (llguidance)", _structured_outputs_backend),
     "served_model_name": EngineArg(None, "must equal model_loading_config.model_id (the served name)"),
     "speculative_config": EngineArg(
-        "speculative_config", "method ngram only (num_speculative_tokens, prompt_lookup_min/max, disable_by_batch_size)"
+        "speculative_config",
+        "method ngram (prompt_lookup_min/max) or draft_model (model; tensor_parallel_size 1), num_speculative_tokens, "
+        "disable_by_batch_size",
     ),
     "scheduling_policy": EngineArg("scheduling_policy", "fcfs or priority (per-request `priority`, lower first)"),
     "pipeline_parallel_size": EngineArg(None, "1 (tensor parallelism only)", _only(1)),

@@ -38,7 +38,7 @@ from rayserve_paged.core.block_manager import AllocStatus, BlockManager
 from rayserve_paged.core.lora import LoRASlots
 from rayserve_paged.core.outputs import NewRequest, ScheduledGroup, SchedulerOutput, StepMessage
 from rayserve_paged.core.sequence import KV_CACHE_LIMIT, Sequence, SequenceGroup, SequenceStatus
-from rayserve_paged.core.spec_decode import SpeculativeConfig, propose_ngram
+from rayserve_paged.core.spec_decode import DRAFT_MODEL, DRAFT_PLACEHOLDER, SpeculativeConfig, propose_ngram
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -64,7 +64,7 @@ class SchedulerConfig:
     # transformers' Phi-3 `generate` drops its cache and re-encodes the whole sequence
     # with the long factors); None: never.
     recompute_at_len: int | None = None
-    # n-gram speculative decoding (core/spec_decode.py); None: off
+    # speculative decoding (core/spec_decode.py): n-gram drafts, or a draft model's; None: off
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -438,9 +438,10 @@ class Scheduler:
     # ------------------------------------------------------------------ speculative decoding
 
     def _drafts(self, group: SequenceGroup, spare_tokens: int, spare_blocks: int) -> list[int]:
-        """The n-gram drafts of a decoding one-sequence group, within the step's spare
-        tokens and blocks, max_tokens and max_model_len; [] where the request does not
-        speculate (beam search, structured outputs, penalties, min_tokens still to reach)."""
+        """The drafts of a decoding one-sequence group, within the step's spare tokens and
+        blocks, max_tokens and max_model_len; [] where the request does not speculate (beam
+        search, structured outputs, penalties, min_tokens still to reach). With a draft
+        model: k placeholders, which the worker's draft model replaces."""
         seq = group.seqs[0]
         params = group.sampling_params
         end = len(seq.token_ids)
@@ -464,9 +465,12 @@ class Scheduler:
         # blocks past those the plain decode takes (which the reserve already counts)
         extra = bm._num_blocks_for(end + k) - max(len(table), bm._num_blocks_for(end))
         if extra > spare_blocks:
-            k = (max(len(table), bm._num_blocks_for(end)) + max(spare_blocks, 0)) * bm.block_size - end
+            # as many as the blocks allow, never more than the caps above
+            k = min(k, (max(len(table), bm._num_blocks_for(end)) + max(spare_blocks, 0)) * bm.block_size - end)
             if k <= 0:
                 return []
+        if spec.method == DRAFT_MODEL:
+            return [DRAFT_PLACEHOLDER] * k
         return propose_ngram(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _schedule_drafts(self, group: SequenceGroup, drafts: list[int], out: SchedulerOutput) -> int:

@@ -1,4 +1,5 @@
-"""Speculative decoding, the scheduler's half: n-gram (prompt lookup) drafts.
+"""Speculative decoding, the scheduler's half: n-gram (prompt lookup) drafts, and the
+lookahead slots of a draft model's drafts.
 
 A decoding sequence with k drafts is scheduled as k + 1 query tokens over its cached
 context (its last token, then the drafts); the model's logits at those k + 1 positions
@@ -10,25 +11,35 @@ token join the sequence, the rest are rolled back (`BlockManager.roll_back`).
     logits                       p0   p1  p2  p3           p_j: the next token after d_j
     accepted                     d1 d2 | x                 d3 rejected: x drawn from p2's residual
 
-Pure Python: the proposer reads only the sequence's own token ids.
+Pure Python: the n-gram proposer reads only the sequence's own token ids. With a draft
+model (method "draft_model") the scheduler decides only how many drafts a row gets (k, and
+its lookahead slots); the row's k draft tokens go out as DRAFT_PLACEHOLDER and the worker
+fills them in at the start of the step, from its draft model (worker/draft_model.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+NGRAM = "ngram"
+DRAFT_MODEL = "draft_model"
+DRAFT_PLACEHOLDER = 0  # a draft token the worker's draft model proposes (method draft_model)
+
 
 @dataclass(slots=True)
 class SpeculativeConfig:
-    """The scheduler's copy of the engine's speculative_config (method "ngram")."""
+    """The scheduler's copy of the engine's speculative_config."""
 
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     # no drafts in a step whose running batch holds at least this many sequences
     disable_by_batch_size: int = 4
+    method: str = NGRAM  # NGRAM: drafts looked up here; DRAFT_MODEL: proposed by the worker
 
     def __post_init__(self) -> None:
+        if self.method not in (NGRAM, DRAFT_MODEL):
+            raise ValueError(f"speculative method must be {NGRAM!r} or {DRAFT_MODEL!r} (got {self.method!r})")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 (got {self.num_speculative_tokens})")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

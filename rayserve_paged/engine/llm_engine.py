@@ -46,6 +46,7 @@ from rayserve_paged.models.loader import get_model_config, load_tokenizer, model
 from rayserve_paged.models.lora import LoRAError, check_adapter
 from rayserve_paged.models.sampler import SamplerOutput, SeqSample
 from rayserve_paged.models.tiny import resolve_model
+from rayserve_paged.worker.draft_model import check_draft_model
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class LLMEngine:
         self.task_info = task_info(config, self.model_path)  # the served task, its pooling rule
         self.model_config = get_model_config(self.model_path)
         self.max_model_len = self._resolve_max_model_len()
+        self._check_draft_model()
         self._tokenizer = tokenizer  # else loaded on first use (the `tokenizer` property)
         self._tokenizer_lock = threading.Lock()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
@@ -190,6 +192,14 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ start-up checks
+
+    def _check_draft_model(self) -> None:
+        """A draft model (speculative_config method draft_model) fits the target: its
+        vocabulary and context, checked before any worker starts."""
+        spec = self.config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            draft = get_model_config(str(resolve_model(spec.model)))
+            check_draft_model(self.model_config, draft, self.max_model_len)
 
     def _prefix_caching(self) -> bool:
         """Whether KV blocks are shared across requests: not for a model whose RoPE depends on
@@ -945,7 +955,8 @@ def _speculative(config: EngineConfig) -> SpeculativeConfig | None:
     if spec is None:
         return None
     return SpeculativeConfig(
-        spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, spec.disable_by_batch_size
+        spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, spec.disable_by_batch_size,
+        spec.method,
     )
 
 

@@ -139,6 +139,31 @@ def _mix_seed(seed: int, sample_index: int, output_index: int) -> int:
     return x ^ (x >> 29)
 
 
+DRAFT_SALT = 0x5DEECE66D  # a draft model's draws: a seeded row's generator apart from verification's
+
+
+def _generator(batch: SamplingBatch, row: int, device: torch.device, salt: int = 0) -> torch.Generator | None:
+    """A seeded row's generator for its output index (None: the global one)."""
+    seed = batch.seeds[row]
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(_mix_seed(seed, batch.sample_indices[row], batch.output_indices[row]) ^ salt)
+    return gen
+
+
+def _residual(p: torch.Tensor, draft: int, q: torch.Tensor | None) -> torch.Tensor:
+    """max(0, p - q), what a rejected draft is redrawn from (the exponential race needs no
+    normalising); q None: a point mass on `draft`. Where p <= q everywhere (p == q up to
+    rounding: a rejection there has probability 0), p itself."""
+    if q is None:
+        residual = p.clone()
+        residual[draft] = 0.0
+        return residual
+    residual = (p - q).clamp_(min=0.0)
+    return residual if bool(residual.sum() > 0) else p
+
+
 class Sampler:
     def __init__(self, num_eos_tokens: int = 1, eos_token_ids: tuple[int, ...] = ()) -> None:
         # Beam search keeps (1 + #eos) * width candidates (at least 2 * width) per step, so
@@ -183,39 +208,58 @@ class Sampler:
     # ------------------------------------------------------------------ speculative decoding
 
     @torch.inference_mode()
-    def verify(self, logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]]) -> list[SeqSample]:
-        """Verify n-gram drafts: each entry of `drafts` (k tokens) owns the next 1 + k rows of
-        `logits` and `batch` (row j: the distribution after its j-th draft). Returns one
-        SeqSample per entry: the accepted drafts, then one token more.
+    def propose(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[torch.Tensor | None]]:
+        """A draft model's proposals: one token per row of `logits` (the draft's), drawn as
+        the row's request samples: greedy rows take the argmax; the others draw from q, the
+        draft's distribution after the row's logit_bias, temperature, top-k / top-p and
+        min-p. Returns the tokens and, per row, q ([vocab]; None for a greedy row, whose
+        verification compares argmaxes). A seeded row draws from a generator of its own
+        output index apart from verification's (DRAFT_SALT): the draft's draw and the
+        acceptance test must be independent."""
+        controlled = self._apply_controls(logits.float(), batch)  # [rows, vocab]
+        tokens = controlled.argmax(dim=-1).tolist()
+        probs: list[torch.Tensor | None] = [None] * len(batch)
+        temperatures = batch.temperatures
+        sampled = [r for r, t in enumerate(temperatures) if t != 0.0]
+        if not sampled:
+            return tokens, probs
+        q = self._sampled_probs(controlled, batch, sampled)  # [num_sampled, vocab]
+        for j, r in enumerate(sampled):
+            race = torch.empty_like(q[j]).exponential_(generator=_generator(batch, r, logits.device, DRAFT_SALT))
+            tokens[r] = int((q[j] / race).argmax())
+            probs[r] = q[j]
+        return tokens, probs
+
+    @torch.inference_mode()
+    def verify(
+        self, logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
+        draft_probs: list[list[torch.Tensor | None]] | None = None,
+    ) -> list[SeqSample]:
+        """Verify drafts: each entry of `drafts` (k tokens) owns the next 1 + k rows of
+        `logits` and `batch` (row j: the distribution p after its j-th draft). Returns one
+        SeqSample per entry: the accepted drafts, then one token more. `draft_probs`, per
+        entry and draft, the distribution q the draft was drawn from ([vocab], a draft
+        model's); None (or no `draft_probs`): a deterministic proposal (n-gram drafts, or a
+        greedy draft model's), q all on the draft.
 
         Greedy: drafts are accepted while each equals the argmax, and the token after them
-        is the argmax: exactly what decoding one token at a time gives. Sampling: a draft
-        is a deterministic proposal (q puts all its mass on it), so the rejection rule
-        accept with min(1, p/q) becomes "accept with probability p(draft)", and a rejected
-        draft is replaced by a draw from the residual max(0, p - q) normalised: p with the
-        draft's token zeroed. Each position's output token is then distributed as p, as
-        without drafts. A seeded row draws position j from the generator of output index
-        output_indices[row] (the uniform first, then the exponential race), so a seeded
-        request repeats itself."""
+        is the argmax: exactly what decoding one token at a time gives. Sampling: the
+        rejection rule, one for both kinds of draft: accept draft d with probability
+        min(1, p(d) / q(d)); a rejected draft is replaced by a draw from the residual
+        max(0, p - q) normalised (for a point mass: p with the draft's token zeroed). Each
+        position's output token is then distributed as p, as without drafts. A seeded row
+        draws position j from the generator of output index output_indices[row] (the
+        uniform first, then the exponential race), so a seeded request repeats itself."""
         logits = logits.float()  # [rows, vocab]
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         controlled = self._apply_controls(logits, batch)
         argmax = controlled.argmax(dim=-1).tolist()
         temperatures = batch.temperatures
         sampled = [r for r, t in enumerate(temperatures) if t != 0.0]
-        probs = {}
-        if sampled:
-            p = self._truncated_probs(
-                controlled.index_select(0, torch.tensor(sampled, device=logits.device)),
-                [temperatures[r] for r in sampled],
-                [batch.top_ks[r] for r in sampled] if batch.has_top_k_or_p else None,
-                [batch.top_ps[r] for r in sampled] if batch.has_top_k_or_p else None,
-                [batch.min_ps[r] for r in sampled] if batch.has_min_p else None,
-            )  # [num_sampled, vocab]
-            probs = dict(zip(sampled, p))
+        probs = dict(zip(sampled, self._sampled_probs(controlled, batch, sampled))) if sampled else {}
         samples = []
         row = 0
-        for draft in drafts:
+        for entry, draft in enumerate(drafts):
             tokens: list[int] = []
             for j in range(len(draft) + 1):
                 r = row + j
@@ -225,20 +269,18 @@ class Sampler:
                     if j == len(draft) or token != draft[j]:
                         break
                     continue
-                gen = None
-                if batch.seeds[r] is not None:
-                    gen = torch.Generator(device=logits.device)
-                    gen.manual_seed(_mix_seed(batch.seeds[r], batch.sample_indices[r], batch.output_indices[r]))
+                gen = _generator(batch, r, logits.device)
                 p = probs[r]
                 if j < len(draft):
                     d = draft[j]
-                    if torch.rand((), generator=gen, device=logits.device) < p[d]:
+                    q = None if draft_probs is None else draft_probs[entry][j]
+                    q_d = 1.0 if q is None else float(q[d])
+                    if torch.rand((), generator=gen, device=logits.device) * q_d < p[d]:
                         tokens.append(d)
                         continue
-                    p = p.clone()
-                    p[d] = 0.0  # the residual (the race needs no normalising)
-                q = torch.empty_like(p).exponential_(generator=gen)
-                tokens.append(int((p / q).argmax()))
+                    p = _residual(p, d, q)
+                race = torch.empty_like(p).exponential_(generator=gen)
+                tokens.append(int((p / race).argmax()))
                 break
             rows = range(row, row + len(tokens))
             chosen = [float(raw_logprobs[r, t]) for r, t in zip(rows, tokens)]
@@ -249,6 +291,16 @@ class Sampler:
             samples.append(sample)
             row += len(draft) + 1
         return samples
+
+    def _sampled_probs(self, controlled: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
+        """The truncated distributions ([len(rows), vocab]) of the given rows of `controlled`."""
+        return self._truncated_probs(
+            controlled.index_select(0, torch.tensor(rows, device=controlled.device)),
+            [batch.temperatures[r] for r in rows],
+            [batch.top_ks[r] for r in rows] if batch.has_top_k_or_p else None,
+            [batch.top_ps[r] for r in rows] if batch.has_top_k_or_p else None,
+            [batch.min_ps[r] for r in rows] if batch.has_min_p else None,
+        )
 
     # ------------------------------------------------------------------ penalties and controls
 

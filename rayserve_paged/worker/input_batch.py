@@ -156,10 +156,14 @@ class InputBatch:
         bitmask_rows = [row_of[seq_id] for seq_id in msg.bitmask_seq_ids]
         return sampling_batch(batch_rows, bitmask_rows, unpack_step_bitmasks(msg))
 
-    def draft_sampling_batch(self, msg: StepMessage, rows: Sequence[SeqState], drafts: dict[int, int]) -> SamplingBatch:
+    def draft_sampling_batch(
+        self, msg: StepMessage, rows: Sequence[SeqState], drafts: dict[int, int], position: int | None = None
+    ) -> SamplingBatch:
         """The batch of the drafting rows (seq id -> k drafts), in row order: 1 + k entries
         each, one per verified position, the j-th at output index + j (its seed's draw).
-        Drafting requests have no penalties, bitmasks or min_tokens left (core/scheduler.py)."""
+        `position` j: only the j-th entry of each row with more than j drafts (what a
+        draft model draws its draft j + 1 with). Drafting requests have no penalties,
+        bitmasks or min_tokens left (core/scheduler.py)."""
         batch_rows = []
         for i, seq in enumerate(rows):
             k = drafts.get(seq.seq_id)
@@ -168,6 +172,7 @@ class InputBatch:
             request = seq.request
             num_prompt = request.num_prompt_tokens
             first = msg.start_positions[i] + 1 - num_prompt  # the output index of the row's first sample
+            positions = range(k + 1) if position is None else range(position, position + 1 if position < k else 0)
             batch_rows += [(request.template, seq.seq_id, seq.sample_index, first + j, 1, None, num_prompt)
-                           for j in range(k + 1)]  # fmt: skip
+                           for j in positions]  # fmt: skip
         return sampling_batch(batch_rows)

@@ -47,6 +47,9 @@ class ModelRunner:
         self.last_path = ""  # the last step's: "eager", "static-graph" or "static-eager" (padded, no graph)
         self.lora: LoRAPool | None = None  # the adapter slots, when the engine serves LoRA
         self.staging = StepStaging(device)  # an eager step's inputs: one buffer, one copy
+        # the draft model (worker/draft_model.py), when speculative decoding has one: it runs
+        # over every step's tokens and proposes the drafting rows' drafts before the target runs
+        self.drafter = None
 
     def prepare(self, msg: StepMessage, rows: list[SeqState]) -> StepInputs:
         bs = self.block_size
@@ -161,6 +164,7 @@ class ModelRunner:
             return SamplerOutput([]) if self.sampler is not None else None
         rows = self.batch.rows(msg)
         _record_history(msg, rows)
+        draft_probs = self.drafter.propose(msg, rows, self.batch) if self.drafter is not None else None
         # rows with adapters run eagerly (the static decode buckets hold no adapter slots)
         # and so do rows that score their prompt (prompt logprobs read every new token's hidden state)
         scored = pooling = ()
@@ -195,7 +199,7 @@ class ModelRunner:
         if self.sampler is None:
             return None
         if msg.draft_seq_ids:
-            out = self._sample_with_drafts(msg, rows, logits)
+            out = self._sample_with_drafts(msg, rows, logits, draft_probs)
         else:
             out = self.sampler(logits, self.batch.sampling_batch(msg, rows))
         out.prompt_logprobs, out.pooled = scores, pooled
@@ -220,9 +224,12 @@ class ModelRunner:
             scores[seq.seq_id] = (start + 1, top)
         return scores
 
-    def _sample_with_drafts(self, msg: StepMessage, rows: list[SeqState], logits: torch.Tensor) -> SamplerOutput:
+    def _sample_with_drafts(
+        self, msg: StepMessage, rows: list[SeqState], logits: torch.Tensor, draft_probs: list | None = None
+    ) -> SamplerOutput:
         """The plain rows sample as ever; each drafting row's 1 + k logits rows verify its
-        drafts (Sampler.verify). One SeqSample per sampled row, in row order."""
+        drafts (Sampler.verify; `draft_probs`: per drafting row, a draft model's q of each
+        draft). One SeqSample per sampled row, in row order."""
         drafts = dict(zip(msg.draft_seq_ids, msg.num_draft_tokens))
         unsampled = set(msg.unsampled_seq_ids)
         plain_rows, draft_rows, draft_tokens = [], [], []
@@ -246,6 +253,7 @@ class ModelRunner:
             logits.index_select(0, torch.tensor(draft_rows, device=logits.device)),
             self.batch.draft_sampling_batch(msg, rows, drafts),
             draft_tokens,
+            draft_probs,
         )
         plain_samples, verified_samples = iter(plain.samples), iter(verified)
         samples = [

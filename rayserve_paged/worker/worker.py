@@ -22,9 +22,11 @@ from rayserve_paged.models.layers import ParallelState
 from rayserve_paged.models.loader import get_model_config, load_model
 from rayserve_paged.models.lora import LoRAError, LoRAPool
 from rayserve_paged.models.sampler import Sampler, SamplerOutput
+from rayserve_paged.models.tiny import resolve_model
 from rayserve_paged.ops.cache_ops import BlockSwapper, copy_blocks
 from rayserve_paged.ops.backends import get_attention_backend
 from rayserve_paged.telemetry import GpuProbe
+from rayserve_paged.worker.draft_model import DraftModel, check_draft_model
 from rayserve_paged.worker.kv_sizing import kv_cache_budget_bytes
 from rayserve_paged.worker.model_runner import ModelRunner
 from rayserve_paged.worker.static_decode import StaticDecode, capture_graphs
@@ -115,6 +117,13 @@ class Worker:
         self.backend = None  # the attention backend, once the model is loaded
         self.warmed_up: list[str] = []  # kernel variants compiled at start-up
         self.cuda_graphs: list[int] = []  # decode buckets captured at start-up
+        spec = config.speculative_config
+        self.draft_model_config = None  # the draft model's (speculative_config method draft_model)
+        if spec is not None and spec.method == "draft_model":
+            self.draft_path = str(resolve_model(spec.model))
+            self.draft_model_config = get_model_config(self.draft_path)
+            check_draft_model(self.model_config, self.draft_model_config, self.max_model_len)
+        self.draft: DraftModel | None = None  # loaded with the model
 
     # ------------------------------------------------------------------ start-up
 
@@ -144,9 +153,18 @@ class Worker:
         if self.config.is_lora_enabled:
             cfg = self.config
             self.runner.lora = LoRAPool(model, cfg.max_loras, cfg.max_lora_rank)
+        if self.draft_model_config is not None:
+            self.draft = self._load_draft(backend, sampler)
+            self.runner.drafter = self.draft
         logger.info(
             "rank %d loaded %s (%s, %s, attention %s)", self.rank, self.model_path, self.dtype, self.device, backend.name
         )
+
+    def _load_draft(self, backend, sampler: Sampler) -> DraftModel:
+        """The draft model, whole on this rank (tensor_parallel_size 1), in the target's dtype."""
+        model = load_model(self.draft_path, self.dtype, self.device, backend, quantization="auto")
+        logger.info("rank %d loaded the draft model %s", self.rank, self.draft_path)
+        return DraftModel(model, self.draft_model_config, self.config.block_size, self.device, backend, sampler)
 
     def _warm_up_collective(self, group) -> None:
         """One all-reduce on the rank's device before anything is measured: NCCL allocates
@@ -165,9 +183,16 @@ class Worker:
         return self.config.max_model_len or self.model_config.max_model_len
 
     def block_bytes(self) -> int:
+        """One block id's bytes, K and V of every layer: the target's, and the draft model's
+        (its pool has a block for each of the target's)."""
         mc = self.model_config
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * mc.num_layers * self.config.block_size * self.num_kv_heads * mc.head_dim * elem
+        per_layer = self.num_kv_heads * mc.head_dim
+        total = mc.num_layers * per_layer
+        if self.draft_model_config is not None:
+            dc = self.draft_model_config
+            total += dc.num_layers * dc.num_kv_heads * dc.head_dim
+        return 2 * self.config.block_size * total * elem
 
     def determine_num_blocks(self) -> CacheSizes:
         """KV blocks this rank can hold: explicit on CPU, profiled on GPU."""
@@ -224,6 +249,8 @@ class Worker:
         self.kv_caches = []
         self.cpu_caches = []
         self.swapper = BlockSwapper([], [])
+        if self.draft is not None:
+            self.draft.set_caches([], [])
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -287,6 +314,8 @@ class Worker:
         qkv_stride = (num_heads + 2 * self.num_kv_heads) * mc.head_dim  # queries are slices of one QKV projection
         start = time.perf_counter()
         self.warmed_up = self.backend.warm_up(*self.kv_caches[0], num_heads, qkv_stride)
+        if self.draft is not None:
+            self.warmed_up += self.draft.warm_up()
         if self.warmed_up:
             logger.info("rank %d compiled %d attention kernel variants in %.1f s: %s", self.rank,
                         len(self.warmed_up), time.perf_counter() - start, ", ".join(self.warmed_up))
@@ -294,7 +323,19 @@ class Worker:
 
     def _allocate_caches(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         mc = self.model_config
-        shape = (num_gpu_blocks, self.config.block_size, self.num_kv_heads, mc.head_dim)
+        self.kv_caches, self.cpu_caches = self._pools(
+            num_gpu_blocks, num_cpu_blocks, mc.num_layers, self.num_kv_heads, mc.head_dim
+        )
+        self.swapper = BlockSwapper(self.kv_caches, self.cpu_caches)
+        if self.draft is not None:  # the same block ids, the draft's layer and head shapes
+            dc = self.draft_model_config
+            pools = self._pools(num_gpu_blocks, num_cpu_blocks, dc.num_layers, dc.num_kv_heads, dc.head_dim)
+            self.draft.set_caches(*pools)
+
+    def _pools(self, num_gpu_blocks: int, num_cpu_blocks: int, num_layers: int, num_kv_heads: int, head_dim: int):
+        """(device pool, CPU swap pool): per layer, (key, value) caches of
+        [num_blocks, block_size, num_kv_heads, head_dim]."""
+        shape = (num_gpu_blocks, self.config.block_size, num_kv_heads, head_dim)
         cpu_shape = (num_cpu_blocks, *shape[1:])
         pin = self.device.type == "cuda"
 
@@ -303,12 +344,9 @@ class Worker:
                 return host_zeros(shape, self.dtype)
             return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin and device.type == "cpu")
 
-        self.kv_caches = [
-            (zeros(shape, self.device), zeros(shape, self.device)) for _ in range(mc.num_layers)
-        ]  # per layer: [num_blocks, block_size, num_kv_heads, head_dim]
-        self.cpu_caches = [(zeros(cpu_shape, torch.device("cpu")), zeros(cpu_shape, torch.device("cpu")))
-                           for _ in range(mc.num_layers)]  # fmt: skip
-        self.swapper = BlockSwapper(self.kv_caches, self.cpu_caches)
+        device_pool = [(zeros(shape, self.device), zeros(shape, self.device)) for _ in range(num_layers)]
+        cpu = torch.device("cpu")
+        return device_pool, [(zeros(cpu_shape, cpu), zeros(cpu_shape, cpu)) for _ in range(num_layers)]
 
     # ------------------------------------------------------------------ the step
 
@@ -335,6 +373,8 @@ class Worker:
             self.swapper.swap_in(msg.blocks_to_swap_in)
         if msg.blocks_to_copy:
             copy_blocks(self.kv_caches, msg.blocks_to_copy)
+        if self.draft is not None:
+            self.draft.move_blocks(msg)
         failures = self._apply_lora_updates(msg) if msg.lora_slot_updates or msg.lora_forgets else None
         out = self.runner.execute(msg, self.kv_caches)
         if failures and out is not None:
@@ -366,7 +406,10 @@ class Worker:
 
     def gpu_snapshot(self) -> dict:
         """GPU memory, allocator and KV pool figures of this rank, as plain data."""
-        return self.gpu_probe.snapshot(self.kv_caches, self.cpu_caches).to_dict()
+        draft = self.draft
+        kv_caches = self.kv_caches if draft is None else self.kv_caches + draft.kv_caches
+        cpu_caches = self.cpu_caches if draft is None else self.cpu_caches + draft.cpu_caches
+        return self.gpu_probe.snapshot(kv_caches, cpu_caches).to_dict()
 
     def batch_state(self) -> tuple[int, int]:
         """(requests, sequences) this rank holds state for; (0, 0) once all have ended."""

@@ -210,8 +210,9 @@ def test_seeded_requests_repeat_with_drafts(tiny_paths):
 def test_speculative_config_is_checked_and_reaches_the_engine_from_serve_args():
     config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert config.speculative_config.num_speculative_tokens == 2
-    with pytest.raises(ValidationError, match="draft_model"):
-        EngineConfig(speculative_config={"method": "draft_model", "model": "x"})
+    assert EngineConfig(speculative_config={"method": "draft_model", "model": "x"}).speculative_config.model == "x"
+    with pytest.raises(ValidationError, match="eagle3"):
+        EngineConfig(speculative_config={"method": "eagle3", "model": "x"})
     with pytest.raises(ValidationError, match="prompt_lookup_min"):
         EngineConfig(speculative_config={"prompt_lookup_min": 5, "prompt_lookup_max": 2})
     with pytest.raises(ValidationError, match="num_speculative_tokens"):
