@@ -235,6 +235,7 @@ class BlockSwapper:
             len(device_caches) == len(host_caches),
             f"BlockSwapper: {len(device_caches)} device layers but {len(host_caches)} host layers",
         )
+        self.device_caches = list(device_caches)
         self.device_tensors = [t for pair in device_caches for t in pair]  # 2 x layers
         self.host_tensors = [t for pair in host_caches for t in pair]
         for index, (device_tensor, host_tensor) in enumerate(zip(self.device_tensors, self.host_tensors)):
@@ -246,6 +247,17 @@ class BlockSwapper:
         self.pending: list = []  # events of swap-outs whose copies into the host pool may still run
         self.num_copies = 0  # copies issued (one per run per cache tensor)
         self.num_runs = 0  # runs of consecutive (src, dst) ids swapped
+
+    def move(self, swap_out: BlockMapping, swap_in: BlockMapping, copies: BlockMapping) -> None:
+        """One step's block moves in the worker's order: blocks swapped out this step may be
+        handed to swap-ins and copies; last step's swap-outs land in the host pool first."""
+        self.finish()
+        if swap_out:
+            self.swap_out(swap_out)
+        if swap_in:
+            self.swap_in(swap_in)
+        if copies:
+            copy_blocks(self.device_caches, copies)
 
     def swap_out(self, block_mapping: BlockMapping) -> None:
         runs = self._runs(block_mapping, self._num_blocks(self.device_tensors), self._num_blocks(self.host_tensors))

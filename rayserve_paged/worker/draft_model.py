@@ -35,7 +35,7 @@ from rayserve_paged.core.outputs import StepMessage
 from rayserve_paged.core.sequence import SamplingParams
 from rayserve_paged.models.loader import ModelConfig
 from rayserve_paged.models.sampler import Sampler
-from rayserve_paged.ops.cache_ops import BlockSwapper, copy_blocks
+from rayserve_paged.ops.cache_ops import BlockSwapper
 from rayserve_paged.worker.input_batch import InputBatch, RequestState, SeqState
 from rayserve_paged.worker.model_runner import ModelRunner
 
@@ -73,13 +73,7 @@ class DraftModel:
     def move_blocks(self, msg: StepMessage) -> None:
         """The step's swaps and copies, on the draft's pools (the worker's order: finish,
         swap out, swap in, copy)."""
-        self.swapper.finish()
-        if msg.blocks_to_swap_out:
-            self.swapper.swap_out(msg.blocks_to_swap_out)
-        if msg.blocks_to_swap_in:
-            self.swapper.swap_in(msg.blocks_to_swap_in)
-        if msg.blocks_to_copy:
-            copy_blocks(self.kv_caches, msg.blocks_to_copy)
+        self.swapper.move(msg.blocks_to_swap_out, msg.blocks_to_swap_in, msg.blocks_to_copy)
 
     @torch.inference_mode()
     def propose(self, msg: StepMessage, rows: list[SeqState], batch: InputBatch) -> list[list[torch.Tensor | None]]:

@@ -23,7 +23,7 @@ from rayserve_paged.models.loader import get_model_config, load_model
 from rayserve_paged.models.lora import LoRAError, LoRAPool
 from rayserve_paged.models.sampler import Sampler, SamplerOutput
 from rayserve_paged.models.tiny import resolve_model
-from rayserve_paged.ops.cache_ops import BlockSwapper, copy_blocks
+from rayserve_paged.ops.cache_ops import BlockSwapper
 from rayserve_paged.ops.backends import get_attention_backend
 from rayserve_paged.telemetry import GpuProbe
 from rayserve_paged.worker.draft_model import DraftModel, check_draft_model
@@ -363,16 +363,8 @@ class Worker:
             self.execute_s += time.perf_counter() - start
 
     def _execute(self, msg: StepMessage) -> SamplerOutput | None:
-        # Order matters: blocks swapped out this step may be handed to swap-ins and copies.
-        # The swapper orders its side-stream copies against this stream with events: no sync
-        # here; last step's swap-outs land in the host pool first (finish).
-        self.swapper.finish()
-        if msg.blocks_to_swap_out:
-            self.swapper.swap_out(msg.blocks_to_swap_out)
-        if msg.blocks_to_swap_in:
-            self.swapper.swap_in(msg.blocks_to_swap_in)
-        if msg.blocks_to_copy:
-            copy_blocks(self.kv_caches, msg.blocks_to_copy)
+        # The swapper orders its side-stream copies against this stream with events: no sync here.
+        self.swapper.move(msg.blocks_to_swap_out, msg.blocks_to_swap_in, msg.blocks_to_copy)
         if self.draft is not None:
             self.draft.move_blocks(msg)
         failures = self._apply_lora_updates(msg) if msg.lora_slot_updates or msg.lora_forgets else None

@@ -53,18 +53,21 @@ WORLDS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("world", list(WORLDS))
-def test_greedy_output_is_the_same_with_drafts(tiny_paths, world):
-    rng = random.Random(f"greedy-{world}")
-    prompts = _repetitive_prompts(rng, 8)
-    shared = prompts[0][:9]
-    prompts += [shared + p for p in prompts[1:4]]  # prefix-cache hits
-    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 40), ignore_eos=True) for _ in prompts]
+def mixed_params(rng: random.Random, num: int, wide: SamplingParams) -> list[SamplingParams]:
+    """Greedy rows of random lengths, one with logprobs (drafts verified with them), a wide
+    one (`wide`: no drafts) and a penalised one (no drafts)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 40), ignore_eos=True) for _ in range(num)]
     params[1] = SamplingParams(temperature=0.0, max_tokens=20, logprobs=2, ignore_eos=True)
-    params[2] = SamplingParams(n=2, best_of=3, temperature=0.8, seed=3, max_tokens=10)  # wide: no drafts
-    params[3] = SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3)  # penalties: no drafts
-    off = LLM(model=tiny_paths["llama"], **WORLDS[world])
-    on = LLM(model=tiny_paths["llama"], speculative_config=SPEC, **WORLDS[world])
+    params[2] = wide
+    params[3] = SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3)
+    return params
+
+
+def generate_as_without_drafts(model: str, spec: dict, world: dict, prompts, params) -> tuple[LLM, BudgetCheck]:
+    """The engine with `spec` answers every request as the engine without it: the same tokens,
+    finish reasons and logprobs. Returns the speculating LLM and its per-step budget check."""
+    off = LLM(model=model, **world)
+    on = LLM(model=model, speculative_config=spec, **world)
     check = BudgetCheck(on)
     expected = off.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     got = on.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -75,6 +78,17 @@ def test_greedy_output_is_the_same_with_drafts(tiny_paths, world):
         assert g_choice.keys() == e_choice.keys()
         for token in e_choice:
             assert g_choice[token] == pytest.approx(e_choice[token], abs=1e-4)
+    return on, check
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_greedy_output_is_the_same_with_drafts(tiny_paths, world):
+    rng = random.Random(f"greedy-{world}")
+    prompts = _repetitive_prompts(rng, 8)
+    shared = prompts[0][:9]
+    prompts += [shared + p for p in prompts[1:4]]  # prefix-cache hits
+    params = mixed_params(rng, len(prompts), SamplingParams(n=2, best_of=3, temperature=0.8, seed=3, max_tokens=10))
+    on, check = generate_as_without_drafts(tiny_paths["llama"], SPEC, WORLDS[world], prompts, params)
     engine = on.engine
     assert engine.scheduler.counters.spec_decode_num_draft_tokens > 0
     assert engine.spec_decode_num_accepted_tokens > 0
@@ -195,13 +209,19 @@ def test_sampled_tokens_have_the_same_frequencies_with_drafts(tiny_paths):
         assert stat < 3 * (len(tokens) - 1) + 12, (pos, a, b)
 
 
-def test_seeded_requests_repeat_with_drafts(tiny_paths):
-    llm = LLM(model=tiny_paths["llama"], max_model_len=64, kv_cache_memory_gb=0.01, speculative_config=SPEC)
+def assert_seeded_requests_repeat(model: str, spec: dict) -> LLM:
+    """A seeded request gets the same tokens alone and beside another request."""
+    llm = LLM(model=model, max_model_len=64, kv_cache_memory_gb=0.01, speculative_config=spec)
     params = SamplingParams(temperature=0.9, max_tokens=20, seed=42, ignore_eos=True)
     prompt = [11, 12, 13, 14] * 3
     (a,) = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
     (b,) = llm.generate(prompt_token_ids=[prompt, [5, 6, 11, 12, 13]], sampling_params=params, use_tqdm=False)[:1]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    return llm
+
+
+def test_seeded_requests_repeat_with_drafts(tiny_paths):
+    assert_seeded_requests_repeat(tiny_paths["llama"], SPEC)
 
 
 # ---------------------------------------------------------------------------- configuration

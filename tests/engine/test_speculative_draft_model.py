@@ -20,8 +20,8 @@ from rayserve_paged import LLM, SamplingParams
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.models.sampler import Sampler
 from rayserve_paged.models.tiny import TINY_VOCAB_SIZE, make_tiny_model
-from tests.engine.test_every_request_ends import BudgetCheck, _assert_idle
-from tests.engine.test_speculative import WORLDS, _chi_square, _verify_batch
+from tests.engine.test_every_request_ends import _assert_idle
+from tests.engine.test_speculative import WORLDS, _chi_square, _verify_batch, assert_seeded_requests_repeat, generate_as_without_drafts, mixed_params
 
 
 @pytest.fixture(scope="module")
@@ -54,23 +54,9 @@ def test_greedy_output_is_the_same_with_a_draft_model(tiny_paths, drafts, world,
     rng = random.Random(f"draft-{world}")
     prompts = _random_prompts(rng, 7)
     prompts += [prompts[0][:17] + p for p in prompts[1:3]]  # prefix-cache hits
-    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 40), ignore_eos=True) for _ in prompts]
-    params[1] = SamplingParams(temperature=0.0, max_tokens=20, logprobs=2, ignore_eos=True)
-    params[2] = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=10)  # two sequences: no drafts
-    params[3] = SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3)  # penalties: no drafts
+    params = mixed_params(rng, len(prompts), SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=10))
     model = tiny_paths["llama"] if draft == "self" else drafts[draft]
-    off = LLM(model=tiny_paths["llama"], **WORLDS[world])
-    on = LLM(model=tiny_paths["llama"], speculative_config=_spec(model), **WORLDS[world])
-    check = BudgetCheck(on)
-    expected = off.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    got = on.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    for e, g in zip(expected, got):
-        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in e.outputs]
-        assert [c.finish_reason for c in g.outputs] == [c.finish_reason for c in e.outputs]
-    for e_choice, g_choice in zip(expected[1].outputs[0].logprobs, got[1].outputs[0].logprobs):
-        assert g_choice.keys() == e_choice.keys()
-        for token in e_choice:
-            assert g_choice[token] == pytest.approx(e_choice[token], abs=1e-4)
+    on, check = generate_as_without_drafts(tiny_paths["llama"], _spec(model), WORLDS[world], prompts, params)
     engine = on.engine
     counters = engine.scheduler.counters
     assert counters.spec_decode_num_draft_tokens > 0
@@ -140,13 +126,7 @@ def test_sampled_tokens_have_the_same_frequencies_with_a_draft_model(tiny_paths,
 
 
 def test_seeded_requests_repeat_with_a_draft_model(tiny_paths, drafts):
-    spec = _spec(drafts["sharp"])
-    llm = LLM(model=tiny_paths["llama"], max_model_len=64, kv_cache_memory_gb=0.01, speculative_config=spec)
-    params = SamplingParams(temperature=0.9, max_tokens=20, seed=42, ignore_eos=True)
-    prompt = [11, 12, 13, 14] * 3
-    (a,) = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
-    (b,) = llm.generate(prompt_token_ids=[prompt, [5, 6, 11, 12, 13]], sampling_params=params, use_tqdm=False)[:1]
-    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    llm = assert_seeded_requests_repeat(tiny_paths["llama"], _spec(drafts["sharp"]))
     assert llm.engine.spec_decode_num_accepted_tokens > 0
 
 
