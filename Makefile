@@ -43,8 +43,12 @@ demo: install
 lint: install
 	$(VENV)/bin/lint-imports
 
+# Two test processes: the serving tests (one Ray cluster) in one, every other file in either
+# (tests/conftest.py groups them); TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= 2
+
 test: install lint
-	$(VENV)/bin/python -m pytest -q --durations=15
+	$(VENV)/bin/python -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 bench: install
 	$(VENV)/bin/rayserve-paged bench memory --out bench-out

@@ -17,6 +17,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import pytest
 from hypothesis import settings
 
 # CI replays the same examples every run (a red CI must be reproducible); local runs explore.
@@ -42,21 +43,36 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "ignore::pydantic.warnings.PydanticDeprecatedSince20")
 
 
-def pytest_collection_modifyitems(config, items):
-    """RAYSERVE_PAGED_TEST_ORDER=<seed>: run the test files in a shuffled order and each
-    file's tests shuffled too (module fixtures are still made once per file), to show the
-    suite does not depend on its order. Unset: the files' own order."""
-    seed = os.environ.get("RAYSERVE_PAGED_TEST_ORDER")
-    if seed is None:
-        return
-    import random
+# The serving tests share one Ray cluster (tests/serve/conftest.py) and so one test process.
+SERVE_TESTS = "tests/serve/"
 
-    rng = random.Random(int(seed))
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook turns the groups into node ids
+def pytest_collection_modifyitems(config, items):
+    """Order and groups for the test processes of `make test` (pytest-xdist, --dist loadgroup).
+
+    Each file is one group, so a module fixture is made once; tests/serve is one group, the
+    longest, and goes first so that the other process takes every other file beside it.
+
+    RAYSERVE_PAGED_TEST_ORDER=<seed>: the files in a shuffled order and each file's tests
+    shuffled too (the serving tests stay together, shuffled among themselves), to show the
+    suite does not depend on its order. Unset: the files' own order."""
     modules: dict[str, list] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
     groups = list(modules.values())
-    rng.shuffle(groups)
+    seed = os.environ.get("RAYSERVE_PAGED_TEST_ORDER")
+    if seed is not None:
+        import random
+
+        rng = random.Random(int(seed))
+        rng.shuffle(groups)
+        for group in groups:
+            rng.shuffle(group)
+    groups.sort(key=lambda group: not group[0].nodeid.startswith(SERVE_TESTS))  # stable: serve first
     for group in groups:
-        rng.shuffle(group)
+        path = group[0].nodeid.split("::", 1)[0]
+        name = "serve" if path.startswith(SERVE_TESTS) else path
+        for item in group:
+            item.add_marker(pytest.mark.xdist_group(name))
     items[:] = [item for group in groups for item in group]
