@@ -32,13 +32,19 @@ from __future__ import annotations
 import bisect
 import enum
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rayserve_paged.core.block_manager import AllocStatus, BlockManager
 from rayserve_paged.core.lora import LoRASlots
 from rayserve_paged.core.outputs import NewRequest, ScheduledGroup, SchedulerOutput, StepMessage
 from rayserve_paged.core.sequence import KV_CACHE_LIMIT, Sequence, SequenceGroup, SequenceStatus
-from rayserve_paged.core.spec_decode import DRAFT_MODEL, DRAFT_PLACEHOLDER, SpeculativeConfig, propose_ngram
+from rayserve_paged.core.spec_decode import (
+    DRAFT_MODEL,
+    DRAFT_PLACEHOLDER,
+    SpeculativeConfig,
+    count_positions,
+    propose_ngram,
+)
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -91,6 +97,8 @@ class SchedulerCounters:
     preemptions_recompute: int = 0
     preemptions_swap: int = 0
     spec_decode_num_draft_tokens: int = 0  # drafts scheduled for verification
+    # [j]: rows that verified a draft at position j (0: the first draft)
+    spec_decode_num_draft_tokens_per_position: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -103,6 +111,8 @@ class Scheduler:
         self.swapped: deque[SequenceGroup] = deque()
         self.groups: dict[str, SequenceGroup] = {}  # every unfinished group, by request id
         self.counters = SchedulerCounters()
+        if config.speculative is not None:  # every position reported from the start, 0 until drafted
+            self.counters.spec_decode_num_draft_tokens_per_position = [0] * config.speculative.num_speculative_tokens
         self.by_priority = config.policy == "priority"
         # the decode fast path (below, in schedule); off, every group takes the general path,
         # with the same step as the result (a property test runs both)
@@ -494,6 +504,7 @@ class Scheduler:
         msg.num_draft_tokens.append(len(drafts))
         seq.num_computed_tokens = end
         self.counters.spec_decode_num_draft_tokens += len(drafts)
+        count_positions(self.counters.spec_decode_num_draft_tokens_per_position, len(drafts))
         self._emit(group, first_row, out, True)
         return len(table) - plain
 

@@ -51,6 +51,15 @@ class SpeculativeConfig:
             raise ValueError(f"disable_by_batch_size must be >= 1 (got {self.disable_by_batch_size})")
 
 
+def count_positions(counts: list[int], num: int) -> None:
+    """Add one to each of the first `num` draft positions' counts (drafts scheduled, or
+    accepted: draft j is accepted only if drafts 0..j-1 were), growing the list as needed."""
+    if len(counts) < num:
+        counts.extend([0] * (num - len(counts)))
+    for position in range(num):
+        counts[position] += 1
+
+
 def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the sequence's last n
     tokens, for the largest n in [min_n, max_n] that occurs (vLLM's prompt lookup); [] when

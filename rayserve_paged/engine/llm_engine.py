@@ -26,7 +26,7 @@ from rayserve_paged.core.block_manager import BlockManager
 from rayserve_paged.core.lora import LoRAKey, LoRARequest, LoRASlots, UnknownLoRAError, startup_lora_ids
 from rayserve_paged.core.outputs import SchedulerOutput
 from rayserve_paged.core.scheduler import Scheduler, SchedulerConfig
-from rayserve_paged.core.spec_decode import SpeculativeConfig
+from rayserve_paged.core.spec_decode import SpeculativeConfig, count_positions
 from rayserve_paged.core.sequence import (
     FINISH_REASONS,
     KV_CACHE_LIMIT,
@@ -168,6 +168,10 @@ class LLMEngine:
         self.num_prompt_tokens = 0  # computed prompt tokens (after prefix-cache hits)
         self.num_generation_tokens = 0
         self.spec_decode_num_accepted_tokens = 0  # drafts that verification kept
+        # [j]: drafts at position j kept (a list as long as the scheduler's drafts per position)
+        self.spec_decode_num_accepted_tokens_per_position = [0] * len(
+            self.scheduler.counters.spec_decode_num_draft_tokens_per_position
+        )
         # LoRA adapters by name (core/lora.py: identity); the model's layer shapes (a
         # meta-device skeleton) check them
         self.loras: dict[str, LoRARequest] = {}
@@ -712,6 +716,7 @@ class LLMEngine:
             if sample.seq_id not in drafting:
                 continue
             self.spec_decode_num_accepted_tokens += len(sample.token_ids) - 1
+            count_positions(self.spec_decode_num_accepted_tokens_per_position, len(sample.token_ids) - 1)
             self.num_generation_tokens += len(sample.token_ids) - 1
             seq = next(s for s in group.seqs if s.seq_id == sample.seq_id)
             if not seq.status.is_finished:

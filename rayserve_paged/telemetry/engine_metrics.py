@@ -36,6 +36,8 @@ class EngineLike(Protocol):
                                                   prefix_cache_evicted_blocks)
     num_prompt_tokens, num_generation_tokens
     scheduler.counters.spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens
+    scheduler.counters.spec_decode_num_draft_tokens_per_position,
+    spec_decode_num_accepted_tokens_per_position  (only with speculation: scheduler.config.speculative)
     structured.errors.items(), grammars.num_cached_bytes  (grammar errors by stage, cache bytes)
     lora_slots, loras, num_lora_requests          (only with LoRA: lora_slots not None)
     """
@@ -122,6 +124,10 @@ def _shared_blocks(engine: EngineLike):
     return [(pool, u.num_shared_blocks) for pool, u in _slot_usage(engine)]
 
 
+def _by_position(counts: list[int]):
+    return [(str(position), n) for position, n in enumerate(list(counts))]
+
+
 def _requests(engine: EngineLike):
     s = engine.scheduler
     # finished groups stay in `running` until the next schedule(); count only live ones
@@ -188,6 +194,17 @@ _ENGINE_INSTRUMENTS = (
         "Tokens computed: prompt (prefilled, after prefix-cache hits) and generation (sampled).", key=names.TOKEN_TYPE),
 )  # fmt: skip
 
+_SPEC_DECODE_POSITION_INSTRUMENTS = (  # only with speculative decoding
+    _Observable("counter", names.SPEC_DECODE_NUM_DRAFT_TOKENS_PER_POSITION, "{token}",
+        lambda e: _by_position(e.scheduler.counters.spec_decode_num_draft_tokens_per_position),
+        "Draft tokens scheduled for verification, by position in their row (0: the first draft).",
+        key=names.POSITION),
+    _Observable("counter", names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POSITION, "{token}",
+        lambda e: _by_position(e.spec_decode_num_accepted_tokens_per_position),
+        "Of the draft tokens, those accepted, by position (acceptance at position j: accepted / draft "
+        "at j; a draft is accepted only if every draft before it was).", key=names.POSITION),
+)  # fmt: skip
+
 _GRAMMAR_INSTRUMENTS = (  # only with structured outputs
     _Observable("counter", names.GRAMMAR_ERRORS, "{sequence}", lambda e: e.structured.errors.items(),
         "Sequences ended by a grammar error (finish_reason abort, stop_reason grammar_error), "
@@ -236,6 +253,8 @@ class EngineMetrics:
         meter = meter_provider.get_meter(names.METER_NAME)
 
         instruments = list(_ENGINE_INSTRUMENTS)
+        if getattr(getattr(engine.scheduler, "config", None), "speculative", None) is not None:
+            instruments += _SPEC_DECODE_POSITION_INSTRUMENTS
         if getattr(engine, "structured", None) is not None:
             instruments += _GRAMMAR_INSTRUMENTS
         if getattr(engine, "lora_slots", None) is not None:

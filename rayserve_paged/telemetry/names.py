@@ -30,6 +30,8 @@ PREFIX_CACHE_TIER_HITS = "rayserve_paged.prefix_cache.tier_hits"  # {tier}: toke
 PREFIX_CACHE_TIER_BLOCKS = "rayserve_paged.prefix_cache.tier_blocks"  # {tier, event}
 SPEC_DECODE_NUM_DRAFT_TOKENS = "rayserve_paged.spec_decode.num_draft_tokens"
 SPEC_DECODE_NUM_ACCEPTED_TOKENS = "rayserve_paged.spec_decode.num_accepted_tokens"
+SPEC_DECODE_NUM_DRAFT_TOKENS_PER_POSITION = "rayserve_paged.spec_decode.num_draft_tokens_per_position"  # {position}
+SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POSITION = "rayserve_paged.spec_decode.num_accepted_tokens_per_position"
 SCHEDULER_REQUESTS = "rayserve_paged.scheduler.requests"  # {state}
 SCHEDULER_PREEMPTIONS = "rayserve_paged.scheduler.preemptions"  # {mode}
 TOKENS = "rayserve_paged.tokens"  # {type}
@@ -73,6 +75,7 @@ SWAP_POOL = "cpu"  # the swap pool in host RAM
 STATE = "state"
 MODE = "mode"  # recompute | swap
 DIRECTION = "direction"  # in | out
+POSITION = "position"  # a draft's position in its row: 0 (the first draft), 1, ...
 TIER = "tier"  # device | host (the prefix cache's tier 2, kv_offload_memory_gb)
 TIER_EVENT = "event"  # device: evicted; host: offloaded | restored | evicted
 TOKEN_TYPE = "type"  # prompt | generation
@@ -105,6 +108,7 @@ ENGINE_INSTRUMENTS = (
     REQUEST_E2E_LATENCY,
     REQUEST_QUEUE_TIME,
 )
+SPEC_DECODE_POSITION_INSTRUMENTS = (SPEC_DECODE_NUM_DRAFT_TOKENS_PER_POSITION, SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POSITION)
 LORA_INSTRUMENTS = (LORA_ADAPTERS, LORA_SLOT_LOADS, LORA_SLOT_EVICTIONS, LORA_REQUESTS)
 NVML_INSTRUMENTS = (
     HW_GPU_MEMORY_USAGE,

@@ -250,3 +250,40 @@ def test_beam_search_runs_without_drafts(tiny_paths):
     g = on.generate(prompt_token_ids=prompt, sampling_params=params, use_tqdm=False)
     assert [c.token_ids for c in g[0].outputs] == [c.token_ids for c in e[0].outputs]
     assert on.engine.scheduler.counters.spec_decode_num_draft_tokens == 0
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def test_acceptance_per_position_adds_up_and_is_exported(tiny_paths):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from rayserve_paged.telemetry import ReplicaTelemetry, TelemetryConfig, names
+
+    rng = random.Random("positions")
+    llm = LLM(model=tiny_paths["llama"], max_model_len=128, num_gpu_blocks_override=160, speculative_config=SPEC)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    llm.generate(prompt_token_ids=_repetitive_prompts(rng, 4), sampling_params=params, use_tqdm=False)
+    engine = llm.engine
+    drafts = engine.scheduler.counters.spec_decode_num_draft_tokens_per_position
+    accepted = engine.spec_decode_num_accepted_tokens_per_position
+    assert sum(drafts) == engine.scheduler.counters.spec_decode_num_draft_tokens > 0
+    assert sum(accepted) == engine.spec_decode_num_accepted_tokens > 0
+    assert len(drafts) == len(accepted) == SPEC["num_speculative_tokens"]  # every position, drafted or not
+    # a row with a draft at j has one at every earlier position, and keeps j only if it kept j - 1
+    assert drafts == sorted(drafts, reverse=True) and accepted == sorted(accepted, reverse=True)
+    assert all(a <= d for a, d in zip(accepted, drafts))
+    telemetry = ReplicaTelemetry(engine, TelemetryConfig(replica="spec"))
+    try:
+        text = telemetry.metrics_text()
+    finally:
+        telemetry.shutdown()
+    got = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.endswith("_per_position_total"):
+                got.setdefault(s.name, {})[int(s.labels[names.POSITION])] = s.value
+    assert got == {
+        "rayserve_paged_spec_decode_num_draft_tokens_per_position_total": dict(enumerate(drafts)),
+        "rayserve_paged_spec_decode_num_accepted_tokens_per_position_total": dict(enumerate(accepted)),
+    }

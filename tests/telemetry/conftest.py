@@ -31,7 +31,7 @@ class SwapRun:
     max_swapped: float  # the largest swapped-requests reading taken between steps
 
 
-def start_engine(model_dir: str) -> LLMEngine:
+def start_engine(model_dir: str, **options) -> LLMEngine:
     # 12 blocks of 16 tokens; 4 requests of 20 + 48 tokens need 20: swap preemption is forced
     config = EngineConfig(
         model=model_dir,
@@ -40,6 +40,7 @@ def start_engine(model_dir: str) -> LLMEngine:
         swap_space_gb=0.05,
         preemption_mode="swap",
         enable_prefix_caching=False,
+        **options,
     )
     return LLMEngine(config)
 

@@ -11,7 +11,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rayserve_paged.deployments.routing import RoutingStats
+from rayserve_paged.telemetry import ReplicaTelemetry, TelemetryConfig
 
+from .conftest import start_engine
 from .test_prometheus import _full_snapshot
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
@@ -46,17 +48,23 @@ def queries(dashboard: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def exported(swap_run) -> set[str]:
+def exported(swap_run, tiny_opt) -> set[str]:
     """Every series name a replica exports: a run that preempted, with GPU ranks reported."""
     swap_run.telemetry.update_gpu([_full_snapshot(rank=0, gpu_index=3)])
     try:
         text = swap_run.telemetry.metrics_text()
     finally:
         swap_run.telemetry.update_gpu([])
+    speculating = start_engine(tiny_opt, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    spec_telemetry = ReplicaTelemetry(speculating, TelemetryConfig(replica="spec"))  # and what speculation adds
+    try:
+        spec_text = spec_telemetry.metrics_text()
+    finally:
+        spec_telemetry.shutdown()
     routing = RoutingStats()  # and what a fleet ingress adds (routing: prefix)
     routing.record_decision("prefix", "r1")
     routing.record_step(0.001)
-    texts = (text, routing.metrics_text("i1"))
+    texts = (text, spec_text, routing.metrics_text("i1"))
     return {s.name for t in texts for f in text_string_to_metric_families(t) for s in f.samples}
 
 
