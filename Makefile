@@ -44,11 +44,11 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 # Two test processes: the serving tests (one Ray cluster) in one, every other file in either
-# (tests/conftest.py groups them); TEST_WORKERS=0 runs the suite in this one process.
+# (tests/conftest.py makes the work units); TEST_WORKERS=0 runs the suite in this process.
 TEST_WORKERS ?= 2
 
 test: install lint
-	$(VENV)/bin/python -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	$(VENV)/bin/python -m pytest -q --durations=20 -n $(TEST_WORKERS) --no-loadscope-reorder
 
 bench: install
 	$(VENV)/bin/rayserve-paged bench memory --out bench-out

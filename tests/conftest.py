@@ -47,16 +47,30 @@ def pytest_configure(config):
 SERVE_TESTS = "tests/serve/"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook turns the groups into node ids
-def pytest_collection_modifyitems(config, items):
-    """Order and groups for the test processes of `make test` (pytest-xdist, --dist loadgroup).
+def _work_unit(nodeid: str) -> str:
+    """What one test process runs whole: tests/serve together, any other file by itself (so
+    a module fixture is made once)."""
+    return SERVE_TESTS if nodeid.startswith(SERVE_TESTS) else nodeid.split("::", 1)[0]
 
-    Each file is one group, so a module fixture is made once; tests/serve is one group, the
-    longest, and goes first so that the other process takes every other file beside it.
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: `make test` runs two test processes
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    return ByWorkUnit(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The order of the tests: tests/serve first, as the longest work unit (with two test
+    processes the other takes every other file beside it), then the files in their order.
 
     RAYSERVE_PAGED_TEST_ORDER=<seed>: the files in a shuffled order and each file's tests
-    shuffled too (the serving tests stay together, shuffled among themselves), to show the
-    suite does not depend on its order. Unset: the files' own order."""
+    shuffled too (tests/serve stays first, its files and tests shuffled among themselves),
+    to show the suite does not depend on its order. Unset: the files' own order."""
     modules: dict[str, list] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
@@ -69,10 +83,5 @@ def pytest_collection_modifyitems(config, items):
         rng.shuffle(groups)
         for group in groups:
             rng.shuffle(group)
-    groups.sort(key=lambda group: not group[0].nodeid.startswith(SERVE_TESTS))  # stable: serve first
-    for group in groups:
-        path = group[0].nodeid.split("::", 1)[0]
-        name = "serve" if path.startswith(SERVE_TESTS) else path
-        for item in group:
-            item.add_marker(pytest.mark.xdist_group(name))
+    groups.sort(key=lambda group: _work_unit(group[0].nodeid) != SERVE_TESTS)  # stable: serve first
     items[:] = [item for group in groups for item in group]

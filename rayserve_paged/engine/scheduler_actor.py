@@ -228,6 +228,8 @@ class SchedulerActor:
             "preemptions_swap": self.engine.scheduler.counters.preemptions_swap,
             "tier2_offloaded_blocks": self.engine.block_manager.counters.offloaded_blocks,
             "tier2_restored_blocks": self.engine.block_manager.counters.restored_blocks,
+            "spec_decode_num_draft_tokens": self.engine.scheduler.counters.spec_decode_num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.engine.spec_decode_num_accepted_tokens,
             # per rank, (requests, sequences) in its persistent batch: (0, 0) when idle
             "worker_batch_states": self.engine.executor.batch_states(),
         }

@@ -98,6 +98,34 @@ def test_greedy_output_is_the_same_with_drafts(tiny_paths, world):
     _assert_idle(on, check)
 
 
+@pytest.mark.parametrize("world", ["swap", "recompute"])
+def test_aborts_mid_draft_leave_nothing_and_the_others_answer_as_without_drafts(tiny_paths, world):
+    """Requests aborted right after a step that verified drafts give back every block (the
+    drafts' slots included); the requests left answer exactly as without speculation."""
+    rng = random.Random(f"abort-{world}")
+    prompts = _repetitive_prompts(rng, 6)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    off = LLM(model=tiny_paths["llama"], **WORLDS[world])
+    on = LLM(model=tiny_paths["llama"], speculative_config=SPEC, **WORLDS[world])
+    check = BudgetCheck(on)
+    engine = on.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", None, params, prompt_token_ids=prompt)
+    aborted, tokens = set(), {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(t for d in out.outputs for t in d.token_ids)
+        if not aborted and engine.scheduler.counters.spec_decode_num_draft_tokens > 0:
+            aborted = {f"r{i}" for i in range(0, len(prompts), 2)}  # drafts were verified: abort half
+            for request_id in aborted:
+                assert engine.abort_request(request_id)
+    assert aborted, "no step drafted"
+    kept = [i for i in range(len(prompts)) if f"r{i}" not in aborted]
+    expected = off.generate(prompt_token_ids=[prompts[i] for i in kept], sampling_params=params, use_tqdm=False)
+    assert [tokens[f"r{i}"] for i in kept] == [list(e.outputs[0].token_ids) for e in expected]
+    _assert_idle(on, check)
+
+
 def test_drafts_stop_at_the_batch_size_limit(tiny_paths):
     rng = random.Random(5)
     prompts = _repetitive_prompts(rng, 6)

@@ -197,3 +197,30 @@ def test_tier_2_restores_at_tp2_equal_tp1_without_it(serve_session):
     assert stats["tier2_offloaded_blocks"] >= stats["tier2_restored_blocks"], stats
     assert stats["gpu_blocks_used"] == 0 and stats["worker_batch_states"] == [(0, 0)] * 2
     serve_session.delete("tier2")
+
+
+def test_speculation_at_tp2_equals_tp1_without_it(serve_session):
+    """N-gram drafts verified at TP=2 (actor calls, swap preemption) give the greedy tokens
+    of the offline TP=1 engine without speculation, and leave nothing on any rank."""
+    from rayserve_paged import LLM
+
+    rng = random.Random(38)
+    phrases = [[rng.randrange(4, 500) for _ in range(rng.randrange(3, 6))] for _ in range(4)]
+    prompts = [phrase * 4 + [rng.randrange(4, 500)] for phrase in phrases]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    offline = LLM(model="tiny-llama", device="cpu", max_model_len=128, num_gpu_blocks_override=200)
+    expected = [_tokens(o) for o in offline.generate(prompts, greedy, use_tqdm=False)]
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    handle = _deploy(serve_session, "spec-tp2", **(PRESSURE | dict(preemption_mode="swap", tensor_parallel_size=2,
+                     worker_transport="actor_calls", speculative_config=spec)))  # fmt: skip
+
+    async def run():
+        return await asyncio.gather(*[handle.generate.remote(p, greedy) for p in prompts])
+
+    assert [_tokens(o) for o in asyncio.run(run())] == expected
+    stats = handle.stats.remote().result()
+    assert stats["spec_decode_num_accepted_tokens"] > 0, stats  # drafts were verified and kept
+    assert stats["num_unfinished_requests"] == 0 and stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
+    assert stats["worker_batch_states"] == [(0, 0)] * 2
+    serve_session.delete("spec-tp2")
