@@ -173,7 +173,9 @@ class ModelRunner:
             pooling = [i for i, seq in enumerate(rows) if seq.request.params.pooling is not None]
         is_static = (self.static_decode is not None and not scored and not pooling
                      and (self.lora is None or all(s.request.lora_key is None for s in rows)))  # fmt: skip
-        decode = decode_rows(msg, rows, self.block_size, self.rope_len_rule) if is_static else None
+        decode = decode_rows(
+            msg, rows, self.block_size, self.rope_len_rule, expand_drafts=self.static_decode.expands_drafts
+        ) if is_static else None  # fmt: skip
         if decode is not None and self.static_decode.fits(decode):
             hidden = self.static_decode.forward(decode, kv_caches)  # [num_decodes, hidden]
             logits_indices, self.last_path = _long(decode.sampled, self.device), f"static-{self.static_decode.last_path}"

@@ -110,6 +110,20 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
     raise AssertionError("unreachable")
 
 
+def verification_rows(max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int,
+                       disable_by_batch_size: int) -> int:
+    """The most one-token rows a decode step can have once its draft verifications are
+    expanded (expanded_draft_rows): drafts come only while fewer than disable_by_batch_size
+    sequences run, each adds at most num_speculative_tokens rows, and every row is a token
+    of the step's budget.
+
+    >>> verification_rows(256, 8192, 4, 4), verification_rows(4, 12, 4, 4), verification_rows(2, 8192, 4, 4)
+    (256, 12, 10)
+    """
+    drafting_seqs = min(max_num_seqs, disable_by_batch_size - 1)
+    return max(max_num_seqs, min(max_num_batched_tokens, drafting_seqs * (1 + num_speculative_tokens)))
+
+
 def length_classes(max_model_len: int, base: int = LENGTH_CLASS_BASE) -> tuple[int, ...]:
     """base, base x 4, base x 16, ... below max_model_len, then max_model_len itself:
     the lengths a decode step is planned (and its graphs captured) for.
@@ -154,13 +168,18 @@ def rope_lens_of(seq: SeqState, start: int, count: int, rule: str) -> list[int]:
 
 
 def decode_rows(
-    msg: StepMessage, rows: list[SeqState], block_size: int, rope_len_rule: str | None = None
+    msg: StepMessage, rows: list[SeqState], block_size: int, rope_len_rule: str | None = None, *,
+    expand_drafts: bool = False,
 ) -> DecodeRows | None:
     """The step as DecodeRows when every row computes exactly one token (in row order, as
     ModelRunner.prepare packs them), else None. `rows[i]` is row i's state in the worker's
-    persistent batch; a `rope_len_rule` adds each row's RoPE length (see rope_lens_of)."""
-    if not rows or len(msg.token_ids) != len(rows):  # every row has at least one token
+    persistent batch; a `rope_len_rule` adds each row's RoPE length (see rope_lens_of).
+    With `expand_drafts`, a row verifying k drafts counts as 1 + k one-token rows
+    (expanded_draft_rows); any other row of more than one token still gives None."""
+    if not rows:
         return None
+    if len(msg.token_ids) != len(rows):  # every row has at least one token
+        return expanded_draft_rows(msg, rows, block_size, rope_len_rule) if expand_drafts and msg.draft_seq_ids else None
     positions = msg.start_positions
     tables = [r.block_table for r in rows]
     unsampled = set(msg.unsampled_seq_ids)
@@ -176,6 +195,44 @@ def decode_rows(
     )
 
 
+def expanded_draft_rows(
+    msg: StepMessage, rows: list[SeqState], block_size: int, rope_len_rule: str | None = None
+) -> DecodeRows | None:
+    """A step of decodes and draft verifications as one-token rows; None when some row is
+    neither (a prefill chunk). A row of 1 + k query tokens (its last token, then k drafts)
+    at positions c .. c + k becomes k + 1 rows over the sequence's one block table:
+
+        query row     t      d1      d2  ...  dk
+        decode row    j = 0  1       2        k
+        position      c      c + 1   c + 2    c + k      slot: that position's
+        seq_len       c + 1  c + 2   c + 3    c + k + 1  row j attends to positions <= c + j
+
+    Causal by construction because every backend, and the compiled decoder layer, writes
+    all of a layer's new keys and values before any row of that layer attends
+    (ops/paged_attention.py), so row j reads rows < j of the same step. Every expanded row
+    is sampled: the 1 + k logits rows the verification reads, in row order as the eager
+    path's `logits_indices` puts them."""
+    drafts = dict(zip(msg.draft_seq_ids, msg.num_draft_tokens))
+    unsampled = set(msg.unsampled_seq_ids)
+    token_ids, positions, tables, slots, sampled = [], [], [], [], []
+    rope_lens: list[int] | None = [] if rope_len_rule else None
+    offset = 0
+    for seq, seq_id, start, count in zip(rows, msg.seq_ids, msg.start_positions, msg.num_query_tokens):
+        if count != 1 + drafts.get(seq_id, 0):
+            return None
+        table = seq.block_table
+        if seq_id not in unsampled:
+            sampled.extend(range(len(token_ids), len(token_ids) + count))
+        token_ids.extend(msg.token_ids[offset : offset + count])
+        positions.extend(range(start, start + count))
+        tables.extend([table] * count)
+        slots.extend(slot_of(table, p, block_size) for p in range(start, start + count))
+        if rope_lens is not None:
+            rope_lens.extend(rope_lens_of(seq, start, count, rope_len_rule))
+        offset += count
+    return DecodeRows(token_ids, positions, [p + 1 for p in positions], tables, slots, sampled, rope_lens)
+
+
 class StaticDecode:
     """Decode steps on padded buckets and length classes over one persistent input buffer
     and its host mirror; CUDA graphs where captured.
@@ -187,12 +244,21 @@ class StaticDecode:
     capture_error_mode  torch.cuda.graph's: "thread_local" where collectives (NCCL) run
                    inside the capture (TP > 1), "global" otherwise
     length_class_base  the smallest length class (length_classes)
+    max_num_rows   rows the buckets hold (at least max_num_seqs): more where a step's draft
+                   verifications expand into one-token rows (verification_rows)
+
+    On the CPU a step whose rows verify drafts runs here too, each such row expanded into
+    one-token rows (expanded_draft_rows; `expands_drafts`): on the CPU a step costs about
+    one read of the weights, whatever its few rows, and the decode path (the compiled
+    decoder layer where the model qualifies) is far cheaper than the eager
+    prefill-with-context one. On CUDA verification rows stay on the eager path.
     """
 
     def __init__(
         self, model: torch.nn.Module, block_size: int, max_num_seqs: int, max_model_len: int,
         device: torch.device | str, backend=None, *, use_cuda_graphs: bool = True,
         capture_error_mode: str = "global", length_class_base: int = LENGTH_CLASS_BASE,
+        max_num_rows: int | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -200,7 +266,8 @@ class StaticDecode:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # torch.cuda calls take cuda:N
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.buckets = decode_buckets(max_num_seqs)
+        self.expands_drafts = self.device.type == "cpu"
+        self.buckets = decode_buckets(max(max_num_seqs, max_num_rows or 0))
         self.max_model_len = max_model_len
         self.length_classes = length_classes(max_model_len, length_class_base)
         self.max_blocks = -(-max_model_len // block_size)

@@ -29,7 +29,7 @@ from rayserve_paged.telemetry import GpuProbe
 from rayserve_paged.worker.draft_model import DraftModel, check_draft_model
 from rayserve_paged.worker.kv_sizing import kv_cache_budget_bytes
 from rayserve_paged.worker.model_runner import ModelRunner
-from rayserve_paged.worker.static_decode import StaticDecode, capture_graphs
+from rayserve_paged.worker.static_decode import StaticDecode, capture_graphs, verification_rows
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +148,7 @@ class Worker:
             # NCCL runs inside the capture at TP > 1: its calls on other threads must not
             # invalidate the capture (the global mode forbids them process-wide)
             capture_error_mode="thread_local" if self.world_size > 1 else "global",
+            max_num_rows=self._verification_rows(),
         )
         self.runner = ModelRunner(model, self.config.block_size, self.device, sampler, backend, static)
         if self.config.is_lora_enabled:
@@ -165,6 +166,15 @@ class Worker:
         model = load_model(self.draft_path, self.dtype, self.device, backend, quantization="auto")
         logger.info("rank %d loaded the draft model %s", self.rank, self.draft_path)
         return DraftModel(model, self.draft_model_config, self.config.block_size, self.device, backend, sampler)
+
+    def _verification_rows(self) -> int | None:
+        """Rows a CPU decode step can hold with its draft verifications expanded (None: no
+        speculation, or a device whose verifications run eagerly)."""
+        spec, cfg = self.config.speculative_config, self.config
+        if spec is None or self.device.type != "cpu":
+            return None
+        return verification_rows(cfg.max_num_seqs, cfg.resolved_max_num_batched_tokens(self.max_model_len),
+                                 spec.num_speculative_tokens, spec.disable_by_batch_size)  # fmt: skip
 
     def _warm_up_collective(self, group) -> None:
         """One all-reduce on the rank's device before anything is measured: NCCL allocates

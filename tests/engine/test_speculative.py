@@ -7,6 +7,7 @@ stop strings cut where they would without drafts; what speculation refuses."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +16,16 @@ from pydantic import ValidationError
 from rayserve_paged import LLM, SamplingParams
 from rayserve_paged.config import EngineConfig
 from rayserve_paged.core.spec_decode import propose_ngram
+from rayserve_paged.models import quant
+from rayserve_paged.models.decoder import UNDECIDED
+from rayserve_paged.models.loader import get_model_config, load_model
 from rayserve_paged.models.sampler import Sampler
 from rayserve_paged.models.sampler import SamplingBatch
+from rayserve_paged.ops import cpu_layer, quant_cpu
 from rayserve_paged.serve_llm import ENGINE_KWARGS, UNSUPPORTED_ENGINE_KWARGS
+from rayserve_paged.worker.static_decode import DecodeRows, StaticDecode
 from tests.engine.test_every_request_ends import BudgetCheck, _assert_idle
+from tests.models.test_gguf import write_gguf
 
 SPEC = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
             disable_by_batch_size=64)  # fmt: skip
@@ -63,11 +70,14 @@ def mixed_params(rng: random.Random, num: int, wide: SamplingParams) -> list[Sam
     return params
 
 
-def generate_as_without_drafts(model: str, spec: dict, world: dict, prompts, params) -> tuple[LLM, BudgetCheck]:
+def generate_as_without_drafts(
+    model: str, spec: dict, world: dict, prompts, params, **engine
+) -> tuple[LLM, BudgetCheck]:
     """The engine with `spec` answers every request as the engine without it: the same tokens,
-    finish reasons and logprobs. Returns the speculating LLM and its per-step budget check."""
-    off = LLM(model=model, **world)
-    on = LLM(model=model, speculative_config=spec, **world)
+    finish reasons and logprobs. Returns the speculating LLM and its per-step budget check.
+    `engine`: more options of both engines (a tokenizer)."""
+    off = LLM(model=model, **engine, **world)
+    on = LLM(model=model, speculative_config=spec, **engine, **world)
     check = BudgetCheck(on)
     expected = off.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     got = on.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -83,12 +93,19 @@ def generate_as_without_drafts(model: str, spec: dict, world: dict, prompts, par
 
 @pytest.mark.parametrize("world", list(WORLDS))
 def test_greedy_output_is_the_same_with_drafts(tiny_paths, world):
+    _check_greedy_with_drafts(tiny_paths["llama"], world)
+
+
+def _check_greedy_with_drafts(model: str, world: str, **engine) -> LLM:
+    """generate_as_without_drafts on repetitive prompts (prefix-cache hits among them) in
+    `world`: drafts accepted, preemptions where the world is small, nothing left behind.
+    Returns the speculating LLM."""
     rng = random.Random(f"greedy-{world}")
     prompts = _repetitive_prompts(rng, 8)
     shared = prompts[0][:9]
     prompts += [shared + p for p in prompts[1:4]]  # prefix-cache hits
     params = mixed_params(rng, len(prompts), SamplingParams(n=2, best_of=3, temperature=0.8, seed=3, max_tokens=10))
-    on, check = generate_as_without_drafts(tiny_paths["llama"], SPEC, WORLDS[world], prompts, params)
+    on, check = generate_as_without_drafts(model, SPEC, WORLDS[world], prompts, params, **engine)
     engine = on.engine
     assert engine.scheduler.counters.spec_decode_num_draft_tokens > 0
     assert engine.spec_decode_num_accepted_tokens > 0
@@ -96,6 +113,7 @@ def test_greedy_output_is_the_same_with_drafts(tiny_paths, world):
         counters = engine.scheduler.counters
         assert counters.preemptions_swap + counters.preemptions_recompute > 0
     _assert_idle(on, check)
+    return on
 
 
 @pytest.mark.parametrize("world", ["swap", "recompute"])
@@ -163,6 +181,106 @@ def test_stop_strings_inside_accepted_drafts_cut_where_they_would_without(tiny_p
             assert (g.outputs[0].text, g.outputs[0].finish_reason) == (e.outputs[0].text, e.outputs[0].finish_reason)
             assert g.outputs[0].token_ids == e.outputs[0].token_ids
     assert on.engine.spec_decode_num_accepted_tokens > 0
+
+
+# ---------------------------------------------------------------------------- the CPU decode path
+
+
+@pytest.fixture
+def compiled_gguf(tiny_paths, tmp_path, monkeypatch):
+    """The tiny Llama as a Q8_0 GGUF whose decode steps take the compiled CPU decoder layer
+    (models/compiled_decode.py): the compiled group-quantized kernels are chosen whatever
+    the CPU (by default only with AVX-512, where they are the faster ones)."""
+    if quant_cpu.load() is None or cpu_layer.load() is None:
+        pytest.skip("the compiled CPU kernels need a C++ compiler")
+    monkeypatch.setattr(quant, "cpu_kernel_plan", lambda: quant.COMPILED)
+    path = tmp_path / "tiny.Q8_0.gguf"
+    write_gguf(path, Path(tiny_paths["llama"]), "Q8_0")
+    return str(path), tiny_paths["llama"]
+
+
+def _layer_calls(monkeypatch) -> list[int]:
+    """The compiled decoder layer's calls from now on: each call's row count."""
+    calls: list[int] = []
+    call = cpu_layer.DecoderLayerKernel.__call__
+
+    def counted(self, layer, step, *args, **kwargs):
+        calls.append(step.struct.num_tokens)
+        return call(self, layer, step, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_layer.DecoderLayerKernel, "__call__", counted)
+    return calls
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_verification_steps_take_the_compiled_cpu_decode_path(compiled_gguf, world, monkeypatch):
+    """On the compiled decoder layer, greedy with drafts equals greedy without (swap and
+    recompute included), and every decode-only step that verifies drafts runs there, its
+    rows expanded to one-token rows (worker/static_decode.py expanded_draft_rows), not on
+    the eager prefill-with-context path."""
+    calls = _layer_calls(monkeypatch)
+    verified = []  # per decode-only verification step: (rows, path, layer calls' row counts)
+    llm_init = LLM.__init__
+
+    def init(self, *args, **kwargs):
+        llm_init(self, *args, **kwargs)
+        if kwargs.get("speculative_config") is None:
+            return
+        runner = self.engine.executor.worker.runner
+        execute = runner.execute
+
+        def traced(msg, kv_caches):
+            calls.clear()
+            out = execute(msg, kv_caches)
+            if msg.draft_seq_ids and len(msg.token_ids) == len(msg.seq_ids) + sum(msg.num_draft_tokens):
+                verified.append((len(msg.token_ids), runner.last_path, list(calls)))
+            return out
+
+        runner.execute = traced
+
+    monkeypatch.setattr(LLM, "__init__", init)
+    model, tokenizer = compiled_gguf
+    on = _check_greedy_with_drafts(model, world, tokenizer=tokenizer)
+    num_layers = on.engine.model_config.num_layers
+    static = on.engine.executor.worker.runner.static_decode
+    assert verified and any(rows > 1 for rows, _, _ in verified)
+    for rows, path, layer_calls in verified:
+        assert (path, layer_calls) == ("static-eager", [static.bucket(rows)] * num_layers)
+
+
+def test_expanded_rows_equal_the_prefill_with_context_row(compiled_gguf, monkeypatch):
+    """A row of 1 + k query tokens over a cached context, computed as 1 + k one-token
+    decode rows on the compiled layer (and layer by layer), gives the logits of the eager
+    prefill-with-context row: row j must see the keys and values rows < j write in the same
+    layer (the caches are NaN-filled, so a read of an unwritten slot shows)."""
+    from tests.models.paged import PagedRunner
+
+    config = get_model_config(compiled_gguf[0])
+    model = load_model(compiled_gguf[0], dtype=torch.float32)
+    backend = model.model.layers[0].self_attn.attn.backend
+    prompt, query = [1, 40, 41, 42, 43, 44, 45], [46, 47, 48, 49, 50]  # the last token, then 4 drafts
+    reference = PagedRunner(model, config.num_layers, config.num_kv_heads, config.head_dim)
+    reference.step([(0, prompt)])
+    want = reference.step([(0, query)], all_logits=True)  # [5, vocab]: prefill with context
+    calls = _layer_calls(monkeypatch)
+    for compiled in (True, False):
+        model.model.use_compiled_decode, model.model._compiled = compiled, UNDECIDED
+        runner = PagedRunner(model, config.num_layers, config.num_kv_heads, config.head_dim)
+        runner.step([(0, prompt)])
+        start = len(prompt)
+        table = runner.block_tables[0]
+        rows = DecodeRows(
+            token_ids=query, positions=list(range(start, start + len(query))),
+            seq_lens=list(range(start + 1, start + len(query) + 1)), block_tables=[table] * len(query),
+            slot_mapping=runner._slots(0, start, len(query)), sampled=list(range(len(query))),
+        )  # fmt: skip
+        static = StaticDecode(model, runner.block_size, 1, 64, "cpu", backend, max_num_rows=len(query))
+        calls.clear()
+        with torch.no_grad():
+            got = model.compute_logits(static.forward(rows, runner.kv_caches))  # [5, vocab]
+        assert calls == ([static.bucket(len(query))] * config.num_layers if compiled else [])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 # ---------------------------------------------------------------------------- sampling
