@@ -13,7 +13,10 @@ norms, does not), with silu, no q/k norms and no norm weight offset, on one rank
 the CPU, every projection held by the compiled group-quantized kernel (`quantization: auto` on
 a CPU with AVX-512), and the torch attention backend decoding with its compiled kernel. A step
 runs compiled when it has no prefill token and no padding token and none of its rows uses a
-LoRA adapter (LoRA enabled or not: a LoRA engine's base-only steps run compiled too).
+LoRA adapter (LoRA enabled or not: a LoRA engine's base-only steps run compiled too). A step
+that verifies speculative drafts comes here as one-token rows (worker/static_decode.py
+`expanded_draft_rows`): the layer writes every row's K/V before any row attends, so row j of
+a sequence sees rows < j of the same step.
 """
 
 from __future__ import annotations

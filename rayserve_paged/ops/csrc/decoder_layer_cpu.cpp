@@ -1,6 +1,9 @@
 // One pre-norm decoder layer's decode step on the CPU, in one call: every token of the step
-// is one sequence's next token (no prefill), weights are group-quantized codes in the layout
-// of quant_gemm_cpu.cpp, activations and KV float32.
+// is one row with its own position, slot and sequence length (no prefill), weights are
+// group-quantized codes in the layout of quant_gemm_cpu.cpp, activations and KV float32.
+// Several rows may be one sequence's consecutive tokens over the same block table (a
+// speculative verification, worker/static_decode.py expanded_draft_rows): every row's k, v
+// are written to the caches before any row attends, so row j sees the rows before it.
 //
 //   x, residual [T, hidden] float32, both updated in place (as DecoderLayer.forward returns them):
 //
@@ -162,6 +165,7 @@ int rayserve_decoder_layer_decode_f32(const RspLayer* layer, const RspStep* step
   rms_norm(h.data(), residual, L.input_norm, T, hidden, L.eps);
   if (linear(L.qkv, h.data(), qkv.data(), T, threads)) return 4;
   std::vector<float> query(T * q_size);
+  // every row's k, v into the caches first, then attention over them (see the top)
   for (int64_t t = 0; t < T; ++t) {
     float* row = qkv.data() + t * L.qkv.num_padded_rows;  // [q | k | v]
     rope(row, S.cos + t * d, S.sin + t * d, L.num_heads, d);
