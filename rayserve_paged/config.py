@@ -34,7 +34,8 @@ class SpeculativeDecodingConfig(BaseModel):
         4, ge=1, le=64, description="Longest suffix n-gram looked up, tried first (ngram)."
     )
     disable_by_batch_size: int = Field(
-        4, ge=1, description="No drafts in a step whose running batch holds at least this many sequences."
+        32, ge=1, description="No drafts in a step whose running batch holds at least this many sequences "
+        "(32: measured, docs/benchmarks/27-speculative.md)."
     )
 
     @field_validator("method", mode="before")

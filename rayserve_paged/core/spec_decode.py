@@ -33,8 +33,11 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    # no drafts in a step whose running batch holds at least this many sequences
-    disable_by_batch_size: int = 4
+    # no drafts in a step whose running batch holds at least this many sequences: 32, measured
+    # on the embedded SmolLM2 (docs/benchmarks/27-speculative.md): n-gram drafts still gain
+    # on a high-overlap workload at 32 concurrent, while on ordinary chat they lose at every
+    # batch size and most at 32 (0.67x), so 32 concurrent streams run without them
+    disable_by_batch_size: int = 32
     method: str = NGRAM  # NGRAM: drafts looked up here; DRAFT_MODEL: proposed by the worker
 
     def __post_init__(self) -> None:
