@@ -23,7 +23,7 @@ from rayserve_paged.models.sampler import Sampler
 from rayserve_paged.models.sampler import SamplingBatch
 from rayserve_paged.ops import cpu_layer, quant_cpu
 from rayserve_paged.serve_llm import ENGINE_KWARGS, UNSUPPORTED_ENGINE_KWARGS
-from rayserve_paged.worker.static_decode import DecodeRows, StaticDecode
+from rayserve_paged.worker.static_decode import DecodeRows, StaticDecode, verification_rows
 from tests.engine.test_every_request_ends import BudgetCheck, _assert_idle
 from tests.models.test_gguf import write_gguf
 
@@ -243,6 +243,11 @@ def test_verification_steps_take_the_compiled_cpu_decode_path(compiled_gguf, wor
     on = _check_greedy_with_drafts(model, world, tokenizer=tokenizer)
     num_layers = on.engine.model_config.num_layers
     static = on.engine.executor.worker.runner.static_decode
+    config = on.engine.config
+    # the buckets hold every expanded step: up to disable_by_batch_size - 1 sequences of 1 + k rows, in the budget
+    needed = verification_rows(config.max_num_seqs, on.engine.scheduler.config.max_num_batched_tokens,
+                               SPEC["num_speculative_tokens"], SPEC["disable_by_batch_size"])  # fmt: skip
+    assert static.buckets[-1] >= needed and (world == "roomy" or needed > config.max_num_seqs)
     assert verified and any(rows > 1 for rows, _, _ in verified)
     for rows, path, layer_calls in verified:
         assert (path, layer_calls) == ("static-eager", [static.bucket(rows)] * num_layers)
