@@ -248,10 +248,10 @@ class StaticDecode:
                    verifications expand into one-token rows (verification_rows)
 
     On the CPU a step whose rows verify drafts runs here too, each such row expanded into
-    one-token rows (expanded_draft_rows; `expands_drafts`): on the CPU a step costs about
-    one read of the weights, whatever its few rows, and the decode path (the compiled
-    decoder layer where the model qualifies) is far cheaper than the eager
-    prefill-with-context one. On CUDA verification rows stay on the eager path.
+    one-token rows (expanded_draft_rows; `expands_drafts`): such a step then takes the
+    compiled decoder layer where the model qualifies (one call per layer instead of ~60
+    torch calls), and the compiled paged-decode attention otherwise (docs/benchmarks/
+    27-speculative.md, 27b). On CUDA verification rows stay on the eager path.
     """
 
     def __init__(
