@@ -37,6 +37,10 @@ class SpeculativeDecodingConfig(BaseModel):
         32, ge=1, description="No drafts in a step whose running batch holds at least this many sequences "
         "(32: measured, docs/benchmarks/27-speculative.md)."
     )
+    min_accepted_per_step: float = Field(
+        1.0, ge=0.0, description="A sequence whose last 4 verification steps kept fewer drafts than this on "
+        "average drafts no more for 16 decode steps (doubling, up to 256, while it stays low); 0: never paused."
+    )
 
     @field_validator("method", mode="before")
     @classmethod

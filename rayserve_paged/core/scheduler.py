@@ -41,6 +41,7 @@ from rayserve_paged.core.sequence import KV_CACHE_LIMIT, Sequence, SequenceGroup
 from rayserve_paged.core.spec_decode import (
     DRAFT_MODEL,
     DRAFT_PLACEHOLDER,
+    DraftRecord,
     SpeculativeConfig,
     count_positions,
     propose_ngram,
@@ -465,6 +466,11 @@ class Scheduler:
         ):
             return []
         spec = self.config.speculative
+        record = seq.draft_record
+        if record is None:
+            record = seq.draft_record = DraftRecord()
+        if not record.drafts():  # paused: its recent drafts were mostly rejected
+            return []
         k = min(spec.num_speculative_tokens, spare_tokens, self.config.max_model_len - end - 1)
         if params.max_tokens is not None:
             k = min(k, params.max_tokens - seq.num_output_tokens - 1)
@@ -513,6 +519,8 @@ class Scheduler:
         all but that last token are computed; the blocks of rejected drafts go back. The
         workers' longer table is cut with the sequence's next step: its last kept entry is
         sent again (an update from there replaces everything after it)."""
+        accepted = len(seq.token_ids) - 1 - seq.num_computed_tokens
+        seq.draft_record.verified(accepted, self.config.speculative.min_accepted_per_step)
         seq.num_computed_tokens = len(seq.token_ids) - 1
         table = self.block_manager.roll_back(seq, seq.num_computed_tokens)
         if len(table) < seq.num_blocks_sent:

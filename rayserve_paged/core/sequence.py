@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
 from rayserve_paged.core.lora import LoRARequest
@@ -95,6 +96,27 @@ def json_depth(value: object) -> int:
     return deepest
 
 
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def json_text_depth(text: str) -> int:
+    """How deeply JSON text nests, read off its brackets outside strings (json_depth's count)
+    without parsing: the parser's recursion limit depends on the caller's stack, this does not."""
+    deepest = depth = 0
+    for bracket in _JSON_BRACKET.findall(_JSON_STRING.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _check_schema_depth(depth: int) -> None:
+    if depth > MAX_SCHEMA_DEPTH:
+        raise SamplingParamsError(
+            f"structured_outputs.json: the schema nests {depth} levels deep, past the limit of {MAX_SCHEMA_DEPTH}"
+        )
+
+
 def _without_additional_properties(schema: object) -> object:
     """vLLM's disable_additional_properties: every object schema that does not say
     otherwise gets "additionalProperties": false (on a copy)."""
@@ -153,6 +175,7 @@ class StructuredOutputsParams:
         if self.json is not None:
             schema = self.json
             if isinstance(schema, str):
+                _check_schema_depth(json_text_depth(schema))
                 try:
                     schema = json.loads(schema)
                 except (ValueError, RecursionError) as e:
@@ -160,12 +183,7 @@ class StructuredOutputsParams:
                     raise SamplingParamsError(f"structured_outputs.json: not valid JSON ({why})") from None
             if not isinstance(schema, (dict, bool)):
                 raise SamplingParamsError("structured_outputs.json: a JSON schema is an object or a boolean")
-            depth = json_depth(schema)
-            if depth > MAX_SCHEMA_DEPTH:
-                raise SamplingParamsError(
-                    f"structured_outputs.json: the schema nests {depth} levels deep, past the limit of "
-                    f"{MAX_SCHEMA_DEPTH}"
-                )
+            _check_schema_depth(json_depth(schema))
             if self.disable_additional_properties:
                 schema = _without_additional_properties(schema)
             object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
@@ -413,6 +431,7 @@ class Sequence:
         "stop_reason",
         "num_blocks_sent",
         "is_on_workers",
+        "draft_record",
     )
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int]) -> None:
@@ -430,6 +449,9 @@ class Sequence:
         # whether the workers hold this sequence's state (sent as a new request's first
         # sequence or as a fork, not yet released): the scheduler's bookkeeping
         self.is_on_workers = False
+        # speculative decoding: its recent acceptance (core/spec_decode.py DraftRecord), made
+        # by the scheduler when it first may draft
+        self.draft_record = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -466,6 +488,7 @@ class Sequence:
         child.stop_reason = self.stop_reason
         child.num_blocks_sent = self.num_blocks_sent  # workers fork the parent's table
         child.is_on_workers = False  # until the scheduler sends the fork
+        child.draft_record = None
         return child
 
     def reset_for_recompute(self) -> None:

@@ -39,6 +39,11 @@ class SpeculativeConfig:
     # batch size and most at 32 (0.67x), so 32 concurrent streams run without them
     disable_by_batch_size: int = 32
     method: str = NGRAM  # NGRAM: drafts looked up here; DRAFT_MODEL: proposed by the worker
+    # a sequence whose last WINDOW verification steps kept fewer drafts than this on average
+    # drafts no more for PAUSE decode steps, doubled while it stays low (DraftRecord): a
+    # verification step costs about two plain decodes on the CPU (docs/benchmarks/27), so
+    # fewer than one kept draft per step loses; 0: never paused
+    min_accepted_per_step: float = 1.0
 
     def __post_init__(self) -> None:
         if self.method not in (NGRAM, DRAFT_MODEL):
@@ -50,8 +55,50 @@ class SpeculativeConfig:
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max (got {self.prompt_lookup_min}, "
                 f"{self.prompt_lookup_max})"
             )
+        if self.min_accepted_per_step < 0:
+            raise ValueError(f"min_accepted_per_step must be >= 0 (got {self.min_accepted_per_step})")
         if self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be >= 1 (got {self.disable_by_batch_size})")
+
+
+WINDOW = 4  # verification steps per judgement
+PAUSE = 16  # decode steps without drafts after a low window; doubled per low window in a row
+MAX_PAUSE = 256
+
+
+class DraftRecord:
+    """One sequence's recent acceptance: whether it drafts this step (`drafts`), and what its
+    verification steps kept (`verified`). A window of WINDOW verification steps that kept
+    fewer than `min_accepted` drafts per step on average pauses the sequence's drafts for
+    PAUSE decode steps, then 2 x PAUSE after another low window, up to MAX_PAUSE; a window
+    at or above it ends the doubling. Chat that seldom repeats itself thus stops paying for
+    drafts, and a sequence that turns repetitive later drafts again after its pause."""
+
+    __slots__ = ("steps", "accepted", "pause", "next_pause")
+
+    def __init__(self) -> None:
+        self.steps = 0  # verification steps in the window so far
+        self.accepted = 0  # drafts they kept
+        self.pause = 0  # decode steps left without drafts
+        self.next_pause = PAUSE
+
+    def drafts(self) -> bool:
+        if self.pause:
+            self.pause -= 1
+            return False
+        return True
+
+    def verified(self, accepted: int, min_accepted: float) -> None:
+        self.steps += 1
+        self.accepted += accepted
+        if self.steps < WINDOW:
+            return
+        if self.accepted < min_accepted * self.steps:
+            self.pause = self.next_pause
+            self.next_pause = min(2 * self.next_pause, MAX_PAUSE)
+        else:
+            self.next_pause = PAUSE
+        self.steps = self.accepted = 0
 
 
 def count_positions(counts: list[int], num: int) -> None:

@@ -961,7 +961,7 @@ def _speculative(config: EngineConfig) -> SpeculativeConfig | None:
         return None
     return SpeculativeConfig(
         spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, spec.disable_by_batch_size,
-        spec.method,
+        spec.method, spec.min_accepted_per_step,
     )
 
 

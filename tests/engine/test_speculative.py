@@ -438,3 +438,31 @@ def test_acceptance_per_position_adds_up_and_is_exported(tiny_paths):
         "rayserve_paged_spec_decode_num_draft_tokens_per_position_total": dict(enumerate(drafts)),
         "rayserve_paged_spec_decode_num_accepted_tokens_per_position_total": dict(enumerate(accepted)),
     }
+
+
+def test_a_draft_record_pauses_after_a_low_window_and_doubles_while_it_stays_low():
+    from rayserve_paged.core.spec_decode import MAX_PAUSE, PAUSE, WINDOW, DraftRecord
+
+    def paused_steps(record: DraftRecord) -> int:
+        n = 0
+        while not record.drafts():
+            n += 1
+        return n
+
+    record = DraftRecord()
+    for _ in range(WINDOW - 1):
+        assert record.drafts()
+        record.verified(0, 1.0)
+    assert record.drafts()  # a window is judged only once it is whole
+    record.verified(0, 1.0)
+    assert paused_steps(record) == PAUSE
+    for expected in (2 * PAUSE, 4 * PAUSE, 8 * PAUSE, MAX_PAUSE, MAX_PAUSE):  # low windows in a row
+        for _ in range(WINDOW):
+            record.verified(1, 1.5)  # 1 kept per step, below 1.5
+        assert paused_steps(record) == expected
+    for accepted in (0, 1, 2, 1):  # 4 kept in 4 steps: at the floor, not below it
+        record.verified(accepted, 1.0)
+    assert record.drafts() and record.next_pause == PAUSE  # the doubling ends
+    for _ in range(WINDOW):
+        record.verified(0, 0.0)  # floor 0: never paused
+    assert record.drafts()

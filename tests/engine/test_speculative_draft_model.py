@@ -147,3 +147,33 @@ def test_draft_model_config_errors_are_clear(tiny_paths, tmp_path):
     message = rf"vocabulary \({wide_vocab} tokens\) differs from the target model's \({vocab} tokens\)"
     with pytest.raises(ValueError, match=message):
         LLM(model=tiny_paths["llama"], max_model_len=64, kv_cache_memory_gb=0.01, speculative_config=_spec(str(wide)))
+
+
+def test_a_draft_that_is_mostly_rejected_is_paused_and_a_good_one_is_not(tiny_paths, drafts):
+    """The random 1-layer draft seldom matches the target: after a window of verification
+    steps below min_accepted_per_step its sequences stop drafting (16 decode steps, then 32),
+    with the same greedy tokens; the target as its own draft keeps drafting every step."""
+    from rayserve_paged.core.spec_decode import WINDOW
+
+    k, max_tokens = 3, 80
+    prompt = [7, 8, 9, 10, 11, 12]
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    (expected,) = LLM(model=tiny_paths["llama"], max_model_len=128).generate(
+        prompt_token_ids=[prompt], sampling_params=greedy, use_tqdm=False
+    )
+    counts = {}
+    for name, model, floor in (("layer", drafts["layer"], 1.0), ("unpaused", drafts["layer"], 0.0),
+                               ("self", tiny_paths["llama"], 1.0)):  # fmt: skip
+        llm = LLM(model=tiny_paths["llama"], max_model_len=128,
+                  speculative_config={**_spec(model, k), "min_accepted_per_step": floor})  # fmt: skip
+        (got,) = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy, use_tqdm=False)
+        assert got.outputs[0].token_ids == expected.outputs[0].token_ids, name
+        counters = llm.engine.scheduler.counters
+        counts[name] = (counters.spec_decode_num_draft_tokens, llm.engine.spec_decode_num_accepted_tokens)
+    drafted, accepted = counts["layer"]
+    assert accepted < WINDOW * 1.0, counts  # the first window was low: that is what paused it
+    # at most: a window, a pause of 16, a window, a pause of 32, a window (80 tokens end it)
+    assert WINDOW * k <= drafted <= 3 * WINDOW * k, counts
+    assert counts["unpaused"][0] > 3 * WINDOW * k, counts  # min_accepted_per_step 0: drafts all along
+    drafted, accepted = counts["self"]
+    assert accepted == drafted > max_tokens // 2, counts  # every draft kept: never paused
