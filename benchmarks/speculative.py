@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1", help="comma-separated numbers of requests at once")
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
                         help="the on engine's speculative_config.disable_by_batch_size (default: the engine's)")
+    parser.add_argument("--min-accepted-per-step", type=float, default=None,
+                        help="the on engine's speculative_config.min_accepted_per_step (default: the engine's; "
+                        "0: drafts are never paused)")
     parser.add_argument("--threads", type=int, default=None, help="num_cpu_threads of both engines")
     args = parser.parse_args(argv)
     if args.quick:
@@ -75,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": k}
     if args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
+    if args.min_accepted_per_step is not None:
+        spec["min_accepted_per_step"] = args.min_accepted_per_step
     common = dict(model=args.model, max_model_len=args.max_model_len, max_num_seqs=max(256, *concurrency),
                   kv_cache_memory_gb=0.25 * max(1, max(concurrency) // 8), num_cpu_threads=args.threads)  # fmt: skip
     engines = {"off": LLM(**common), "on": LLM(**common, speculative_config=spec)}

@@ -121,7 +121,7 @@ ENGINE_KWARGS: dict[str, EngineArg] = {
     "speculative_config": EngineArg(
         "speculative_config",
         "method ngram (prompt_lookup_min/max) or draft_model (model; tensor_parallel_size 1), num_speculative_tokens, "
-        "disable_by_batch_size",
+        "disable_by_batch_size, min_accepted_per_step",
     ),
     "scheduling_policy": EngineArg("scheduling_policy", "fcfs or priority (per-request `priority`, lower first)"),
     "pipeline_parallel_size": EngineArg(None, "1 (tensor parallelism only)", _only(1)),
