@@ -64,6 +64,24 @@ def pytest_xdist_make_scheduler(config, log):
     return ByWorkUnit(config, log)
 
 
+def _unique_node_ids(items) -> None:
+    """schemathesis names each operation's item `test[POST /v1/completions]`, but under pytest
+    9.2 the items of one test share the test's node id; xdist keys its work by node id and would
+    run one operation of each such test. Such items get their own names back in their ids."""
+    seen: dict[str, int] = {}
+    for item in items:
+        seen[item.nodeid] = seen.get(item.nodeid, 0) + 1
+    for item in items:
+        if seen[item.nodeid] > 1 and item.parent is not None and not item.nodeid.endswith(item.name):
+            if hasattr(item, "_id"):  # pytest >= 9.2: a structured id
+                item._id = item.parent.id.child(item.name)
+            else:
+                item._nodeid = f"{item.parent.nodeid}::{item.name}"
+    shared = sorted({item.nodeid for item in items if seen.get(item.nodeid, 0) > 1})
+    if len({item.nodeid for item in items}) != len(items):
+        raise pytest.UsageError(f"tests share node ids (the test processes would run one of each): {shared}")
+
+
 def pytest_collection_modifyitems(config, items):
     """The order of the tests: tests/serve first, as the longest work unit (with two test
     processes the other takes every other file beside it), then the files in their order.
@@ -71,6 +89,7 @@ def pytest_collection_modifyitems(config, items):
     RAYSERVE_PAGED_TEST_ORDER=<seed>: the files in a shuffled order and each file's tests
     shuffled too (tests/serve stays first, its files and tests shuffled among themselves),
     to show the suite does not depend on its order. Unset: the files' own order."""
+    _unique_node_ids(items)
     modules: dict[str, list] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
