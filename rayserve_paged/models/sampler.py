@@ -142,14 +142,19 @@ def _mix_seed(seed: int, sample_index: int, output_index: int) -> int:
 DRAFT_SALT = 0x5DEECE66D  # a draft model's draws: a seeded row's generator apart from verification's
 
 
-def _generator(batch: SamplingBatch, row: int, device: torch.device, salt: int = 0) -> torch.Generator | None:
-    """A seeded row's generator for its output index (None: the global one)."""
-    seed = batch.seeds[row]
+def _seeded_generator(seed: int | None, sample_index: int, output_index: int, device: torch.device,
+                      salt: int = 0) -> torch.Generator | None:
+    """A seeded draw's generator for its sample and output index (None: the global one)."""
     if seed is None:
         return None
     gen = torch.Generator(device=device)
-    gen.manual_seed(_mix_seed(seed, batch.sample_indices[row], batch.output_indices[row]) ^ salt)
+    gen.manual_seed(_mix_seed(seed, sample_index, output_index) ^ salt)
     return gen
+
+
+def _generator(batch: SamplingBatch, row: int, device: torch.device, salt: int = 0) -> torch.Generator | None:
+    """A row's generator (None: unseeded, the global one)."""
+    return _seeded_generator(batch.seeds[row], batch.sample_indices[row], batch.output_indices[row], device, salt)
 
 
 def _residual(p: torch.Tensor, draft: int, q: torch.Tensor | None) -> torch.Tensor:
@@ -371,12 +376,7 @@ class Sampler:
         q = torch.empty_like(probs)
         for j, i in enumerate(sampled):
             d = draws[i]
-            if d.seed is None:
-                q[j].exponential_()
-            else:
-                gen = torch.Generator(device=probs.device)
-                gen.manual_seed(_mix_seed(d.seed, d.sample_index, d.output_index))
-                q[j].exponential_(generator=gen)
+            q[j].exponential_(generator=_seeded_generator(d.seed, d.sample_index, d.output_index, probs.device))
         result[s_index] = (probs / q).argmax(dim=-1)
         return result.tolist()
 
