@@ -1,9 +1,11 @@
-"""Running a fleet on the session cluster (tiny models, CPU, fractional CPUs):
+"""Running a fleet on the session cluster (tiny models, CPU, fractional CPUs), deployed as
+`serve deploy` does:
 
-- KV pressure from a few long requests (far below target_ongoing_requests) scales LLMServer
-  1 -> 2 under `autoscaling_policy: kv`; idle, it scales back to 1;
 - one GET /metrics sees both replicas' series;
 - 2 -> 1 while long streams run on both replicas: the removed replica finishes its streams.
+
+(Scaling on KV pressure is in test_kv_autoscaling.py: it deploys through `serve.run`, and an
+imperative deploy drops the apps deployed from a config, so it cannot share this file's app.)
 """
 
 from __future__ import annotations
@@ -16,10 +18,9 @@ import pytest
 import ray
 
 from rayserve_paged import SamplingParams
-from rayserve_paged.app import AppArgs, build_app
 from rayserve_paged.deployments.fleet_metrics import SCHEDULER_NAMESPACE, fleet_scheduler_names
 
-from .test_handles import TINY, _deploy
+from .test_handles import TINY
 
 pytestmark = pytest.mark.ray
 
@@ -44,40 +45,6 @@ def _schedulers(app: str) -> dict[str, object]:
         except ValueError:  # gone since the listing
             pass
     return actors
-
-
-def test_kv_pressure_scales_out_and_idle_scales_back(serve_session):
-    # 16 blocks of 16 tokens: two requests growing to 240 tokens cannot both fit
-    autoscaling = {
-        "min_replicas": 1, "max_replicas": 2, "initial_replicas": 1, "target_ongoing_requests": 16,
-        "upscale_delay_s": 1, "downscale_delay_s": 2, "metrics_interval_s": 1, "look_back_period_s": 2,
-    }  # fmt: skip
-    handle = _deploy(
-        serve_session, "kvscale", autoscaling_config=autoscaling, autoscaling_policy="kv",
-        num_gpu_blocks_override=16, max_model_len=256, graceful_shutdown_timeout_s=5,
-    )  # fmt: skip
-    assert _replica_states(serve_session, "kvscale") == {"RUNNING": 1}
-    long = SamplingParams(temperature=0.0, max_tokens=230, ignore_eos=True)
-    (first,) = _schedulers("kvscale").values()  # the replica under load (a new one loads a while)
-    pending, peak = [], {"kv_usage": 0.0, "num_waiting": 0, "num_preemptions": 0}
-
-    def under_pressure() -> bool:
-        # 4 requests at a time: a quarter of target_ongoing_requests, so only KV pressure scales
-        pending[:] = [r for r in pending if not _done(r)]
-        while len(pending) < 4:
-            pending.append(handle.generate.remote("fill the cache", long))
-        p = ray.get(first.engine_pressure.remote(), timeout=30)
-        peak.update({k: max(peak[k], p[k]) for k in peak})
-        return _replica_states(serve_session, "kvscale").get("RUNNING", 0) == 2
-
-    _wait_for(under_pressure, 240, "a second replica under KV pressure")
-    assert peak["kv_usage"] > 0.85 or peak["num_waiting"] > 0 or peak["num_preemptions"] > 0, peak
-    assert len(_schedulers("kvscale")) == 2  # each replica brought its own engine
-    for r in pending:
-        r.cancel()
-    # idle (no request, an empty cache) for downscale_delay_s: back to one replica
-    _wait_for(lambda: _replica_states(serve_session, "kvscale") == {"RUNNING": 1}, 120, "scale-down to 1")
-    _wait_for(lambda: len(_schedulers("kvscale")) == 1, 60, "the removed replica's engine to stop")
 
 
 def _done(response) -> bool:
@@ -117,12 +84,25 @@ def two_replicas(ray_cluster, serve_port):
     serve.delete("fleet")
 
 
+@pytest.fixture()
+def fleet(two_replicas):
+    """The fleet at 2 replicas, each with its engine: scaled back up when a test before scaled
+    it down (a lightweight update, as `serve deploy` of a new count is)."""
+    from ray import serve
+
+    if _replica_states(serve, "fleet") != {"RUNNING": 2}:
+        _deploy_config(two_replicas, num_replicas=2)
+    _wait_for(lambda: _app_running(serve) and _replica_states(serve, "fleet") == {"RUNNING": 2}
+              and len(_schedulers("fleet")) == 2, 300, "2 replicas with their engines")  # fmt: skip
+    return two_replicas
+
+
 def _app_running(serve, name: str = "fleet") -> bool:
     app = serve.status().applications.get(name)
     return app is not None and app.status == "RUNNING"
 
 
-def test_one_scrape_sees_every_replica(two_replicas, serve_port):
+def test_one_scrape_sees_every_replica(fleet, serve_port):
     from prometheus_client.parser import text_string_to_metric_families
 
     assert len(_schedulers("fleet")) == 2
@@ -135,7 +115,7 @@ def test_one_scrape_sees_every_replica(two_replicas, serve_port):
         assert {s.labels["replica"] for s in families[name].samples} == replicas, name
 
 
-def test_scale_down_lets_the_removed_replica_finish_its_streams(two_replicas, serve_port):
+def test_scale_down_lets_the_removed_replica_finish_its_streams(fleet, serve_port):
     from ray import serve
 
     handle = serve.get_deployment_handle("LLMServer", app_name="fleet")
@@ -160,7 +140,7 @@ def test_scale_down_lets_the_removed_replica_finish_its_streams(two_replicas, se
                 break
             assert time.monotonic() < deadline, stats
             await asyncio.sleep(0.2)
-        _deploy_config(two_replicas, num_replicas=1)
+        _deploy_config(fleet, num_replicas=1)
         await asyncio.to_thread(_wait_for, _draining_or_gone, 120, "a replica to start draining")
         return await asyncio.gather(*tasks)
 

@@ -107,8 +107,8 @@ def _chat_turns(port: int, turns: range, with_decisions: bool) -> dict[tuple[int
     return results
 
 
-def _deploy(serve, name: str, routing: str) -> None:
-    _deploy_config(ARGS | {"routing": routing}, num_replicas=2, name=name)
+def _deploy(serve, name: str, routing: str, **args) -> None:
+    _deploy_config(ARGS | args | {"routing": routing}, num_replicas=2, name=name)
 
     def running() -> bool:
         app = serve.status().applications.get(name)
@@ -118,28 +118,80 @@ def _deploy(serve, name: str, routing: str) -> None:
     _wait_for(running, 300, "2 replicas")
 
 
+class _Routed:
+    """The file's one app, "routed" (2 LLMServer replicas), and what was last done to it. Each
+    test asks for the state it needs: one already there is used as it is (in the file's order
+    each state is made once, by the test before), any other is made again. So every test
+    passes in any order, and in the file's order no app is deployed twice."""
+
+    def __init__(self, serve, port: int):
+        self.serve, self.port = serve, port
+        self.state: str | None = None  # what the deployed app is, and what has run on it
+        self.runs: dict[str, dict] = {}  # the runs' results, kept after the app changes
+
+    def deploy(self, routing: str, state: str, **args) -> None:
+        """A new app (its caches and counters empty) routed by `routing`."""
+        if self.state is not None:
+            self.serve.delete("routed")
+        self.state = None
+        _deploy(self.serve, "routed", routing, **args)
+        self.state = state
+
+    def prefix_run(self, live: bool) -> dict:
+        """Three turns of every conversation under `routing: load` (its own app), then under
+        `routing: prefix`: each turn's cached tokens and routing decision, each replica's
+        prefix-cache hits, and the replica each session stuck to. `live`: the prefix-routed
+        app of that run still serves, its sessions' blocks where the run left them."""
+        if "prefix" not in self.runs or (live and self.state != "prefix run"):
+            self.deploy("load", "load run")
+            load = _chat_turns(self.port, range(1, 4), with_decisions=False)
+            load_hits = sum(_hits_by_replica(self.port).values())
+            self.deploy("prefix", "prefix run")
+            prefix = _chat_turns(self.port, range(1, 4), with_decisions=True)
+            self.runs["prefix"] = {
+                "load": load, "load_hits": load_hits, "prefix": prefix, "hits": _hits_by_replica(self.port),
+                "sessions": {user: prefix[(user, 1)][1][1] for user in range(len(USERS))},
+            }  # fmt: skip
+        return self.runs["prefix"]
+
+    def prefix_app(self) -> None:
+        """A prefix-routed app with 2 replicas (whatever ran on it)."""
+        if self.state not in ("prefix run", "prefix"):
+            self.deploy("prefix", "prefix")
+
+    def adapter_run(self, lora_modules: dict) -> dict:
+        """Two adapters, one device slot per replica, on a new prefix-routed app: 8 requests
+        alternating a0 and a1, each's (adapter, reason, replica) and cached tokens."""
+        if self.state != "adapter run":
+            lora = {"lora_modules": lora_modules["tiny-llama"], "max_loras": 1, "max_lora_rank": 8}
+            self.deploy("prefix", "adapter run", **lora)
+            decisions, cached = [], []
+            for i in range(8):
+                adapter = ("a0", "a1")[i % 2]
+                before = _decisions(self.port)
+                cached.append(_complete(self.port, -1, _tokens(5000 + i, 2 * BLOCK + 1), model=adapter))
+                ((reason, replica),) = (_decisions(self.port) - before).keys()
+                decisions.append((adapter, reason, replica))
+            first = {adapter: replica for adapter, _, replica in decisions[:2]}
+            self.runs["adapters"] = {"decisions": decisions, "cached": cached, "first": first}
+        return self.runs["adapters"]
+
+
 @pytest.fixture(scope="module")
 def routed(ray_cluster, serve_port):
-    """The prefix-routed app with 2 LLMServer replicas (after the load-routed run)."""
     from ray import serve
 
     serve.start(http_options={"host": "127.0.0.1", "port": serve_port})
-    state = {}
-    yield state
-    serve.delete("routed")
+    app = _Routed(serve, serve_port)
+    yield app
+    if app.state is not None:
+        serve.delete("routed")
 
 
 def test_prefix_routing_hits_every_later_turn_and_load_routing_hits_fewer(routed, serve_port):
-    from ray import serve
-
-    _deploy(serve, "routed", "load")
-    load = _chat_turns(serve_port, range(1, 4), with_decisions=False)
-    load_hits = sum(_hits_by_replica(serve_port).values())
-    assert load_hits == sum(cached for cached, _ in load.values())
-    serve.delete("routed")
-
-    _deploy(serve, "routed", "prefix")
-    prefix = _chat_turns(serve_port, range(1, 4), with_decisions=True)
+    run = routed.prefix_run(live=False)
+    load, prefix, hits = run["load"], run["prefix"], run["hits"]
+    assert run["load_hits"] == sum(cached for cached, _ in load.values())
     for (user, turn), (cached, decision) in prefix.items():
         if turn > 1:  # the whole previous prompt, on the replica the session stuck to
             assert cached == len(_prompt(user, turn - 1)), (user, turn)
@@ -151,17 +203,16 @@ def test_prefix_routing_hits_every_later_turn_and_load_routing_hits_fewer(routed
         for user in others:
             assert prefix[(user, 1)] == (len(SYSTEMS[system]), (PREFIX, prefix[(first, 1)][1][1]))
     assert prefix[(0, 1)][1][1] != prefix[(USERS_PER_SYSTEM, 1)][1][1]  # the two systems on two replicas
-    hits = _hits_by_replica(serve_port)
     assert len(hits) == 2
     for replica, n in hits.items():  # each replica's counter: exactly the hits of the requests routed there
         assert n == sum(cached for cached, decision in prefix.values() if decision[1] == replica), replica
-    prefix_hits = sum(hits.values())
-    assert load_hits < prefix_hits
-    routed["sessions"] = {user: prefix[(user, 1)][1][1] for user in range(len(USERS))}
+    assert run["load_hits"] < sum(hits.values())
 
 
 def test_a_replica_past_the_imbalance_threshold_loses_a_prefix_it_holds(routed, serve_port):
-    assert "sessions" in routed, "needs the prefix-routed app of the test before"
+    routed.prefix_app()
+    replicas = {name.rsplit(":", 1)[1] for name in _schedulers("routed")}
+    assert len(replicas) == 2, replicas
     hog = len(USERS)  # a conversation of its own (session "hog", a prefix no one else sends)
     USERS.append(("hog", 0))
     try:
@@ -169,7 +220,7 @@ def test_a_replica_past_the_imbalance_threshold_loses_a_prefix_it_holds(routed, 
         before = _decisions(serve_port)
         _complete(serve_port, hog, prefix + _tokens(100, BLOCK))
         ((_, owner),) = (_decisions(serve_port) - before).keys()
-        other = ({r for _, r in before} - {owner}).pop()
+        (other,) = replicas - {owner}
 
         async def hold(num: int, ready: asyncio.Queue):
             """Stream `num` of the hog session (4 choices of 1990 tokens: seconds on the tiny
@@ -223,8 +274,8 @@ async def _started(ready: asyncio.Queue, streams: set[int]) -> None:
 def test_a_replica_taken_away_mid_run_its_sessions_move_and_finish(routed, serve_port):
     from ray import serve
 
-    assert "sessions" in routed, "needs the prefix-routed app of the first test"
-    sessions = routed["sessions"]
+    sessions = routed.prefix_run(live=True)["sessions"]
+    routed.state = "one replica"
     _deploy_config(ARGS | {"routing": "prefix"}, num_replicas=1, name="routed")
     _wait_for(lambda: _replica_states(serve, "routed") == {"RUNNING": 1}, 120, "one replica left")
     _wait_for(lambda: len(_schedulers("routed")) == 1, 60, "the removed replica's engine to stop")
@@ -247,23 +298,8 @@ def test_adapter_requests_land_on_the_replica_holding_their_adapter(routed, serv
     """Two adapters, one device slot per replica: each adapter's requests all go to one
     replica (counted by the replicas' own LoRA counters), so no slot is ever reloaded; a
     repeated prompt finds its adapter-keyed chain cached there."""
-    from ray import serve
-
-    serve.delete("routed")
-    lora = {"lora_modules": lora_modules["tiny-llama"], "max_loras": 1, "max_lora_rank": 8}
-    _deploy_config(ARGS | lora | {"routing": "prefix"}, num_replicas=2, name="routed")
-    _wait_for(lambda: _app_running(serve, "routed") and _replica_states(serve, "routed") == {"RUNNING": 2}, 300,
-              "2 replicas")  # fmt: skip
-    decisions = []
-    cached = []
-    for i in range(8):
-        adapter = ("a0", "a1")[i % 2]
-        before = _decisions(serve_port)
-        cached.append(_complete(serve_port, -1, _tokens(5000 + i, 2 * BLOCK + 1), model=adapter))
-        ((reason, replica),) = (_decisions(serve_port) - before).keys()
-        decisions.append((adapter, reason, replica))
-    first = {adapter: replica for adapter, _, replica in decisions[:2]}
-    routed["adapter_replicas"] = first
+    run = routed.adapter_run(lora_modules)
+    decisions, cached, first = run["decisions"], run["cached"], run["first"]
     assert first["a0"] != first["a1"]  # a1 went where fewer blocks are cached, not onto a0's slot
     assert [(a, r) for a, r, _ in decisions[:2]] == [("a0", LOAD), ("a1", LOAD)]
     assert decisions[2:] == [(a, ADAPTER, first[a]) for a in ("a0", "a1") * 3]
@@ -280,13 +316,13 @@ def test_adapter_requests_land_on_the_replica_holding_their_adapter(routed, serv
     assert loads == {first["a0"]: 1, first["a1"]: 1}
 
 
-def test_a_hot_adapter_spreads_to_a_second_replica_past_the_threshold(routed, serve_port):
-    """The adapter app of the test before: a0's replica holds three long a0 streams (past
-    routing_imbalance_threshold 2 against the idle replica): the next a0 request goes to the
-    other replica, which loads a0 into its slot; every request succeeds."""
-    assert "adapter_replicas" in routed, "needs the adapter app of the test before"
-    holder = routed["adapter_replicas"]["a0"]
-    other = routed["adapter_replicas"]["a1"]
+def test_a_hot_adapter_spreads_to_a_second_replica_past_the_threshold(routed, serve_port, lora_modules):
+    """The adapter app (of the test before, in the file's order): a0's replica holds three
+    long a0 streams (past routing_imbalance_threshold 2 against the idle replica): the next a0
+    request goes to the other replica, which loads a0 into its slot; every request succeeds."""
+    first = routed.adapter_run(lora_modules)["first"]
+    routed.state = "adapter spread"
+    holder, other = first["a0"], first["a1"]
 
     async def hold(ready: asyncio.Queue):
         body = {"model": "a0", "prompt": _tokens(777, 8), "max_tokens": 1990, "n": 4, "ignore_eos": True,
