@@ -184,7 +184,7 @@ def routed(ray_cluster, serve_port):
     serve.start(http_options={"host": "127.0.0.1", "port": serve_port})
     app = _Routed(serve, serve_port)
     yield app
-    if app.state is not None:
+    if "routed" in serve.status().applications:  # also after a deploy that failed
         serve.delete("routed")
 
 
