@@ -147,7 +147,7 @@ async def test_a_text_the_tokenizer_cannot_encode_is_a_400_naming_the_field(http
     ):
         assert_openai_error(await http.post(route, json=body), 400, param, "cannot be tokenized")
     await _still_serving(http)
-    stream = await http.post("/v1/completions", json={**OK, "stream": True})
+    stream = await http.post("/v1/completions", json={**OK, "stream": True, "ignore_eos": True})
     assert parse_sse(stream)[-1]["choices"][0]["finish_reason"] == "length"
 
 
