@@ -84,17 +84,23 @@ PRESSURE = dict(max_model_len=128, num_gpu_blocks_override=12, max_num_batched_t
 
 
 def _pressure_workload():
+    """(workload, the greedy params): the first request holds up to 7 of PRESSURE's 12 blocks
+    for 100 steps, so the requests behind it overflow the cache however far apart the
+    handle's router lets them in (a busy replica answers its queue-length probes late)."""
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    hold = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     samples = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=20, ignore_eos=True)
     beams = SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=12)
     # the engine's token bitmasks reach rank 0 through every transport
     constrained = SamplingParams(n=2, temperature=0.8, seed=9, max_tokens=20,
                                  structured_outputs={"regex": "[a-z]{2,4}( [a-z]{2,5})*"})  # fmt: skip
-    return [(p, greedy) for p in PROMPTS + ["One more prompt", "And the last one"]] + [
+    workload = [("A long answer holds most blocks", hold)]
+    workload += [(p, greedy) for p in PROMPTS + ["One more prompt", "And the last one"]] + [
         ("Parallel samples share a prompt", samples),
         ("Beam candidates share blocks", beams),
         ("Constrained to a regex", constrained),
     ]
+    return workload, greedy
 
 
 def _tokens(out) -> list[list[int]]:
@@ -140,11 +146,10 @@ def test_executors_equal_the_offline_engine_under_preemption(serve_session, lora
     HF's generate, and HF + PeftModel's), for each way the scheduler drives its ranks."""
     from rayserve_paged import LLM
 
-    workload = _pressure_workload()
+    workload, greedy = _pressure_workload()
     model = overrides.get("model", "tiny-llama")
     lora = dict(lora_modules=lora_modules[model], max_loras=1, max_lora_rank=8)
     offline = LLM(model=model, device="cpu", max_model_len=128, kv_cache_memory_gb=0.05, **lora)
-    greedy = workload[0][1]
     expected = [_tokens(o) for o in offline.generate(
         [p for p, _ in workload] + [p for p, _ in LORA_REQUESTS], [s for _, s in workload] + [greedy] * len(LORA_REQUESTS),
         lora_request=[None] * len(workload) + [offline.engine.loras[n] for _, n in LORA_REQUESTS], use_tqdm=False,
