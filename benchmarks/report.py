@@ -102,25 +102,36 @@ def plot_throughput(record: dict, path: str) -> None:
 def plot_serving(record: dict, path: str) -> None:
     from benchmarks.serving import plot
 
-    plot(record["runs"], path)
+    plot(record["runs"], path, provenance(record))
+
+
+SMOLLM2_SYSTEMS = (("serve_auto", "rayserve-paged, 4-bit"), ("serve_none", "rayserve-paged, float32"),
+                   ("llama_server", "llama-server, same GGUF"))  # fmt: skip
+
+
+def smollm2_bars(record: dict) -> list[tuple[str, dict[str, float]]]:
+    """(label, {"single": tok/s, "concurrent": tok/s}) of each system the quantized record
+    measured over HTTP; the record's figures are under "results" (`write_record`)."""
+    results = record["results"]
+    return [(label, {phase: results[key][phase]["tokens_per_s"] for phase in ("single", "concurrent")})
+            for key, label in SMOLLM2_SYSTEMS if "single" in results.get(key, {})]  # fmt: skip
 
 
 def plot_smollm2(record: dict, path: str) -> None:
     plt = _pyplot()
-    systems = [("serve_auto", "rayserve-paged, 4-bit"), ("serve_none", "rayserve-paged, float32"),
-               ("llama_server", "llama-server, same GGUF")]  # fmt: skip
-    present = [(key, label) for key, label in systems if "single" in record.get(key, {})]
+    bars = smollm2_bars(record)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, phase, title in ((axes[0], "single", "one stream"), (axes[1], "concurrent", "concurrent chats")):
-        values = [record[key][phase]["tokens_per_s"] for key, _ in present]
-        ax.bar([label for _, label in present], values)
+        values = [figures[phase] for _, figures in bars]
+        ax.bar([label for label, _ in bars], values)
         for x, v in enumerate(values):
             ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=9)
         ax.set_ylabel("output tokens/s")
-        ax.set_title(f"{title} ({record.get('num_requests', '?')} chats)" if phase == "concurrent" else title)
+        chats = record["results"].get("num_requests", "?")
+        ax.set_title(f"{title} ({chats} chats)" if phase == "concurrent" else title)
         ax.tick_params(axis="x", labelrotation=10)
         ax.grid(axis="y", alpha=0.3)
-    _save(fig, record, f"SmolLM2-135M-Instruct over HTTP, {record.get('threads', '?')} thread(s)", path)
+    _save(fig, record, f"SmolLM2-135M-Instruct over HTTP, {record['results'].get('threads', '?')} thread(s)", path)
 
 
 def plot_routing(records: list[dict], path: str) -> None:
@@ -133,6 +144,8 @@ def plot_routing(records: list[dict], path: str) -> None:
             points.setdefault(run["routing"], []).append((replicas, run["fleet_hit_rate"]))
     for routing, xy in sorted(points.items()):
         ax.plot(*zip(*sorted(xy)), "-o", label=f"routing: {routing}")
+    replicas = sorted({x for xy in points.values() for x, _ in xy})
+    ax.set_xticks(replicas, [str(r) for r in replicas])
     ax.set_xlabel("replicas")
     ax.set_ylabel("fleet prefix-cache hit rate")
     ax.set_ylim(0, 1)

@@ -786,7 +786,8 @@ def _load(loadavg: list[float]) -> str:
     return "/".join(f"{x:.2f}" for x in loadavg)
 
 
-def plot(runs: list[dict], path: str) -> None:
+def plot(runs: list[dict], path: str, provenance: str | None = None) -> None:
+    """Latency percentiles over request rate; `provenance` (commit and machine) under the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -809,7 +810,8 @@ def plot(runs: list[dict], path: str) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("rayserve-paged over HTTP: latency against request rate (streamed /v1/completions)")
+    title = "rayserve-paged over HTTP: latency against request rate (streamed /v1/completions)"
+    fig.suptitle(f"{title}\n({provenance})" if provenance else title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
