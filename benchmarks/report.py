@@ -119,7 +119,7 @@ def smollm2_bars(record: dict) -> list[tuple[str, dict[str, float]]]:
 
 def plot_smollm2(record: dict, path: str) -> None:
     plt = _pyplot()
-    bars = smollm2_bars(record)
+    bars, results = smollm2_bars(record), record["results"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, phase, title in ((axes[0], "single", "one stream"), (axes[1], "concurrent", "concurrent chats")):
         values = [figures[phase] for _, figures in bars]
@@ -127,11 +127,10 @@ def plot_smollm2(record: dict, path: str) -> None:
         for x, v in enumerate(values):
             ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=9)
         ax.set_ylabel("output tokens/s")
-        chats = record["results"].get("num_requests", "?")
-        ax.set_title(f"{title} ({chats} chats)" if phase == "concurrent" else title)
+        ax.set_title(f"{title} ({results.get('num_requests', '?')} chats)" if phase == "concurrent" else title)
         ax.tick_params(axis="x", labelrotation=10)
         ax.grid(axis="y", alpha=0.3)
-    _save(fig, record, f"SmolLM2-135M-Instruct over HTTP, {record['results'].get('threads', '?')} thread(s)", path)
+    _save(fig, record, f"SmolLM2-135M-Instruct over HTTP, {results.get('threads', '?')} thread(s)", path)
 
 
 def plot_routing(records: list[dict], path: str) -> None:
